@@ -1,0 +1,53 @@
+"""Reference paged attention: plain torch, one sequence at a time. The oracle for faster kernels."""
+from __future__ import annotations
+
+import torch
+
+from pagedlm.attention.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots in the paged cache
+    ([num_blocks, block_size, kv_heads, head_dim])."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence, gathered from its blocks: [seq_len, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float,
+                              sliding_window: int | None = None) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim].
+
+    Query token j of a sequence sits at position `seq_len - query_len + j` and attends to every cached
+    position <= its own (and, with a sliding window, > its own - window). Math in float32.
+    """
+    num_heads = q.shape[1]
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.query_lens_list)):
+        qi = q[starts[i]:starts[i] + q_len].float()  # [q, H, D]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len).float()  # [S, KVH, D]
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len).float()
+        qi = qi.view(q_len, kv_heads, group, -1)
+        scores = torch.einsum("qhgd,shd->hgqs", qi, k) * scale  # [KVH, G, q, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        o = torch.einsum("hgqs,shd->qhgd", probs, v).reshape(q_len, num_heads, -1)
+        out[starts[i]:starts[i] + q_len] = o.to(q.dtype)
+    return out

@@ -1,0 +1,124 @@
+"""`pagedlm serve | generate | memory | pull`."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model name (e.g. smollm2-135m), .gguf file or HF directory")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--swap-space", default="1GiB")
+    p.add_argument("--attention-backend", default="auto")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    from pagedlm.model.registry import DEFAULT_MODEL
+    return dict(model=args.model or DEFAULT_MODEL, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
+                swap_space=args.swap_space, attention_backend=args.attention_backend)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from pagedlm.model.registry import pull
+    print(pull(args.name))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedlm import LLM, SamplingParams
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outs[0].outputs[0].text)
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+
+    from pagedlm.config import ModelConfig, parse_bytes, parse_dtype
+    from pagedlm.kvcache.kv_cache import KVCacheSpec
+    from pagedlm.kvcache.memory import MemoryReport
+    from pagedlm.model.loader import load_hf_config
+    from pagedlm.model.registry import DEFAULT_MODEL, resolve_model
+
+    target = args.model or DEFAULT_MODEL
+    path = Path(target)
+    if path.is_file() and path.suffix == ".json":
+        hf = json.loads(path.read_text())
+    else:
+        hf = load_hf_config(resolve_model(target))
+    cfg = ModelConfig.from_hf(hf)
+    dtype = parse_dtype(args.dtype)
+    spec = KVCacheSpec.for_model(cfg, args.block_size, dtype)
+    budget = parse_bytes(args.kv_cache_memory or "2GiB")
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    report = MemoryReport.build(cfg, spec, spec.num_blocks_for(budget), 0, max_len)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedlm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("pull", help="fetch a model into the local cache")
+    p.add_argument("name")
+    p.set_defaults(fn=cmd_pull)
+
+    p = sub.add_parser("generate", help="complete one prompt")
+    p.add_argument("prompt")
+    _engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("memory", help="KV cache arithmetic for a model or an HF config.json")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_memory)
+
+    try:
+        from pagedlm.server.cli import add_serve_parser
+        add_serve_parser(sub, _engine_args, engine_kwargs)
+    except ImportError:
+        pass
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

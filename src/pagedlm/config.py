@@ -1,0 +1,148 @@
+"""Model and engine configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return default_dtype()
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}.")
+    return DTYPES[dtype]
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 where the hardware runs it natively (CUDA, CPUs with AVX512-BF16/AMX), else fp32."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the runtime needs, read from an HF-style config dict."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"Unsupported model_type {model_type!r}: pagedlm runs LLaMA-family models.")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. Defaults follow vLLM where it has the same knob."""
+
+    model: str = "smollm2-135m"
+    dtype: str | torch.dtype = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | float | str | None = None  # bytes, or "2GiB"; None -> default budget
+    num_kv_blocks: int | None = None
+    swap_space: int | float | str = "1GiB"  # host memory for swapped-out blocks
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+    scheduling_policy: str = "fcfs"  # or "priority"
+    watermark: float = 0.01
+    seed: int = 0
+    attention_backend: str = "auto"  # "reference" | "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """`2GiB`, `512MiB`, `1e9` or a plain number of bytes. Plain numbers below 1024 are GiB (vLLM style)."""
+    if isinstance(value, (int, float)):
+        return int(value * 2**30) if value < 1024 else int(value)
+    s = value.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"Cannot parse a memory size from {value!r} (use e.g. '2GiB', '512MiB' or bytes).")
+    n = float(num)
+    return int(n * 2**30) if unit == "" and n < 1024 else int(n * _UNITS[unit])

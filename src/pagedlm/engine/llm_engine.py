@@ -1,0 +1,300 @@
+"""The engine loop: schedule -> build the flat batch -> forward -> sample -> append / stop / free."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import Iterable
+
+import torch
+
+from pagedlm.config import EngineConfig, parse_bytes, parse_dtype
+from pagedlm.engine.model_runner import Chunk, ModelRunner
+from pagedlm.engine.scheduler import ScheduledSeq, Scheduler
+from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedlm.kvcache.block_manager import BlockManager
+from pagedlm.kvcache.memory import MemoryReport
+from pagedlm.model.registry import resolve_model
+from pagedlm.model.tokenizer import load_tokenizer
+from pagedlm.outputs import Logprob, RequestOutput
+from pagedlm.sampling.detokenizer import IncrementalDetokenizer, find_stop
+from pagedlm.sampling.params import SamplingParams
+from pagedlm.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.dtype = parse_dtype(config.dtype)
+        path = resolve_model(config.model)
+        self.model_path = path
+        self.tokenizer = load_tokenizer(path)
+        self.runner = ModelRunner(config, path, self.dtype)
+        self.model_config = self.runner.model_config
+        spec = self.runner.kv_spec
+
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = parse_bytes(config.kv_cache_memory) if config.kv_cache_memory is not None else None
+            if budget is None:
+                budget = DEFAULT_KV_CACHE_MEMORY
+                if self.runner.device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(self.runner.device)
+                    budget = int(free * 0.8)
+            num_blocks = spec.num_blocks_for(budget)
+        if num_blocks < 1:
+            raise ValueError("The KV cache budget holds no block; raise kv_cache_memory or num_kv_blocks.")
+        num_cpu_blocks = spec.num_blocks_for(parse_bytes(config.swap_space)) if config.preemption_mode == "swap" else 0
+        self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark)
+        self.scheduler = Scheduler(config, self.block_manager)
+
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
+                             f"{self.model_config.max_position_embeddings}.")
+        capacity = num_blocks * config.block_size
+        if max_len > capacity:
+            logger.warning("max_model_len %d exceeds the KV cache capacity (%d tokens); capping it.", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.memory_report = MemoryReport.build(self.model_config, spec, num_blocks, num_cpu_blocks, max_len)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._requests: dict[str, Request] = {}
+        logger.info("%s", self.memory_report.format())
+
+    @classmethod
+    def from_args(cls, model: str = "smollm2-135m", **kwargs) -> "LLMEngine":
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"Unknown engine arguments: {sorted(unknown)}")
+        return cls(EngineConfig(model=model, **kwargs))
+
+    # --- requests --------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validate and queue a request. Raises ValueError (nothing queued) on bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"Prompt token ids must be integers in [0, {vocab}).")
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"The prompt has {len(token_ids)} tokens; this model's maximum context length is "
+                             f"{self.max_model_len} tokens, including at least one generated token.")
+        req = Request(request_id, text, token_ids, params, priority=priority,
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        req.seqs.append(self._new_seq(req, 0))
+        self._requests[request_id] = req
+        self.scheduler.add_request(req)
+
+    def _new_seq(self, req: Request, index: int) -> Sequence:
+        params = req.params
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed + index)
+        seq = Sequence(list(req.prompt_token_ids), index=index, generator=gen)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids, params.skip_special_tokens)
+        return seq
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if self.scheduler.abort_request(rid) is not None:
+                self._requests.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # --- the step ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        kv = self.runner.kv_cache
+        kv.swap_out(sched.blocks_to_swap_out)
+        kv.swap_in(sched.blocks_to_swap_in)
+        kv.copy_blocks(sched.blocks_to_copy)
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+
+        chunks, logits_idx, rows = [], [], []  # rows: (ScheduledSeq, index into logits, kind)
+        offset = 0
+        for s in sched.scheduled:
+            start = s.seq.num_computed_tokens
+            chunks.append(Chunk(s.seq.token_slice(start, start + s.num_new_tokens), start,
+                                self.block_manager.get_block_table(s.seq)))
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+                self.prompt_tokens_total += len(s.request.prompt_token_ids)
+            if s.request.wants_prompt_logprobs and start < len(s.request.prompt_token_ids):
+                first = max(start, len(s.request.prompt_logprobs) - 1 if s.request.prompt_logprobs else 0)
+                end = min(start + s.num_new_tokens, len(s.request.prompt_token_ids) - 1)
+                if end > first:
+                    rows.append((s, len(logits_idx), "prompt", first, end))
+                    logits_idx.extend(range(offset + first - start, offset + end - start))
+            if s.completes:
+                rows.append((s, len(logits_idx), "sample", 0, 0))
+                logits_idx.append(offset + s.num_new_tokens - 1)
+            offset += s.num_new_tokens
+
+        logits = self.runner.execute(chunks, logits_idx)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+
+        self._record_prompt_logprobs(rows, logits)
+        touched = self._sample(rows, logits)
+        return self._finish_step(touched)
+
+    def _record_prompt_logprobs(self, rows, logits: torch.Tensor) -> None:
+        for s, i, kind, first, end in rows:
+            if kind != "prompt":
+                continue
+            req = s.request
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            targets = req.prompt_token_ids[first + 1:end + 1]
+            entries = prompt_logprobs(logits[i:i + end - first], targets, req.params.prompt_logprobs)
+            req.prompt_logprobs.extend(self._decode_logprobs(e) for e in entries)
+
+    def _sample(self, rows, logits: torch.Tensor) -> dict[str, Request]:
+        sample_rows: list[SamplingRow] = []
+        targets: list[tuple[Request, Sequence]] = []
+        index: list[int] = []
+        for s, i, kind, _, _ in rows:
+            if kind != "sample":
+                continue
+            req = s.request
+            seqs = [s.seq]
+            if not req.forked:
+                req.forked = True
+                for k in range(1, req.params.n):
+                    child = self._new_seq(req, k)
+                    child.num_computed_tokens = s.seq.num_computed_tokens
+                    child.status = SequenceStatus.RUNNING
+                    self.block_manager.fork(s.seq, child)
+                    req.seqs.append(child)
+                    seqs.append(child)
+            for seq in seqs:
+                sample_rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator))
+                targets.append((req, seq))
+                index.append(i)
+        touched: dict[str, Request] = {}
+        if not sample_rows:
+            return touched
+        out = self.sampler(logits[index], sample_rows)
+        now = time.monotonic()
+        for k, (req, seq) in enumerate(targets):
+            token = out.token_ids[k]
+            seq.output_token_ids.append(token)
+            seq.cumulative_logprob += out.logprobs[k]
+            if out.top_logprobs[k] is not None:
+                seq.logprobs.append(self._decode_logprobs(out.top_logprobs[k]))
+            self.generation_tokens_total += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            self._check_stop(req, seq, token)
+            touched[req.request_id] = req
+        return touched
+
+    def _decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        for tid, lp in entry.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+        return entry
+
+    def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
+        params = req.params
+        delta = seq.detokenizer.append(token)
+        seq.output_text = seq.detokenizer.text
+        n_out = len(seq.output_token_ids)
+        status = None
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif token in params.stop_token_ids:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+            elif params.stop and delta:
+                hit = find_stop(seq.output_text, len(delta), params.stop, params.include_stop_str_in_output)
+                if hit is not None:
+                    seq.output_text, seq.stop_reason = hit
+                    status = SequenceStatus.FINISHED_STOPPED
+        if status is None and ((params.max_tokens is not None and n_out >= params.max_tokens)
+                               or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            if seq.stop_reason is None or isinstance(seq.stop_reason, int):
+                seq.detokenizer.flush()
+                seq.output_text = seq.detokenizer.text
+            seq.status = status
+            self.scheduler.finish_seq(seq)
+
+    def _finish_step(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for req in touched.values():
+            done = req.finished
+            if done:
+                req.metrics.finished_time = now
+                self._requests.pop(req.request_id, None)
+            outputs.append(self._request_output(req, done))
+        self.scheduler.remove_finished()
+        return outputs
+
+    def _request_output(self, req: Request, finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[s.to_output() for s in sorted(req.seqs, key=lambda s: s.index)], finished=finished,
+            prompt_logprobs=(req.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,
+            metrics=req.metrics)
+
+    def abort_output(self, request_id: str) -> RequestOutput | None:
+        """Abort and return the request's final output (finish_reason 'abort'), or None if unknown."""
+        req = self.scheduler.abort_request(request_id)
+        if req is None:
+            return None
+        self._requests.pop(request_id, None)
+        return self._request_output(req, True)
+
+    def get_stats(self) -> EngineStats:
+        sch = self.scheduler
+        bm = self.block_manager
+        return EngineStats(
+            num_running=sum(len(r.live_seqs) for r in sch.running), num_waiting=len(sch.waiting),
+            num_swapped=len(sch.swapped), kv_cache_usage=bm.usage(), num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_total_blocks, num_preemptions=sch.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)

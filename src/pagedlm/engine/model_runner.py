@@ -1,0 +1,85 @@
+"""Turns a scheduled batch into tensors and runs the model. Knows tensors, not requests."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedlm.attention import AttentionMetadata, get_attention_backend
+from pagedlm.config import EngineConfig, ModelConfig
+from pagedlm.kvcache.kv_cache import KVCache, KVCacheSpec
+from pagedlm.model import load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Chunk:
+    """Tokens `start .. start+len(token_ids)` of one sequence, whose K/V live in `block_table`."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = dtype
+        self.model, self.model_config = load_model(model_path, dtype, self.device)
+        self.attn_fn = get_attention_backend(config.attention_backend)
+        self.block_size = config.block_size
+        self.kv_cache: KVCache | None = None
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        return KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, num_cpu_blocks, self.device)
+        self.layer_caches = self.kv_cache.layer_caches()
+
+    def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        seq_lens = starts + q_lens
+        cu = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        total = int(cu[-1])
+        # positions: start of each chunk + offset within it
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], q_lens)
+        positions = np.repeat(starts, q_lens) + offsets
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_table)] = c.block_table
+        seq_idx = np.repeat(np.arange(len(chunks)), q_lens)
+        slots = tables[seq_idx, positions // bs] * bs + positions % bs
+        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev, torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+            query_start_loc=torch.from_numpy(cu).to(dev, torch.int32),
+            seq_lens_list=seq_lens.tolist(),
+            query_lens_list=q_lens.tolist(),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+        )
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[Chunk], logits_indices: list[int]) -> torch.Tensor:
+        """Run one forward pass; returns float32 logits for the flat token positions in `logits_indices`."""
+        input_ids, positions, meta = self.prepare(chunks)
+        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids, positions, self.layer_caches, meta, self.attn_fn, idx)
+        return logits.float()

@@ -1,0 +1,192 @@
+"""Iteration-level scheduler: decides, every step, which sequences run and how many tokens each computes.
+
+Each step first serves running requests (decode tokens, or the next chunk of a prompt still being
+prefilled), then swapped-out ones, then waiting ones, all under one token budget. When the KV cache has
+no room for a running sequence's next tokens, the lowest-priority running request is preempted (recompute:
+its blocks are freed and it is prefilled again later; swap: its blocks move to host memory).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedlm.config import EngineConfig
+from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedlm.kvcache.block_manager import BlockManager
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """This chunk reaches the end of the sequence's tokens, so a new token is sampled after it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.num_preemptions = 0
+
+    # --- queue management ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove the request wherever it is and free its blocks; returns it, or None if unknown."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    for seq in req.seqs:
+                        if not seq.status.finished:
+                            seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq)
+                    return req
+        return None
+
+    def finish_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def remove_finished(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.live_seqs) for r in self.running)
+
+    def _order(self, reqs) -> list[Request]:
+        if self.config.scheduling_policy == "priority":
+            return sorted(reqs, key=lambda r: (r.priority, r.arrival_time))
+        return list(reqs)
+
+    # --- the step ----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Running requests, highest priority first; preempt from the back when blocks run out.
+        queue = self._order(self.running)
+        kept: list[Request] = []
+        while queue:
+            req = queue.pop(0)
+            seqs, nums, budget = self._chunk(req, budget)
+            if not seqs:
+                kept.append(req)
+                continue
+            while not bm.can_append_slots(seqs, nums):
+                victim = queue.pop() if queue else req
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                for seq, n in zip(seqs, nums):
+                    out.blocks_to_copy += bm.append_slots(seq, n)
+                    out.scheduled.append(ScheduledSeq(req, seq, n))
+                kept.append(req)
+                continue
+            budget += sum(nums)  # req itself was preempted
+        self.running = kept
+
+        if out.preempted:
+            return out
+
+        # 2. Swapped-out requests come back before new ones start.
+        for req in self._order(self.swapped):
+            if budget <= 0 or self.num_running_seqs + len(req.live_seqs) > self.config.max_num_seqs:
+                break
+            seqs, nums, new_budget = self._chunk(req, budget)
+            if not seqs or len(seqs) < len(req.live_seqs) or not bm.can_swap_in(req.live_seqs, nums):
+                break
+            budget = new_budget
+            out.blocks_to_swap_in += bm.swap_in(req.live_seqs)
+            for seq, n in zip(seqs, nums):
+                seq.status = SequenceStatus.RUNNING
+                out.blocks_to_copy += bm.append_slots(seq, n)
+                out.scheduled.append(ScheduledSeq(req, seq, n))
+            self.swapped.remove(req)
+            self.running.append(req)
+        if self.swapped:
+            return out
+
+        # 3. Waiting requests start (or restart after recompute), chunked under the budget.
+        if self.config.scheduling_policy == "priority":
+            self.waiting = deque(self._order(self.waiting))
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if self.num_running_seqs + len(req.live_seqs) > self.config.max_num_seqs:
+                break
+            seqs, nums, new_budget = self._chunk(req, budget)
+            if not seqs:
+                break
+            if not self.config.enable_chunked_prefill and any(
+                    n < s.num_uncomputed_tokens for s, n in zip(seqs, nums)):
+                break
+            if not bm.can_allocate(seqs, nums):
+                break
+            budget = new_budget
+            self.waiting.popleft()
+            for seq, n in zip(seqs, nums):
+                seq.status = SequenceStatus.RUNNING
+                out.blocks_to_copy += bm.allocate(seq, n)
+                out.scheduled.append(ScheduledSeq(req, seq, n))
+            self.running.append(req)
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> tuple[list[Sequence], list[int], int]:
+        """How many tokens each live sequence of `req` computes this step, within the budget."""
+        seqs, nums = [], []
+        for seq in req.live_seqs:
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n <= 0:
+                continue
+            seqs.append(seq)
+            nums.append(n)
+            budget -= n
+        return seqs, nums, budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        req.metrics.num_preemptions += 1
+        out.preempted.append(req)
+        live = req.live_seqs
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(live):
+            out.blocks_to_swap_out += self.block_manager.swap_out(live)
+            for seq in live:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(req)
+            self.swapped.sort(key=lambda r: r.arrival_time)
+            return
+        for seq in live:
+            self.block_manager.free(seq)
+            seq.reset_for_recompute()
+        self.waiting.appendleft(req)

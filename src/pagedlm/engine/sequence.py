@@ -1,0 +1,114 @@
+"""Request and sequence state. A request (vLLM's sequence group) owns one sequence per sample."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics
+from pagedlm.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                SequenceStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream. `num_computed_tokens` of its tokens have K/V in the cache."""
+
+    prompt_token_ids: list[int]
+    index: int = 0  # sample index within its request
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    detokenizer: object | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.output_text, token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob, logprobs=list(self.logprobs) if self.logprobs else None,
+            finish_reason=self.status.finish_reason, stop_reason=self.stop_reason)
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and its sampling parameters; starts with one sequence and forks to `n` after prefill."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids))

@@ -1,0 +1,97 @@
+"""Tokenizer: a thin wrapper over a Hugging Face fast tokenizer, loaded from an HF dir or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedlm.model.loader import load_hf_config
+
+__all__ = ["Tokenizer", "load_tokenizer"]
+
+
+def _ids(value: int | Iterable[int] | None) -> set[int]:
+    if value is None:
+        return set()
+    return {int(value)} if isinstance(value, int) else {int(v) for v in value}
+
+
+class Tokenizer:
+    """Token ids are exactly those of the wrapped HF tokenizer `hf`."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Iterable[int] = ()) -> None:
+        self.hf = hf
+        self.eos_token_ids: set[int] = _ids(eos_token_ids) | _ids(hf.eos_token_id)
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.vocab_size: int = len(hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}]) to a prompt string (not tokenized)."""
+        if not self.has_chat_template:
+            raise ValueError(
+                f"this model's tokenizer ({self.hf.name_or_path}) has no chat template; "
+                "send a plain text prompt instead of chat messages"
+            )
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """Tokenizer for a model path from `registry.resolve_model`.
+
+    For a GGUF file, the vocabulary converted by transformers is cached next to it in
+    `<file>.tokenizer/` (written atomically, rebuilt if the GGUF changes).
+    """
+    path = Path(path)
+    eos = _ids(load_hf_config(path)["eos_token_id"])
+    if path.is_dir():
+        gen = path / "generation_config.json"
+        if gen.is_file():
+            eos |= _ids(json.loads(gen.read_text()).get("eos_token_id"))
+        return Tokenizer(AutoTokenizer.from_pretrained(path), eos)
+    return Tokenizer(_gguf_tokenizer(path), eos)
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    st = path.stat()
+    stamp = {"source": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    cached = path.with_name(path.name + ".tokenizer")
+    stamp_file = cached / "pagedlm_source.json"
+    try:
+        if json.loads(stamp_file.read_text()) == stamp:
+            return AutoTokenizer.from_pretrained(cached)
+    except (OSError, ValueError):
+        pass
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{cached.name}."))
+    except OSError:
+        return hf
+    try:
+        hf.save_pretrained(tmp)
+        (tmp / "pagedlm_source.json").write_text(json.dumps(stamp))
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return hf

@@ -1,0 +1,86 @@
+"""Incremental detokenization (vLLM / HF TextStreamer style) and stop-string matching."""
+from __future__ import annotations
+
+from typing import Any
+
+_PROMPT_CONTEXT = 5  # prompt tokens decoded as context before the first output token
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Only a short window of tokens is re-decoded per step: `prefix_offset:read_offset` is text already
+    emitted (context for space/merge rules), `read_offset:` is new. Text ending in U+FFFD (an incomplete
+    UTF-8 char) is held back until the next token completes it; `flush()` releases whatever is still held.
+    Concatenated deltas (plus `flush()`) equal `tokenizer.decode(output_ids, skip_special_tokens=...)`
+    for byte-level BPE tokenizers.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # Two extra tokens in case some of the context tokens are skipped special tokens.
+        self.tokens = self._to_tokens(prompt_token_ids[-_PROMPT_CONTEXT - 2 :])
+        self.read_offset = len(self.tokens)
+        self.prefix_offset = max(self.read_offset - _PROMPT_CONTEXT, 0)
+        self.text = ""
+
+    def _to_tokens(self, ids: list[int]) -> list[str]:
+        toks = self.tokenizer.convert_ids_to_tokens(list(ids), skip_special_tokens=self.skip_special_tokens)
+        return [t or "" for t in toks]  # out-of-vocab ids (padded model vocab) decode to nothing
+
+    def _pending(self) -> tuple[str, str]:
+        to_string = self.tokenizer.convert_tokens_to_string
+        prefix = to_string(self.tokens[self.prefix_offset : self.read_offset])
+        return prefix, to_string(self.tokens[self.prefix_offset :])
+
+    def append(self, token_id: int) -> str:
+        """Adds one generated token; returns the new text (may be "" while a char is incomplete)."""
+        self.tokens += self._to_tokens([token_id])
+        prefix, full = self._pending()
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Releases text held back for an incomplete trailing char (as U+FFFD); call when the sequence ends."""
+        prefix, full = self._pending()
+        if len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, delta_len: int, stops: list[str], include_stop: bool) -> tuple[str, str] | None:
+    """Finds the earliest stop string that ends inside the last `delta_len` chars of `text`.
+
+    Returns (text cut before the stop, or after it when include_stop, the stop), else None.
+    """
+    best: tuple[int, str] | None = None
+    if delta_len <= 0:
+        return None
+    for stop in stops:
+        i = text.find(stop, max(len(text) - delta_len - len(stop) + 1, 0))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    if best is None:
+        return None
+    i, stop = best
+    return text[: i + len(stop)] if include_stop else text[:i], stop
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing chars of `text` a stream must withhold: the longest suffix that is a proper
+    prefix of some stop string (it may still grow into a stop and be cut)."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,212 @@
+"""Batched next-token sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+
+Every step is a tensor op over the whole batch (or the subset of rows that need it); rows whose
+parameters disable a step are left unchanged by it. Logprobs always describe the raw model
+distribution (log_softmax of the unprocessed logits), as in vLLM.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedlm.outputs import Logprob, PositionLogprobs
+from pagedlm.sampling.params import SamplingParams
+
+_PROMPT_LOGPROBS_CHUNK = 512  # positions per log_softmax in prompt_logprobs, bounds peak memory
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample a token for in this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated so far
+    generator: torch.Generator | None = None  # seeded requests (on the logits' device); None -> global RNG
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float]  # raw logprob of the chosen token
+    top_logprobs: list[PositionLogprobs | None]  # rows with params.logprobs set: chosen + top-k, else None
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32 occurrence counts (ids >= vocab are dropped)."""
+    lens = torch.tensor([len(t) for t in token_lists])
+    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lens.sum()))
+    row = torch.repeat_interleave(torch.arange(len(token_lists)), lens)
+    index = (row * (vocab + 1) + torch.from_numpy(flat).clamp_(max=vocab)).to(device)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.view(-1).scatter_add_(0, index, torch.ones(index.shape, device=device))
+    return counts[:, :vocab]
+
+
+def _position_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[PositionLogprobs]:
+    """For each row of `logprobs` [N, V]: {chosen token (its true 1-based rank), then the top-ks[i] tokens}."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs > chosen_lp).sum(-1).add_(1).tolist()
+    kmax = max(ks, default=0)
+    if kmax:
+        top_lp, top_ids = (t.tolist() for t in logprobs.topk(kmax, dim=-1))
+    else:
+        top_lp = top_ids = [[] for _ in ks]
+    out = []
+    for i, (tok, lp, rank, k) in enumerate(zip(chosen.tolist(), chosen_lp[:, 0].tolist(), ranks, ks)):
+        entry = {tok: Logprob(lp, rank)}
+        entry.update((t, Logprob(v, r + 1)) for r, (t, v) in enumerate(zip(top_ids[i][:k], top_lp[i][:k])))
+        out.append(entry)
+    return out
+
+
+class Sampler:
+    """Picks one token per row. `eos_token_ids` are masked (with stop_token_ids) while min_tokens is unmet."""
+
+    def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [len(rows), vocab], any float dtype (computed in float32, never modified)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        if not rows:
+            return SamplerOutput([], [], [])
+        raw = logits.float()
+        banned = [self._banned_ids(r, raw.shape[1]) for r in rows]
+        if all(r.params.greedy and not _has_penalty(r.params) for r in rows) and not any(banned):
+            tokens = raw.argmax(-1)
+        else:
+            tokens = self._sample(raw, rows, banned)
+        return self._output(raw, tokens, rows)
+
+    def _banned_ids(self, row: SamplingRow, vocab: int) -> list[int]:
+        p = row.params
+        if len(row.output_token_ids) >= p.min_tokens:
+            return []
+        ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        return sorted(i for i in ids if i < vocab)
+
+    def _sample(self, raw: torch.Tensor, rows: list[SamplingRow], banned: list[list[int]]) -> torch.Tensor:
+        x = raw.clone()
+        dev, vocab = x.device, x.shape[1]
+        params = [r.params for r in rows]
+
+        pen = [i for i, p in enumerate(params) if _has_penalty(p)]
+        if pen:
+            idx = torch.tensor(pen, device=dev)
+            x[idx] = self._apply_penalties(x[idx], [rows[i] for i in pen])
+
+        ban_rows = [i for i, ids in enumerate(banned) for _ in ids]
+        if ban_rows:
+            ban_cols = [t for ids in banned for t in ids]
+            x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = float("-inf")
+
+        samp = [i for i, p in enumerate(params) if not p.greedy]
+        all_rows = len(samp) == len(rows)
+        tokens = None if all_rows else x.argmax(-1)  # greedy rows keep this
+        if not samp:
+            return tokens
+        idx = torch.tensor(samp, device=dev)
+        sub = x if all_rows else x[idx]
+        sp = [params[i] for i in samp]
+        temps = torch.tensor([p.temperature for p in sp], device=dev)
+        if (temps != 1.0).any():
+            sub.div_(temps[:, None])
+        probs = self._filter(sub, sp, vocab).softmax(-1)
+        q = self._exponentials(probs, [rows[i].generator for i in samp])
+        chosen = probs.div_(q).argmax(-1)  # exponential race: a sample from `probs`
+        if all_rows:
+            return chosen
+        tokens[idx] = chosen
+        return tokens
+
+    @staticmethod
+    def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Repetition (over prompt+output, CTRL style), then presence/frequency (over output, OpenAI style)."""
+        dev, vocab = x.device, x.shape[1]
+        out_counts = _counts([r.output_token_ids for r in rows], vocab, dev)
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
+        if (rep != 1.0).any():
+            seen = (out_counts > 0) | (_counts([r.prompt_token_ids for r in rows], vocab, dev) > 0)
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+        return x - freq * out_counts - pres * (out_counts > 0)
+
+    @staticmethod
+    def _filter(x: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
+        """top_k, then top_p (on the top-k-renormalised distribution), then min_p; removed logits -> -inf."""
+        dev, ninf = x.device, float("-inf")
+        ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)[:, None]
+        use_k = bool((ks < vocab).any())
+        if any(p.top_p < 1.0 for p in params):  # one sort over the batch
+            srt, order = x.sort(-1, descending=True)
+            remove = torch.arange(vocab, device=dev)[None, :] >= ks
+            if use_k:
+                srt = srt.masked_fill(remove, ninf)
+            tp = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+            sp = srt.softmax(-1)
+            ahead = sp.cumsum(-1).sub_(sp)  # mass strictly ahead of each token: the top token always stays
+            remove |= (ahead >= tp) & (tp < 1.0)
+            x = x.masked_fill(torch.empty_like(remove).scatter_(1, order, remove), ninf)
+        elif use_k:  # no sort: threshold at each row's k-th largest logit (ties at the k-th all stay)
+            kmax = int(ks[ks < vocab].max())
+            kth = x.topk(kmax, dim=-1).values.gather(1, ks.clamp(max=kmax) - 1).masked_fill_(ks == vocab, ninf)
+            x = x.masked_fill(x < kth, ninf)
+        if any(p.min_p > 0.0 for p in params):
+            mp = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+            probs = x.softmax(-1)
+            x = x.masked_fill(probs < mp * probs.amax(-1, keepdim=True), ninf)
+        return x
+
+    @staticmethod
+    def _exponentials(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exponential(1) noise shaped like probs; seeded rows draw their own row from their generator."""
+        q = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == len(generators):
+            q.exponential_()
+        else:
+            for i, g in enumerate(generators):
+                if g is not None:
+                    q[i].exponential_(generator=g)
+            if unseeded:
+                idx = torch.tensor(unseeded, device=probs.device)
+                q[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        return q.clamp_min_(1e-20)  # a zero would turn 0/0 into NaN, which argmax would pick
+
+    @staticmethod
+    def _output(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        lse = raw.logsumexp(-1, keepdim=True)
+        chosen_lp = (raw.gather(1, tokens[:, None]) - lse)[:, 0].tolist()
+        top: list[PositionLogprobs | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if want:
+            if len(want) == len(rows):
+                lps, toks = raw - lse, tokens
+            else:
+                idx = torch.tensor(want, device=raw.device)
+                lps, toks = raw[idx] - lse[idx], tokens[idx]
+            entries = _position_logprobs(lps, toks, [rows[i].params.logprobs for i in want])
+            for i, e in zip(want, entries):
+                top[i] = e
+        return SamplerOutput(tokens.tolist(), chosen_lp, top)
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """logits[t] predicts target_ids[t]; each entry holds the target token (with its rank) plus the top-k."""
+    assert logits.shape[0] == len(target_ids), (tuple(logits.shape), len(target_ids))
+    targets = torch.tensor(target_ids, dtype=torch.long, device=logits.device)
+    out: list[PositionLogprobs] = []
+    for s in range(0, len(target_ids), _PROMPT_LOGPROBS_CHUNK):
+        e = s + _PROMPT_LOGPROBS_CHUNK
+        lps = torch.log_softmax(logits[s:e].float(), -1)
+        out += _position_logprobs(lps, targets[s:e], [k] * lps.shape[0])
+    return out

