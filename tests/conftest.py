@@ -76,3 +76,11 @@ def smollm2_path() -> Path:
     from pagedlm.model.registry import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """The real Gemma 3 270M (pretrained base) Q4_K_M GGUF (pulled into the cache on first use)."""
+    from pagedlm.model.registry import resolve_model
+
+    return resolve_model("gemma3-270m")

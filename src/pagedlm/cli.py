@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
 
+    __import__("pagedlm.router.cli", fromlist=["cli"]).add_router_parser(sub)
     try:
         from pagedlm.server.cli import add_serve_parser
         add_serve_parser(sub, _engine_args, engine_kwargs)

@@ -64,16 +64,39 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"
+    # Gemma 3 (None / defaults for LLaMA): per-layer "sliding_attention" | "full_attention", the window
+    # (a key at position p is visible from query q iff q - window < p <= q), RoPE base of sliding layers,
+    # attention scale query_pre_attn_scalar ** -0.5, tanh soft-capping, embeddings times embedding_scale.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    embedding_scale: float | None = None
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        """The attention window of each layer (None: full attention)."""
+        types = self.layer_types or ["full_attention"] * self.num_layers
+        return [self.sliding_window if t == "sliding_attention" else None for t in types]
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
+        if model_type in ("gemma3", "gemma3_text"):
+            return cls._from_hf_gemma3(cfg)
         if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"Unsupported model_type {model_type!r}: pagedlm runs LLaMA-family models.")
+            raise ValueError(f"Unsupported model_type {model_type!r}: pagedlm runs LLaMA-family and Gemma 3 models.")
+        return cls(**cls._common(cfg, model_type))
+
+    @staticmethod
+    def _common(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(
+        return dict(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -90,6 +113,32 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    @classmethod
+    def _from_hf_gemma3(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Gemma3TextConfig semantics, its defaults included (a GGUF carries only some of these keys)."""
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types")
+        if not types:
+            pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        rope = cfg.get("rope_parameters") or {}
+        local = (rope.get("sliding_attention") or {}).get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0
+        glob = (rope.get("full_attention") or {}).get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0
+        common = cls._common({**cfg, "rope_theta": glob, "head_dim": cfg.get("head_dim") or 256,
+                              "rms_norm_eps": cfg.get("rms_norm_eps") or 1e-6,
+                              "max_position_embeddings": cfg.get("max_position_embeddings") or 131072,
+                              "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}, "gemma3_text")
+        if (common.pop("rope_scaling") or {}).get("rope_type", "default") != "default":
+            raise ValueError("Gemma 3 with rope scaling is not supported.")
+        return cls(**common, rope_scaling=None,
+                   hidden_act=cfg.get("hidden_activation") or "gelu_pytorch_tanh",
+                   layer_types=list(types), sliding_window=cfg.get("sliding_window") or 4096,
+                   rope_local_base_freq=float(local),
+                   query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") or 256,
+                   attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+                   final_logit_softcapping=cfg.get("final_logit_softcapping"),
+                   embedding_scale=cfg["hidden_size"] ** 0.5)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x element size."""
@@ -114,6 +163,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap"
     scheduling_policy: str = "fcfs"  # or "priority"
     watermark: float = 0.01
+    enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # "reference" | "auto"
 

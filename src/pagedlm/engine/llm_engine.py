@@ -17,6 +17,8 @@ from pagedlm.kvcache.memory import MemoryReport
 from pagedlm.model.registry import resolve_model
 from pagedlm.model.tokenizer import load_tokenizer
 from pagedlm.outputs import Logprob, RequestOutput
+from pagedlm.outputs import CompletionOutput
+from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.detokenizer import IncrementalDetokenizer, find_stop
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
@@ -37,6 +39,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 class LLMEngine:
@@ -64,7 +68,8 @@ class LLMEngine:
             raise ValueError("The KV cache budget holds no block; raise kv_cache_memory or num_kv_blocks.")
         num_cpu_blocks = spec.num_blocks_for(parse_bytes(config.swap_space)) if config.preemption_mode == "swap" else 0
         self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark)
+        self.block_manager = BlockManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
 
         max_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -94,7 +99,7 @@ class LLMEngine:
 
     # --- requests --------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         """Validate and queue a request. Raises ValueError (nothing queued) on bad input."""
         params = params or SamplingParams()
         params.validate()
@@ -112,8 +117,14 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"The prompt has {len(token_ids)} tokens; this model's maximum context length is "
                              f"{self.max_model_len} tokens, including at least one generated token.")
-        req = Request(request_id, text, token_ids, params, priority=priority,
+        req = Request(request_id, text, token_ids, params, priority=priority, cache_salt=cache_salt,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        if params.use_beam_search:
+            if params.beam_width > min(self.config.max_num_seqs, self.config.max_num_batched_tokens):
+                raise ValueError(f"beam_width {params.beam_width} exceeds max_num_seqs / max_num_batched_tokens.")
+            max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+            req.beam = BeamSearch(params.beam_width, params.length_penalty, params.early_stopping, max_tokens,
+                                  set() if params.ignore_eos else set(self.eos_token_ids))
         req.seqs.append(self._new_seq(req, 0))
         self._requests[request_id] = req
         self.scheduler.add_request(req)
@@ -124,7 +135,7 @@ class LLMEngine:
         if params.seed is not None:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(params.seed + index)
-        seq = Sequence(list(req.prompt_token_ids), index=index, generator=gen)
+        seq = Sequence(list(req.prompt_token_ids), index=index, generator=gen, cache_salt=req.cache_salt)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids, params.skip_special_tokens)
         return seq
 
@@ -194,10 +205,14 @@ class LLMEngine:
         sample_rows: list[SamplingRow] = []
         targets: list[tuple[Request, Sequence]] = []
         index: list[int] = []
+        beams: dict[str, list[tuple[Sequence, int]]] = {}
         for s, i, kind, _, _ in rows:
             if kind != "sample":
                 continue
             req = s.request
+            if req.beam is not None:
+                beams.setdefault(req.request_id, []).append((s.seq, i))
+                continue
             seqs = [s.seq]
             if not req.forked:
                 req.forked = True
@@ -213,6 +228,9 @@ class LLMEngine:
                 targets.append((req, seq))
                 index.append(i)
         touched: dict[str, Request] = {}
+        for rid, beam_rows in beams.items():
+            self._beam_step(self._requests[rid], beam_rows, logits)
+            touched[rid] = self._requests[rid]
         if not sample_rows:
             return touched
         out = self.sampler(logits[index], sample_rows)
@@ -230,6 +248,50 @@ class LLMEngine:
             self._check_stop(req, seq, token)
             touched[req.request_id] = req
         return touched
+
+    def _beam_step(self, req: Request, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        """Advance a beam search by one token: the chosen continuations reuse their parent's sequence, or
+        fork it (sharing all its blocks) when a parent is chosen twice; unchosen beams free their blocks."""
+        beam: BeamSearch = req.beam
+        parents = [seq for seq, _ in rows]
+        logprobs = torch.log_softmax(logits[[i for _, i in rows]].float(), dim=-1)
+        chosen = beam.step(logprobs, [p.cumulative_logprob for p in parents], [p.output_token_ids for p in parents])
+        now = time.monotonic()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        self.generation_tokens_total += len(parents)
+        targets, used = [], set()
+        for cand in chosen:
+            parent = parents[cand.parent]
+            if parent.seq_id in used:
+                child = self._new_seq(req, len(req.seqs))
+                child.output_token_ids = list(parent.output_token_ids)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                self.block_manager.fork(parent, child)
+                req.seqs.append(child)
+                targets.append((child, cand))
+            else:
+                used.add(parent.seq_id)
+                targets.append((parent, cand))
+        for seq in parents:
+            if seq.seq_id not in used:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                self.scheduler.finish_seq(seq)
+        for seq, cand in targets:
+            seq.output_token_ids.append(cand.token)
+            seq.cumulative_logprob = cand.logprob
+        req.seqs = [seq for seq, _ in targets] or parents
+        if beam.done:
+            for seq in req.live_seqs:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                self.scheduler.finish_seq(seq)
+            req.beam_outputs = [
+                CompletionOutput(index=k, text=self.tokenizer.decode(h.token_ids, req.params.skip_special_tokens),
+                                 token_ids=h.token_ids, cumulative_logprob=h.logprob,
+                                 finish_reason="stop" if h.eos else "length")
+                for k, h in enumerate(beam.best(req.params.n))]
 
     def _decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         for tid, lp in entry.items():
@@ -278,9 +340,10 @@ class LLMEngine:
     def _request_output(self, req: Request, finished: bool) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[s.to_output() for s in sorted(req.seqs, key=lambda s: s.index)], finished=finished,
+            outputs=req.beam_outputs if req.beam_outputs is not None else
+            [s.to_output() for s in sorted(req.seqs, key=lambda s: s.index)], finished=finished,
             prompt_logprobs=(req.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,
-            metrics=req.metrics)
+            metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
 
     def abort_output(self, request_id: str) -> RequestOutput | None:
         """Abort and return the request's final output (finish_reason 'abort'), or None if unknown."""
@@ -297,4 +360,5 @@ class LLMEngine:
             num_running=sum(len(r.live_seqs) for r in sch.running), num_waiting=len(sch.waiting),
             num_swapped=len(sch.swapped), kv_cache_usage=bm.usage(), num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_total_blocks, num_preemptions=sch.num_preemptions,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits)

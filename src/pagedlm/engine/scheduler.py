@@ -112,6 +112,7 @@ class Scheduler:
                 for seq, n in zip(seqs, nums):
                     out.blocks_to_copy += bm.append_slots(seq, n)
                     out.scheduled.append(ScheduledSeq(req, seq, n))
+                    bm.commit(seq, seq.num_computed_tokens + n)
                 kept.append(req)
                 continue
             budget += sum(nums)  # req itself was preempted
@@ -133,6 +134,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 out.blocks_to_copy += bm.append_slots(seq, n)
                 out.scheduled.append(ScheduledSeq(req, seq, n))
+                bm.commit(seq, seq.num_computed_tokens + n)
             self.swapped.remove(req)
             self.running.append(req)
         if self.swapped:
@@ -145,34 +147,49 @@ class Scheduler:
             req = self.waiting[0]
             if self.num_running_seqs + len(req.live_seqs) > self.config.max_num_seqs:
                 break
-            seqs, nums, new_budget = self._chunk(req, budget)
+            hits = {s.seq_id: [] if req.wants_prompt_logprobs else bm.find_cached_prefix(s) for s in req.live_seqs}
+            skip = {sid: len(blocks) * bm.block_size for sid, blocks in hits.items()}
+            seqs, nums, new_budget = self._chunk(req, budget, skip)
             if not seqs:
                 break
             if not self.config.enable_chunked_prefill and any(
-                    n < s.num_uncomputed_tokens for s, n in zip(seqs, nums)):
+                    n < s.num_uncomputed_tokens - skip[s.seq_id] for s, n in zip(seqs, nums)):
                 break
-            if not bm.can_allocate(seqs, nums):
+            if not bm.can_allocate(seqs, nums, [hits[s.seq_id] for s in seqs]):
                 break
             budget = new_budget
             self.waiting.popleft()
             for seq, n in zip(seqs, nums):
                 seq.status = SequenceStatus.RUNNING
-                out.blocks_to_copy += bm.allocate(seq, n)
+                seq.num_computed_tokens = skip[seq.seq_id]
+                req.num_cached_tokens = max(req.num_cached_tokens, skip[seq.seq_id])
+                out.blocks_to_copy += bm.allocate(seq, n, hits[seq.seq_id])
                 out.scheduled.append(ScheduledSeq(req, seq, n))
+                bm.commit(seq, seq.num_computed_tokens + n)
             self.running.append(req)
         return out
 
-    def _chunk(self, req: Request, budget: int) -> tuple[list[Sequence], list[int], int]:
-        """How many tokens each live sequence of `req` computes this step, within the budget."""
+    def _chunk(self, req: Request, budget: int,
+               skip: dict[int, int] | None = None) -> tuple[list[Sequence], list[int], int]:
+        """How many tokens each live sequence of `req` computes this step, within the budget
+        (`skip`: tokens of a sequence already in the prefix cache)."""
         seqs, nums = [], []
+        left = budget
         for seq in req.live_seqs:
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens - (skip or {}).get(seq.seq_id, 0), left)
             if n <= 0:
                 continue
             seqs.append(seq)
             nums.append(n)
-            budget -= n
-        return seqs, nums, budget
+            left -= n
+        need = {s.seq_id: s.num_uncomputed_tokens - (skip or {}).get(s.seq_id, 0) for s in req.live_seqs}
+        if req.beam is not None and sum(need.values()) > budget:
+            # beams are scored together: hold back every beam's last token until all can complete at once
+            pairs = [(s, min(n, need[s.seq_id] - 1)) for s, n in zip(seqs, nums)]
+            pairs = [(s, n) for s, n in pairs if n > 0]
+            seqs, nums = [s for s, _ in pairs], [n for _, n in pairs]
+            left = budget - sum(nums)
+        return seqs, nums, left
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1

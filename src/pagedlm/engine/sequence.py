@@ -50,6 +50,7 @@ class Sequence:
     output_text: str = ""
     stop_reason: int | str | None = None
     detokenizer: object | None = None
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +96,10 @@ class Request:
     forked: bool = False
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
+    beam: object | None = None  # sampling.beam_search.BeamSearch for beam-search requests
+    beam_outputs: list[CompletionOutput] | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -7,8 +7,11 @@ count reaches zero. Anything that must move data (copy-on-write, swap) is return
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
 from typing import Protocol
+
+import numpy as np
 
 
 class SeqLike(Protocol):
@@ -16,17 +19,41 @@ class SeqLike(Protocol):
     num_computed_tokens: int
 
 
+class CacheableSeq(SeqLike, Protocol):
+    num_tokens: int
+    cache_salt: str | None
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None = None) -> bytes:
+    """Chained, collision-resistant hash of a full block: sha256(parent hash, token ids, extra keys)."""
+    h = hashlib.sha256(parent or b"root")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if salt is not None and parent is None:
+        h.update(b"salt:" + salt.encode())
+    return h.digest()
+
+
 class NoFreeBlocksError(RuntimeError):
     pass
 
 
 class BlockPool:
-    """A fixed set of physical blocks on one device with a free list and reference counts."""
+    """A fixed set of physical blocks on one device with a free list and reference counts.
+
+    The free list is LRU-ordered: `allocate` takes the block released longest ago. A freed block that
+    holds a cached prefix (`block_hash` set) keeps its contents and hash until it is allocated again, and
+    can be revived by `incref` meanwhile; freed blocks without a hash go to the front, to be reused first.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_tokens: list[list[int] | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -35,19 +62,44 @@ class BlockPool:
     def allocate(self) -> int:
         if not self.free_blocks:
             raise NoFreeBlocksError("out of KV cache blocks")
-        block = self.free_blocks.popleft()
+        block, _ = self.free_blocks.popitem(last=False)
+        self._evict(block)
         self.ref_counts[block] = 1
         return block
 
     def incref(self, block: int) -> None:
-        assert self.ref_counts[block] > 0, f"block {block} is free"
+        if self.ref_counts[block] == 0:
+            assert self.block_hash[block] is not None, f"block {block} is free"
+            del self.free_blocks[block]
         self.ref_counts[block] += 1
 
     def decref(self, block: int) -> None:
         assert self.ref_counts[block] > 0, f"block {block} freed twice"
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self.free_blocks.append(block)
+            self.free_blocks[block] = None
+            if self.block_hash[block] is None:
+                self.free_blocks.move_to_end(block, last=False)
+
+    def register(self, block: int, block_hash: bytes, token_ids: list[int]) -> None:
+        if block_hash not in self.cached and self.block_hash[block] is None:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+            self.block_tokens[block] = token_ids
+
+    def lookup(self, block_hash: bytes, token_ids: list[int]) -> int | None:
+        """The cached block with this hash, verified against its stored token ids."""
+        block = self.cached.get(block_hash)
+        if block is None or self.block_tokens[block] != token_ids:
+            return None
+        return block
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block] = None
+            self.block_tokens[block] = None
 
 
 class BlockManager:
@@ -57,12 +109,17 @@ class BlockManager:
     `append_slots` reserved for the tokens scheduled next. While swapped out, its table lists host blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.01,
+                 enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.gpu = BlockPool(num_blocks)
         self.cpu = BlockPool(num_cpu_blocks)
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.seq_hashes: dict[int, list[bytes]] = {}  # chain hashes of each sequence's full blocks
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found cached
 
     # --- queries -----------------------------------------------------------------------------------
     @property
@@ -95,13 +152,67 @@ class BlockManager:
         return (seq.num_computed_tokens % self.block_size != 0 and idx < len(table)
                 and self.gpu.ref_counts[table[idx]] > 1)
 
+    # --- prefix cache --------------------------------------------------------------------------------
+    def find_cached_prefix(self, seq: CacheableSeq) -> list[int]:
+        """Blocks holding the longest cached prefix of a sequence that has no blocks yet. The block with the
+        last token is never matched: at least one token is always computed, to produce logits."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens or self.block_tables.get(seq.seq_id):
+            return []
+        hashes = self._chain_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        blocks = []
+        for i, h in enumerate(hashes):
+            block = self.gpu.lookup(h, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _chain_hashes(self, seq: CacheableSeq, num_blocks: int) -> list[bytes]:
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_slice(i * bs, (i + 1) * bs),
+                                     getattr(seq, "cache_salt", None)))
+        return hashes[:num_blocks]
+
+    def commit(self, seq: CacheableSeq, num_tokens: int) -> None:
+        """Register in the prefix cache the sequence's blocks that are full once its first `num_tokens`
+        tokens are computed. Called when those tokens are scheduled: every K/V of a step is written before
+        any attention of that step reads it, so a request scheduled later in the same step may share them."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(seq.seq_id, [])
+        full = min(num_tokens // self.block_size, len(table))
+        bs = self.block_size
+        for i, h in enumerate(self._chain_hashes(seq, full)):
+            self.gpu.register(table[i], h, seq.token_slice(i * bs, (i + 1) * bs))
+
     # --- allocation ----------------------------------------------------------------------------------
-    def can_allocate(self, seqs: list[SeqLike], num_new_tokens: list[int]) -> bool:
-        """Room to admit new work (a waiting request's prefill chunk) while keeping the watermark free."""
-        need = sum(self._new_blocks_needed(s, n) for s, n in zip(seqs, num_new_tokens))
+    def can_allocate(self, seqs: list[SeqLike], num_new_tokens: list[int],
+                     cached: list[list[int]] | None = None) -> bool:
+        """Room to admit new work (a waiting request's prefill chunk, after its `cached` prefix blocks)
+        while keeping the watermark free. Reviving a cached block that is free also takes a free block."""
+        cached = cached or [[] for _ in seqs]
+        need = 0
+        for s, n, hit in zip(seqs, num_new_tokens, cached):
+            if hit:
+                total = self._blocks_for(len(hit) * self.block_size + n)
+                need += total - len(hit) + sum(1 for b in set(hit) if self.gpu.ref_counts[b] == 0)
+            else:
+                need += self._new_blocks_needed(s, n)
         return self.gpu.num_free - need >= self.watermark_blocks
 
-    def allocate(self, seq: SeqLike, num_new_tokens: int) -> list[tuple[int, int]]:
+    def allocate(self, seq: SeqLike, num_new_tokens: int, cached: list[int] | None = None) -> list[tuple[int, int]]:
+        """Admit a sequence: take its cached prefix blocks (ref counts up; the caller advances
+        `num_computed_tokens` past them first) and reserve slots for its next `num_new_tokens` tokens."""
+        cached = cached or []
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(cached) * self.block_size
+        for block in cached:
+            self.gpu.incref(block)
+        if cached:
+            self.block_tables[seq.seq_id] = list(cached)
         return self.append_slots(seq, num_new_tokens)
 
     def can_append_slots(self, seqs: list[SeqLike], num_new_tokens: list[int]) -> bool:
@@ -130,11 +241,15 @@ class BlockManager:
         for block in table:
             self.gpu.incref(block)
         self.block_tables[child.seq_id] = list(table)
+        if parent.seq_id in self.seq_hashes:
+            self.seq_hashes[child.seq_id] = list(self.seq_hashes[parent.seq_id])
 
     def free(self, seq: SeqLike) -> None:
-        """Drop the sequence's reference to each of its device blocks."""
-        for block in self.block_tables.pop(seq.seq_id, []):
+        """Drop the sequence's reference to each of its device blocks, tail first, so that with prefix
+        caching the end of a chain is evicted before its beginning."""
+        for block in reversed(self.block_tables.pop(seq.seq_id, [])):
             self.gpu.decref(block)
+        self.seq_hashes.pop(seq.seq_id, None)
 
     # --- swapping ----------------------------------------------------------------------------------------
     def _distinct(self, seqs: list[SeqLike]) -> list[int]:

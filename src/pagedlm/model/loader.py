@@ -33,6 +33,15 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_BLOCK_NAMES = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES}
 _IGNORED = {"rope_freqs"}
 
 
@@ -66,8 +75,8 @@ def load_hf_config(path: Path) -> dict[str, Any]:
 
 def _gguf_config(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
     arch = _meta(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama)")
+    if arch not in _ARCH_BLOCK_NAMES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, gemma3)")
 
     def a(key: str, default: Any = None) -> Any:
         return _meta(reader, f"{arch}.{key}", default)
@@ -86,6 +95,9 @@ def _gguf_config(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
         rope_scaling = {"rope_type": "linear", "factor": a("rope.scale_linear")}
     types = {t.tensor_type for t in reader.tensors}
     q = gguf.GGMLQuantizationType
+    torch_dtype = "bfloat16" if q.BF16 in types else "float16" if q.F16 in types else "float32"
+    if arch == "gemma3":
+        return {**_gemma3_config(a, hidden, n_heads, vocab, reader, tensors), "torch_dtype": torch_dtype}
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -104,7 +116,42 @@ def _gguf_config(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
-        "torch_dtype": "bfloat16" if q.BF16 in types else "float16" if q.F16 in types else "float32",
+        "torch_dtype": torch_dtype,
+    }
+
+
+def _gemma3_config(a, hidden: int, n_heads: int, vocab: int, reader: gguf.GGUFReader,
+                   tensors: dict) -> dict[str, Any]:
+    """What transformers builds from a gemma3 GGUF: the GGUF keys over Gemma3TextConfig's defaults
+    (the local RoPE base, the 5:1 layer pattern and query_pre_attn_scalar are not in the file)."""
+    n_layers = a("block_count")
+    theta = a("rope.freq_base", 1_000_000.0)
+    return {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": a("attention.head_count_kv", n_heads),
+        "head_dim": a("attention.key_length", 256),
+        "intermediate_size": a("feed_forward_length"),
+        "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": None,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": theta},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "sliding_window": a("attention.sliding_window", 4096),
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)],
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": a("context_length"),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
     }
 
 
@@ -161,13 +208,14 @@ def _iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
                     yield name, st.get_tensor(name).to(dtype)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m[2] in _BLOCK_NAMES:
-        return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{suffix}"
+    names = _ARCH_BLOCK_NAMES[arch]
+    if m and m[2] in names:
+        return f"model.layers.{m[1]}.{names[m[2]]}.{suffix}"
     if base in _IGNORED:
         return None
     raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
@@ -182,12 +230,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _iter_gguf(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     reader = open_gguf(path)
     cfg = _gguf_config(path, reader)
-    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    arch = "gemma3" if cfg["model_type"] == "gemma3_text" else "llama"
+    # llama.cpp permutes LLaMA's Q/K rows and stores Gemma's (1 + w) norm weights as 1 + w.
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} if arch == "llama" else {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
         if (kind := t.name.split(".")[-2]) in heads:
             w = _unpermute(w, heads[kind])
+        elif arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1
         yield name, torch.from_numpy(np.copy(w)).to(dtype)

@@ -13,7 +13,21 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedlm.model.loader import load_hf_config
 
-__all__ = ["Tokenizer", "load_tokenizer"]
+__all__ = ["GEMMA_CHAT_TEMPLATE", "Tokenizer", "load_tokenizer"]
+
+# Gemma's turn format, for Gemma checkpoints that ship no template (the pretrained base models).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 
 
 def _ids(value: int | Iterable[int] | None) -> set[int]:
@@ -58,13 +72,21 @@ def load_tokenizer(path: Path) -> Tokenizer:
     `<file>.tokenizer/` (written atomically, rebuilt if the GGUF changes).
     """
     path = Path(path)
-    eos = _ids(load_hf_config(path)["eos_token_id"])
+    cfg = load_hf_config(path)
+    eos = _ids(cfg["eos_token_id"])
     if path.is_dir():
         gen = path / "generation_config.json"
         if gen.is_file():
             eos |= _ids(json.loads(gen.read_text()).get("eos_token_id"))
-        return Tokenizer(AutoTokenizer.from_pretrained(path), eos)
-    return Tokenizer(_gguf_tokenizer(path), eos)
+        hf = AutoTokenizer.from_pretrained(path)
+    else:
+        hf = _gguf_tokenizer(path)
+    if str(cfg["model_type"]).startswith("gemma"):
+        hf.chat_template = hf.chat_template or GEMMA_CHAT_TEMPLATE
+        end_of_turn = hf.convert_tokens_to_ids("<end_of_turn>")
+        if isinstance(end_of_turn, int) and end_of_turn != hf.unk_token_id:
+            eos.add(end_of_turn)
+    return Tokenizer(hf, eos)
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -30,6 +30,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int | None = None  # defaults to n; the n best finished beams are returned
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True | False | "never", as in HF transformers
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +42,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.use_beam_search and self.beam_width is None:
+            self.beam_width = self.n
         self.validate()
 
     @property
@@ -82,3 +88,12 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.use_beam_search:
+            if not isinstance(self.beam_width, int) or self.beam_width < 1:
+                raise bad("beam_width", "must be an integer >= 1")
+            if self.n > self.beam_width:
+                raise bad("n", f"must be <= beam_width ({self.beam_width}) with beam search")
+            if self.max_tokens is None:
+                raise bad("max_tokens", "must be set with beam search")
+            if self.early_stopping not in (True, False, "never"):
+                raise bad("early_stopping", "must be True, False or 'never'")

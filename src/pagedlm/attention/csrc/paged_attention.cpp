@@ -1,0 +1,237 @@
+// Paged attention for CPUs: reads K/V in place from the scattered cache blocks (no gather), GQA without
+// repeating K/V, decode and prefill chunks, fp32 and bf16 (math in fp32), online softmax, OpenMP.
+// Plain C ABI (no torch headers) so it compiles in about a second; loaded with ctypes by cpu_kernel.py.
+//
+// Work item = (sequence, tile of query tokens, range of keys). Its rows are the tile's tokens x all heads
+// (at most MAX_ROWS), so each cached token's K/V row [kv_heads, D] is streamed once per item and shared by
+// the G query heads of each kv head. When there are too few items for the threads, key ranges are split
+// (flash-decoding) and the partial softmax states merged afterwards.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+#include <omp.h>
+
+namespace {
+
+constexpr int KT = 16;        // keys per inner tile (never crossing a block)
+constexpr int MAX_ROWS = 64;  // query rows (tokens x heads) per work item
+
+inline float to_f(float x) { return x; }
+inline float to_f(uint16_t x) {
+  uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void from_f(float x, float* out) { *out = x; }
+inline void from_f(float x, uint16_t* out) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) { *out = 0x7fc0; return; }  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  *out = uint16_t(u >> 16);
+}
+
+struct Item { int seq, tile, lo, hi; };  // query tokens [tile*qt, +qt) of seq, keys [lo, hi)
+
+struct Args {
+  int H, KVH, D, BS, max_blocks, window, qt;
+  float scale;
+  const int32_t *tables, *seq_lens, *qsl;
+};
+
+// One item: rows r = token * H + head. Writes unnormalized acc [rows, D] plus running max m and sum l.
+// A token's K/V for all kv heads are contiguous in the cache ([.., KVH, D]), so they are streamed once.
+template <typename T, int D>
+void run_item(const Args& a, const Item& it, const T* q, const T* kc, const T* vc,
+              float* acc, float* m, float* l) {
+  const int H = a.H, G = a.H / a.KVH, KVD = a.KVH * D;
+  const int q0 = a.qsl[it.seq], qlen = a.qsl[it.seq + 1] - q0, slen = a.seq_lens[it.seq];
+  const int t0 = it.tile * a.qt, nrows = std::min(a.qt, qlen - t0) * H;
+  const int32_t* table = a.tables + int64_t(it.seq) * a.max_blocks;
+  alignas(64) float qf[MAX_ROWS][D];
+  alignas(64) float s[MAX_ROWS][KT];
+  int qpos[MAX_ROWS];
+  for (int r = 0; r < nrows; ++r) {
+    const T* src = q + (int64_t(q0 + t0) * H + r) * D;
+    for (int d = 0; d < D; ++d) qf[r][d] = to_f(src[d]) * a.scale;
+    qpos[r] = slen - qlen + t0 + r / H;
+    m[r] = -INFINITY; l[r] = 0.f;
+    for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
+  }
+  constexpr bool f32 = std::is_same<T, float>::value;
+  std::vector<float> kbuf(f32 ? 0 : size_t(KT) * KVD), vbuf(f32 ? 0 : size_t(KT) * KVD);
+  for (int pos = it.lo; pos < it.hi;) {
+    const int blk = pos / a.BS, off = pos % a.BS;
+    const int n = std::min(std::min(KT, a.BS - off), it.hi - pos);
+    const int64_t base = (int64_t(table[blk]) * a.BS + off) * KVD;
+    // Rows that see part of this tile: [r_lo, r_hi) (query positions grow with r).
+    int r_lo = 0, r_hi = nrows;
+    while (r_lo < nrows && qpos[r_lo] < pos) ++r_lo;
+    if (a.window > 0)
+      while (r_hi > r_lo && pos + n - 1 <= qpos[r_hi - 1] - a.window) --r_hi;
+    if (r_lo >= r_hi) { pos += n; continue; }
+    // The tile's K/V rows [n, KVH * D]: in place for fp32, converted once for bf16.
+    const float *kt, *vt;
+    if constexpr (f32) {
+      kt = reinterpret_cast<const float*>(kc + base);
+      vt = reinterpret_cast<const float*>(vc + base);
+    } else {
+      for (int e = 0; e < n * KVD; ++e) { kbuf[e] = to_f(kc[base + e]); vbuf[e] = to_f(vc[base + e]); }
+      kt = kbuf.data(); vt = vbuf.data();
+    }
+    for (int r = r_lo; r < r_hi; ++r) {
+      const int kvh = (r % H) / G, p = qpos[r];
+      const float* qr = qf[r];
+      const float* kh = kt + kvh * D;
+      int j = 0;
+      for (; j + 4 <= n; j += 4) {  // four independent dot products at a time
+        const float *k0 = kh + j * KVD, *k1 = k0 + KVD, *k2 = k1 + KVD, *k3 = k2 + KVD;
+        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+        for (int d = 0; d < D; ++d) {
+          d0 += qr[d] * k0[d]; d1 += qr[d] * k1[d]; d2 += qr[d] * k2[d]; d3 += qr[d] * k3[d];
+        }
+        s[r][j] = d0; s[r][j + 1] = d1; s[r][j + 2] = d2; s[r][j + 3] = d3;
+      }
+      for (; j < n; ++j) {
+        const float* k0 = kh + j * KVD;
+        float d0 = 0.f;
+#pragma omp simd reduction(+ : d0)
+        for (int d = 0; d < D; ++d) d0 += qr[d] * k0[d];
+        s[r][j] = d0;
+      }
+      float mt = m[r];
+      for (int jj = 0; jj < n; ++jj) {  // mask, then online softmax
+        const int kp = pos + jj;
+        if (kp > p || (a.window > 0 && kp <= p - a.window)) s[r][jj] = -INFINITY;
+        mt = std::max(mt, s[r][jj]);
+      }
+      const float alpha = std::exp(m[r] - mt);  // m = -inf -> 0
+      float sum = 0.f;
+      for (int jj = 0; jj < n; ++jj) { s[r][jj] = std::exp(s[r][jj] - mt); sum += s[r][jj]; }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mt;
+      alignas(64) float o[D];  // acc row kept in registers across the tile's keys
+      float* ar = acc + r * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) o[d] = ar[d] * alpha;
+      const float* vh = vt + kvh * D;
+      for (int jj = 0; jj < n; ++jj) {
+        const float pj = s[r][jj];
+        const float* v0 = vh + jj * KVD;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) o[d] += pj * v0[d];
+      }
+#pragma omp simd
+      for (int d = 0; d < D; ++d) ar[d] = o[d];
+    }
+    pos += n;
+  }
+}
+
+template <typename T, int D>
+void paged_attention(const T* q, const T* kc, const T* vc, T* out, Args a, int num_seqs, int nthreads) {
+  const int qt = a.qt = std::max(1, MAX_ROWS / a.H);
+  // One item per (seq, query tile); split key ranges (flash-decoding) when there are too few items.
+  int64_t base_items = 0;
+  for (int i = 0; i < num_seqs; ++i) base_items += (a.qsl[i + 1] - a.qsl[i] + qt - 1) / qt;
+  const int64_t target = 4 * int64_t(nthreads);
+  const int min_part = 128;
+  std::vector<Item> items;
+  std::vector<int> first;  // first item of each (seq, tile), plus a sentinel
+  for (int i = 0; i < num_seqs; ++i) {
+    const int qlen = a.qsl[i + 1] - a.qsl[i], slen = a.seq_lens[i];
+    for (int tile = 0; tile * qt < qlen; ++tile) {
+      const int first_pos = slen - qlen + tile * qt;
+      const int hi = std::min(slen, first_pos + qt);
+      const int lo = a.window > 0 ? std::max(0, first_pos - a.window + 1) : 0;
+      int parts = 1;
+      if (base_items < target)
+        parts = std::max(1, std::min(int((target + base_items - 1) / base_items), (hi - lo) / min_part));
+      const int chunk = ((hi - lo + parts - 1) / parts + KT - 1) / KT * KT;
+      first.push_back(int(items.size()));
+      for (int start = lo; start < hi; start += chunk) items.push_back({i, tile, start, std::min(hi, start + chunk)});
+    }
+  }
+  first.push_back(int(items.size()));
+  const int64_t nitems = int64_t(items.size());
+  const int rows = qt * a.H;
+  std::vector<float> acc(size_t(nitems) * rows * D), ml(size_t(nitems) * rows * 2);
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+  for (int64_t k = 0; k < nitems; ++k) {
+    float* mk = ml.data() + size_t(k) * rows * 2;
+    run_item<T, D>(a, items[k], q, kc, vc, acc.data() + size_t(k) * rows * D, mk, mk + rows);
+  }
+
+  const int ngroups = int(first.size()) - 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int gi = 0; gi < ngroups; ++gi) {  // merge the partitions of each (seq, tile) and normalize
+    const int k0 = first[gi], k1 = first[gi + 1];
+    const Item& it = items[k0];
+    const int qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
+    const int nrows = std::min(qt, qlen - it.tile * qt) * a.H;
+    for (int r = 0; r < nrows; ++r) {
+      float mmax = -INFINITY;
+      for (int k = k0; k < k1; ++k) mmax = std::max(mmax, ml[size_t(k) * rows * 2 + r]);
+      alignas(64) float o[D] = {0};
+      float lsum = 0.f;
+      for (int k = k0; k < k1; ++k) {
+        const float mk = ml[size_t(k) * rows * 2 + r];
+        if (mk == -INFINITY) continue;
+        const float w = std::exp(mk - mmax);
+        lsum += w * ml[size_t(k) * rows * 2 + rows + r];
+        const float* ak = acc.data() + (size_t(k) * rows + r) * D;
+        for (int d = 0; d < D; ++d) o[d] += w * ak[d];
+      }
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+      T* dst = out + (int64_t(a.qsl[it.seq] + it.tile * qt) * a.H + r) * D;
+      for (int d = 0; d < D; ++d) from_f(o[d] * inv, dst + d);
+    }
+  }
+}
+
+template <typename T>
+int dispatch(const void* q, const void* kc, const void* vc, void* out, const Args& a, int num_seqs, int nthreads) {
+  auto run = [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    paged_attention<T, D>(static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc),
+                          static_cast<T*>(out), a, num_seqs, nthreads);
+    return 0;
+  };
+  switch (a.D) {
+    case 16: return run(std::integral_constant<int, 16>{});
+    case 32: return run(std::integral_constant<int, 32>{});
+    case 64: return run(std::integral_constant<int, 64>{});
+    case 80: return run(std::integral_constant<int, 80>{});
+    case 96: return run(std::integral_constant<int, 96>{});
+    case 128: return run(std::integral_constant<int, 128>{});
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q, out: [tokens, H, D]; k_cache, v_cache: [blocks, BS, KVH, D]; block_tables: [num_seqs, max_blocks] int32;
+// seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32. dtype: 0 = fp32, 1 = bf16.
+// window <= 0: no sliding window. Needs H <= 64 and H % KVH == 0. Returns 0, or -1 for an unsupported head_dim.
+int pagedlm_paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
+                            const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
+                            const int32_t* query_start_loc, int num_seqs, int H, int KVH, int D, int BS,
+                            float scale, int window, int nthreads) {
+  Args a{H, KVH, D, BS, max_blocks, window, 1, scale, block_tables, seq_lens, query_start_loc};
+  if (nthreads < 1) nthreads = omp_get_max_threads();
+  if (dtype == 0) return dispatch<float>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
+  if (dtype == 1) return dispatch<uint16_t>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
+  return -1;
+}
+
+int pagedlm_abi_version() { return 1; }
+}

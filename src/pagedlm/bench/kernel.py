@@ -1,0 +1,88 @@
+"""Kernel micro-benchmark: paged decode attention (K/V scattered over shuffled blocks) against torch's
+`scaled_dot_product_attention` on the same K/V laid out contiguously. Both sides run alternately; medians."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedlm.attention import BACKENDS, AttentionMetadata
+
+
+@dataclass
+class KernelResult:
+    backend: str
+    dtype: str
+    batch: int
+    context: int
+    paged_us: float
+    contiguous_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.paged_us / self.contiguous_us
+
+
+def decode_case(batch: int, context: int, heads: int = 9, kv_heads: int = 3, dim: int = 64, block_size: int = 16,
+                dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A decode batch (one query per sequence, all of length `context`) in a shuffled paged cache, plus the
+    same K/V contiguous as [batch, kv_heads, context, dim]."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-context // block_size)
+    perm = torch.randperm(batch * nb + 8, generator=g)
+    tables = perm[:batch * nb].view(batch, nb).to(torch.int32)
+    k = torch.randn(batch, kv_heads, context, dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, context, dim, generator=g).to(dtype)
+    k_cache = torch.zeros(batch * nb + 8, block_size, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    pad = nb * block_size - context
+    kp = F.pad(k.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(batch * nb, block_size, kv_heads, dim)
+    vp = F.pad(v.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(batch * nb, block_size, kv_heads, dim)
+    k_cache[tables.flatten().long()] = kp
+    v_cache[tables.flatten().long()] = vp
+    q = torch.randn(batch, heads, dim, generator=g).to(dtype)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long), block_tables=tables,
+                             seq_lens=seq_lens, query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+                             seq_lens_list=[context] * batch, query_lens_list=[1] * batch, max_query_len=1,
+                             max_seq_len=context, block_size=block_size)
+    return q, k_cache, v_cache, meta, k, v
+
+
+def bench_kernel(backend: str = "cpu", batches=(1, 16, 64), contexts=(128, 1024, 4096),
+                 dtype: torch.dtype = torch.float32, repeats: int = 30) -> list[KernelResult]:
+    fn = BACKENDS[backend]
+    results = []
+    for b in batches:
+        for s in contexts:
+            q, kc, vc, meta, k, v = decode_case(b, s, dtype=dtype)
+            scale = q.shape[-1] ** -0.5
+            qc = q.unsqueeze(2)  # [B, H, 1, D]
+            paged = lambda: fn(q, kc, vc, meta, scale)  # noqa: E731
+            contiguous = lambda: F.scaled_dot_product_attention(qc, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+            out_p, out_c = paged(), contiguous()
+            torch.testing.assert_close(out_p.float(), out_c.squeeze(2).float(), atol=2e-2, rtol=2e-2)
+            tp, tc = [], []
+            reps = max(3, min(repeats, int(repeats * 1024 * 16 / (b * s)) + 3))
+            for _ in range(reps):  # alternate so that machine noise hits both sides alike
+                t0 = time.perf_counter(); paged(); tp.append(time.perf_counter() - t0)
+                t0 = time.perf_counter(); contiguous(); tc.append(time.perf_counter() - t0)
+            results.append(KernelResult(backend, str(dtype).removeprefix("torch."), b, s,
+                                        statistics.median(tp) * 1e6, statistics.median(tc) * 1e6))
+    return results
+
+
+def format_kernel(results: list[KernelResult]) -> str:
+    lines = [f"{'backend':>8} {'dtype':>8} {'batch':>5} {'context':>7} {'paged us':>10} {'sdpa-contig us':>14} "
+             f"{'ratio':>6}"]
+    for r in results:
+        lines.append(f"{r.backend:>8} {r.dtype:>8} {r.batch:>5} {r.context:>7} {r.paged_us:>10.1f} "
+                     f"{r.contiguous_us:>14.1f} {r.ratio:>6.2f}")
+    return "\n".join(lines)
+
+
+def to_json(results: list[KernelResult]) -> list[dict]:
+    return [{**asdict(r), "ratio": r.ratio} for r in results]

@@ -1,0 +1,589 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an AsyncLLMEngine.
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize,
+/tokenizer_info, /version. Errors use OpenAI's JSON shape. A request whose client disconnects is aborted
+at once (streaming or not), and every path out of a handler aborts what it queued.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedlm import __version__
+from pagedlm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError, \
+    RequestStream
+from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedlm.sampling.detokenizer import held_back
+from pagedlm.sampling.params import SamplingParams
+from pagedlm.server import protocol as P
+from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedlm.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=BaseModel)
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+RETRY_AFTER_S = 1
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # union members in pydantic error paths
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    """The app; `api_key` (if set) is required as a bearer token everywhere except PUBLIC_PATHS."""
+    app = FastAPI(title="pagedlm", version=__version__)
+    srv = _Server(engine, served_model_name, ServerMetrics(engine, served_model_name))
+    app.state.server = srv
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> Response:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> Response:
+        return _error_response(APIError(400, str(e)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
+        return _error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> Response:
+        logger.exception("Unhandled error")
+        return _error_response(APIError(500, f"Internal server error: {e!r}", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError(503, "The engine loop has stopped.", type="server_error")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(P.ModelList(data=[srv.model_card()]))
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        srv.check_model(model)
+        return _json(srv.model_card())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await srv.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await srv.chat_completions(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await srv.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await srv.detokenize(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return JSONResponse(srv.tokenizer_info())
+
+    return app
+
+
+# --- the handlers ---------------------------------------------------------------------------------------------
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str | None = None  # the text the client sent, if it sent text
+
+
+@dataclass
+class _ChoiceState:
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    text_offset: int = 0
+    echoed: bool = False
+    done: bool = False
+
+
+class _Server:
+    def __init__(self, engine: AsyncLLMEngine, name: str, metrics: ServerMetrics) -> None:
+        self.engine, self.name, self.metrics = engine, name, metrics
+        self.tok = engine.tokenizer
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def model_card(self) -> P.ModelCard:
+        return P.ModelCard(id=self.name, created=self.created, root=str(self.engine.engine.model_path),
+                           max_model_len=self.engine.max_model_len)
+
+    # --- completions ---
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, P.CompletionRequest)
+        self.check_model(req.model)
+        req.check_supported()
+        prompts = self._completion_prompts(req.prompt)
+        k = req.logprobs
+        params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=k if req.echo else None)
+        self._check_fits([len(p.token_ids) for p in prompts], params)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival)
+        if req.stream:
+            return _sse(self._completion_events(req, rid, prompts, streams, params), streams)
+        finals = await _collect(request, streams)
+        choices = [self._completion_choice(i * params.n + o.index, req, params, prompt, out, o, _ChoiceState())
+                   for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
+        return _json(P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage(finals)))
+
+    def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[_Prompt]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        if len(prompt) > self.engine.max_waiting:
+            raise APIError(400, f"A request may hold at most {self.engine.max_waiting} prompts.", param="prompt")
+        out = [_Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt]
+        for p in out:
+            self._check_prompt(p.token_ids)
+        return out
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        if len(ids) >= self.engine.max_model_len:
+            raise APIError(400, f"The prompt has {len(ids)} tokens; this model's maximum context length is "
+                                f"{self.engine.max_model_len} tokens, including at least one generated token.",
+                           param="prompt", code="context_length_exceeded")
+
+    def _check_fits(self, prompt_lens: list[int], params: SamplingParams) -> None:
+        """Refuse requests the engine could never finish even alone: more samples than max_num_seqs, or n
+        sequences of their longest length that do not fit in the KV cache together (endless preemption)."""
+        cfg, max_len = self.engine.engine.config, self.engine.max_model_len
+        if params.n > cfg.max_num_seqs:
+            raise APIError(400, f"n={params.n} exceeds this server's max_num_seqs ({cfg.max_num_seqs}).", param="n")
+        blocks = self.engine.stats.num_total_blocks
+        for p in prompt_lens:
+            length = min(p + (params.max_tokens or max_len), max_len)
+            if params.n * -(-length // cfg.block_size) > blocks:
+                raise APIError(400, f"{params.n} sequences of up to {length} tokens do not fit in the KV cache "
+                                    f"({blocks * cfg.block_size} tokens); lower n or max_tokens.", param="n")
+
+    def _echo_text(self, prompt: _Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.tok.decode(prompt.token_ids, skip_special_tokens=False)
+
+    def _completion_choice(self, index: int, req: P.CompletionRequest, params: SamplingParams, prompt: _Prompt,
+                           out: RequestOutput, o: CompletionOutput, state: _ChoiceState) -> P.CompletionChoice:
+        """The choice for what `state` has not sent yet of `o` (all of it, echo included, for a fresh state)."""
+        text, t0, t1 = _advance(state, o, params.stop)
+        echo, state.echoed = req.echo and not state.echoed, True
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = P.CompletionLogprobs()
+            if echo:
+                entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
+                state.text_offset = self._add_completion_logprobs(logprobs, prompt.token_ids, entries,
+                                                                  state.text_offset)
+            state.text_offset = self._add_completion_logprobs(logprobs, o.token_ids[t0:t1],
+                                                              (o.logprobs or [])[t0:t1], state.text_offset)
+        if echo:
+            text = self._echo_text(prompt) + text
+        return P.CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=o.finish_reason if state.done else None,
+                                  stop_reason=o.stop_reason if state.done else None)
+
+    def _add_completion_logprobs(self, lp: P.CompletionLogprobs, token_ids: list[int],
+                                 entries: list[PositionLogprobs | None], offset: int) -> int:
+        for tid, entry in zip(token_ids, entries):
+            if entry is None:
+                token = self.tok.decode([tid], skip_special_tokens=False)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+            else:
+                token = _token_str(self, tid, entry)
+                lp.token_logprobs.append(_clamp(entry[tid].logprob))
+                lp.top_logprobs.append({_token_str(self, t, entry): _clamp(e.logprob) for t, e in entry.items()})
+            lp.tokens.append(token)
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return offset
+
+    async def _completion_events(self, req: P.CompletionRequest, rid: str, prompts: list[_Prompt],
+                                 streams: list[RequestStream], params: SamplingParams) -> AsyncIterator[str]:
+        created, n = int(time.time()), params.n
+        states = [_ChoiceState() for _ in range(len(prompts) * n)]
+        latest: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, out in _merge(streams):
+                latest[i] = out
+                for o in out.outputs:
+                    st = states[i * n + o.index]
+                    if st.done:
+                        continue
+                    choice = self._completion_choice(i * n + o.index, req, params, prompts[i], out, o, st)
+                    if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
+                        usage = _usage(latest) if req.continuous_usage and req.include_usage else None
+                        yield _event(P.CompletionResponse(id=rid, created=created, model=self.name,
+                                                          choices=[choice], usage=usage))
+            if req.include_usage:
+                yield _event(P.CompletionResponse(id=rid, created=created, model=self.name, choices=[],
+                                                  usage=_usage(latest)))
+            yield "data: [DONE]\n\n"
+        except (RequestFailedError, EngineDeadError) as e:
+            yield _event_error(APIError(500, str(e), type="server_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            _abort_all(streams)
+
+    # --- chat ---
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, P.ChatCompletionRequest)
+        self.check_model(req.model)
+        req.check_supported()
+        ids = self._chat_prompt(req.messages, req.add_generation_prompt)
+        self._check_prompt(ids)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k)
+        self._check_fits([len(ids)], params)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(rid, [ids], params, req.priority, arrival)
+        if req.stream:
+            return _sse(self._chat_events(req, rid, streams, params), streams)
+        (out,) = await _collect(request, streams)
+        choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
+                                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None,
+                                finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+        return _json(P.ChatCompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage([out])))
+
+    def _chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool) -> list[int]:
+        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        try:
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - no template, or the template rejected the messages
+            raise APIError(400, f"Cannot apply the chat template: {e}", param="messages") from None
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs] | None,
+                       k: int) -> P.ChatLogprobs:
+        content = []
+        for tid, entry in zip(token_ids, entries or []):
+            token = _token_str(self, tid, entry)
+            top = sorted((e.rank, t, e) for t, e in entry.items() if e.rank is not None and e.rank <= k)[:k]
+            content.append(P.ChatLogprob(
+                token=token, logprob=_clamp(entry[tid].logprob), bytes=list(token.encode()),
+                top_logprobs=[P.TopLogprob(token=(s := _token_str(self, t, entry)), logprob=_clamp(e.logprob),
+                                           bytes=list(s.encode())) for _, t, e in top]))
+        return P.ChatLogprobs(content=content)
+
+    async def _chat_events(self, req: P.ChatCompletionRequest, rid: str, streams: list[RequestStream],
+                           params: SamplingParams) -> AsyncIterator[str]:
+        created, n = int(time.time()), params.n
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        stops = params.stop
+        states = [_ChoiceState() for _ in range(n)]
+        latest: list[RequestOutput | None] = [None]
+
+        def chunk(index: int, delta: P.DeltaMessage, **kw: Any) -> str:
+            usage = _usage(latest) if req.continuous_usage and req.include_usage else None
+            return _event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, usage=usage,
+                                                choices=[P.ChatStreamChoice(index=index, delta=delta, **kw)]))
+
+        try:
+            for j in range(n):
+                yield chunk(j, P.DeltaMessage(role="assistant", content=""))
+            async for _, out in _merge(streams):
+                latest[0] = out
+                for o in out.outputs:
+                    st = states[o.index]
+                    if st.done:
+                        continue
+                    text, t0, t1 = _advance(st, o, stops)
+                    lps = None
+                    if k is not None and t1 > t0:
+                        lps = self._chat_logprobs(o.token_ids[t0:t1], (o.logprobs or [])[t0:t1], k)
+                    if text or lps:
+                        yield chunk(o.index, P.DeltaMessage(content=text), logprobs=lps)
+                    if st.done:
+                        yield chunk(o.index, P.DeltaMessage(), finish_reason=o.finish_reason,
+                                    stop_reason=o.stop_reason)
+            if req.include_usage:
+                yield _event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[],
+                                                   usage=_usage(latest)))
+            yield "data: [DONE]\n\n"
+        except (RequestFailedError, EngineDeadError) as e:
+            yield _event_error(APIError(500, str(e), type="server_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            _abort_all(streams)
+
+    # --- submission ---
+    async def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                      arrival: float) -> list[RequestStream]:
+        """Queue every prompt or none: on any refusal the accepted ones are aborted and the error raised."""
+        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        streams = [self.engine.submit(i, p, params, priority, arrival) for i, p in zip(ids, prompts)]
+        try:
+            results = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)
+        except BaseException:
+            _abort_all(streams)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return streams
+        _abort_all(streams)
+        e = errors[0]
+        if isinstance(e, QueueFullError):
+            raise APIError(503, str(e), type="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        if isinstance(e, EngineDeadError):
+            raise APIError(503, str(e), type="server_error")
+        if isinstance(e, ValueError):
+            raise APIError(400, str(e))
+        raise e
+
+    # --- tokenizer endpoints ---
+    async def tokenize(self, request: Request) -> Response:
+        req = await _parse(request, P.TokenizeRequest)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give exactly one of `prompt` or `messages`.")
+        if req.messages is not None:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                text = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:  # noqa: BLE001
+                raise APIError(400, f"Cannot apply the chat template: {e}", param="messages") from None
+            add_special = bool(req.add_special_tokens)
+        else:
+            text, add_special = req.prompt, req.add_special_tokens is not False
+        ids = self.tok.encode(text, add_special_tokens=add_special)
+        strs = [t or "" for t in self.tok.hf.convert_ids_to_tokens(ids)] if req.return_token_strs else None
+        return _json(P.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids,
+                                        token_strs=strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = await _parse(request, P.DetokenizeRequest)
+        self.check_model(req.model)
+        vocab = len(self.tok.hf)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
+        return _json(P.DetokenizeResponse(prompt=self.tok.decode(req.tokens, skip_special_tokens=False)))
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's shape: the tokenizer's JSON-able init kwargs plus its class, special tokens and template."""
+        hf = self.tok.hf
+        info = {}
+        for key, value in hf.init_kwargs.items():
+            value = getattr(value, "content", value)  # AddedToken -> str
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                continue
+            info[key] = value
+        info.update(tokenizer_class=type(hf).__name__, eos_token=hf.eos_token, bos_token=hf.bos_token,
+                    pad_token=hf.pad_token, unk_token=hf.unk_token, chat_template=hf.chat_template,
+                    model_max_length=self.engine.max_model_len, vocab_size=len(hf),
+                    eos_token_ids=sorted(self.engine.engine.eos_token_ids))
+        return info
+
+
+# --- helpers --------------------------------------------------------------------------------------------------
+def _advance(st: _ChoiceState, o: CompletionOutput, stops: list[str]) -> tuple[str, int, int]:
+    """Text and token range of `o` not yet sent. Unfinished text that could still grow into a stop string is
+    held back, so nothing sent is later cut; returns (text delta, first new token, end of new tokens)."""
+    st.done = o.finish_reason is not None
+    end = len(o.text) if st.done else max(len(o.text) - held_back(o.text, stops), st.sent_chars)
+    text = o.text[st.sent_chars:end]
+    t0, t1 = st.sent_tokens, len(o.token_ids)
+    st.sent_chars, st.sent_tokens = end, t1
+    return text, t0, t1
+
+
+def _token_str(srv: _Server, tid: int, entry: PositionLogprobs) -> str:
+    lp = entry.get(tid)
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return srv.tok.decode([tid], skip_special_tokens=False)
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0) if logprob == logprob else -9999.0
+
+
+def _usage(outputs: list[RequestOutput | None]) -> P.UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _parse(request: Request, model: type[T]) -> T:
+    body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"The request body is not valid JSON: {err['msg']}") from None
+        where = ".".join(x for x in loc if x not in _TYPE_TAGS and "[" not in x) or "body"
+        raise APIError(400, f"Invalid value for `{where}`: {err['msg']}", param=loc[0] if loc else None) from None
+
+
+def _abort_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Newest outputs of all streams as (stream index, output), in arrival order; ends when all finished."""
+    if len(streams) == 1:
+        while not streams[0].finished:
+            try:
+                yield 0, await streams[0].next_latest()
+            except StopAsyncIteration:
+                return
+        return
+    pending = {asyncio.ensure_future(s.next_latest()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            ready, error = [], None
+            for task in done:
+                i = pending.pop(task)
+                if task.exception() is None:
+                    ready.append((i, task.result()))
+                elif not isinstance(task.exception(), StopAsyncIteration):
+                    error = error or task.exception()
+            if error is not None:
+                raise error
+            for i, out in ready:
+                if not streams[i].finished:
+                    pending[asyncio.ensure_future(streams[i].next_latest())] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final outputs; aborts everything if the client disconnects first."""
+    finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
+
+    async def run() -> None:
+        async for i, out in _merge(streams):
+            finals[i] = out
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(run()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        _abort_all(streams)
+    if not work.done() or work.cancelled():
+        raise APIError(499, "The client disconnected.")
+    try:
+        work.result()
+    except (RequestFailedError, EngineDeadError) as e:
+        raise APIError(500, str(e), type="server_error") from None
+    return finals
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _event(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def _event_error(e: APIError) -> str:
+    return f"data: {json.dumps(e.body())}\n\n"
+
+
+def _sse(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(_abort_all, streams))
+
+
+def _error_response(e: APIError) -> Response:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Guard:
+    """ASGI middleware: bearer-token check (401) and request-body size limit (413), before any parsing."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"] not in PUBLIC_PATHS:
+            if not hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode()):
+                return await _error_response(APIError(401, "Invalid or missing API key (send `Authorization: "
+                                                           "Bearer <key>`).", code="invalid_api_key",
+                                                      headers={"WWW-Authenticate": "Bearer"}))(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await _error_response(APIError(400, "Invalid Content-Length."))(scope, receive, send)
+            if int(length) > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+        seen, rejected = 0, False
+
+        async def limited_receive() -> dict:
+            nonlocal seen, rejected
+            msg = await receive()
+            if msg["type"] == "http.request" and not rejected:
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body_bytes:
+                    rejected = True
+                    await self._too_large(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def guarded_send(msg: dict) -> None:
+            if not rejected:
+                await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not rejected:
+                raise
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        await _error_response(APIError(413, f"The request body exceeds {self.max_body_bytes} bytes.",
+                                       code="request_too_large"))(scope, receive, send)
