@@ -1,5 +1,6 @@
-"""Gemma 3 270M (real weights, fp32): weights bit-identical to transformers' own GGUF loading; greedy tokens and
-top-5 logprobs equal HF's, for prompts shorter and longer than the 512-token sliding window, batched and alone."""
+"""Gemma 3 vs HF transformers, fp32. A tiny random Gemma 3 (window 8) in HF format; and (slow) the real 270M GGUF:
+weights bit-identical to transformers' own GGUF loading; greedy tokens and top-5 logprobs equal HF's, for prompts
+shorter and longer than the 512-token sliding window, batched and alone."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,6 @@ from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
 from pagedlm.model.loader import iter_weights, load_hf_config
 
-pytestmark = pytest.mark.slow
-
 NEW_TOKENS = 24
 
 LONG_TEXT = (
@@ -19,6 +18,49 @@ LONG_TEXT = (
     "memory, which splits memory into fixed-size pages and maps each process's logical pages to physical "
     "frames, so that memory is allocated on demand and fragmentation stays small. "
 )
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_dir(tmp_path_factory):
+    """Random 6-layer Gemma 3 (5 sliding layers with window 8, then 1 global), nonzero norm weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from conftest import build_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_gemma3")
+    tok = build_tiny_tokenizer()
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                           max_position_embeddings=256, query_pre_attn_scalar=16, bos_token_id=None,
+                           eos_token_id=tok.eos_token_id, pad_token_id=None)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_tiny_gemma3_matches_hf_across_the_sliding_window(tiny_gemma_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma_dir, dtype=torch.float32).eval()
+    llm = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=64, block_size=4)
+    assert llm.engine.runner.model.layer_sliding_windows == [8, 8, 8, 8, 8, None]
+    prompts = [list(range(5, 35)), list(range(100, 105)), list(range(200, 221))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    with torch.inference_mode():
+        for ids, out in zip(prompts, outs):
+            full = torch.tensor([ids + out.outputs[0].token_ids])
+            ref = torch.log_softmax(hf(full).logits[0, len(ids) - 1:-1].float(), -1)
+            assert ref.argmax(-1).tolist() == out.outputs[0].token_ids
+            for step, ours in enumerate(out.outputs[0].logprobs):
+                for tid, lp in ours.items():
+                    assert abs(lp.logprob - ref[step, tid].item()) < 1e-4, (step, tid)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +107,7 @@ def hf_reference(hf_model, prompts):
     return results
 
 
+@pytest.mark.slow
 def test_config_matches_hf(gemma3_path, hf_model, llm):
     ours, hf = ModelConfig.from_hf(load_hf_config(gemma3_path)), hf_model.config
     assert ours.layer_types == hf.layer_types and ours.sliding_window == hf.sliding_window == 512
@@ -78,6 +121,7 @@ def test_config_matches_hf(gemma3_path, hf_model, llm):
     assert model.layer_sliding_windows == [None if t == "full_attention" else 512 for t in hf.layer_types]
 
 
+@pytest.mark.slow
 def test_weights_bit_identical_to_hf_gguf_loading(gemma3_path, hf_model):
     hf = hf_model.state_dict()
     names = set()
@@ -101,14 +145,17 @@ def check_against_hf(outputs, hf_reference):
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
 
 
+@pytest.mark.slow
 def test_batched_greedy_matches_hf(llm, prompts, hf_reference):
     check_against_hf(llm.generate(prompts, PARAMS, use_tqdm=False), hf_reference)
 
 
+@pytest.mark.slow
 def test_one_by_one_greedy_matches_hf(llm, prompts, hf_reference):
     check_against_hf([llm.generate(p, PARAMS, use_tqdm=False)[0] for p in prompts], hf_reference)
 
 
+@pytest.mark.slow
 def test_chat_uses_gemma_turn_format(llm):
     out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0.0, max_tokens=4),
                    use_tqdm=False)[0]

@@ -10,12 +10,11 @@ import time
 import httpx
 import openai
 import pytest
+from server_utils import ServerProcess
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestFailedError
 from pagedlm.engine.llm_engine import LLMEngine
-
-from server_utils import ServerProcess
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there was", "Hello! How are you today?",
            "It was the best of times, it was the worst of times"]
@@ -32,7 +31,9 @@ def launched(tiny_model_dir):
     try:
         servers["main"] = ServerProcess(*common, "--num-kv-blocks", "512", "--log-interval", "1")
         servers["guarded"] = ServerProcess(*common, "--num-kv-blocks", "64", "--max-num-seqs", "1",
-                                           "--max-waiting", "1", "--max-body-bytes", "4096", api_key=KEY)
+                                           "--max-waiting", "1", "--max-body-bytes", "4096",
+                                           env={"PAGEDLM_API_KEY": KEY})
+        servers["guarded"].api_key = KEY  # the key comes from the environment, not --api-key
         yield servers
     finally:
         for s in servers.values():
@@ -195,7 +196,7 @@ def test_completion_logprobs_and_echo(server, client):
     assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
     assert "".join(lp.tokens) == c.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    for tok, chosen, top in zip(lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:]):
+    for chosen, top in zip(lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:]):
         assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(chosen)  # greedy: the top token
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=0,
                                       extra_body=NO_EOS).choices[0]
@@ -287,9 +288,9 @@ def test_errors_map_to_client_exceptions(server, client):
     assert ei.value.body["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    for body, status in [(b"{not json", 400), (b"[1, 2]", 400), (b"", 400), (b'{"prompt": "x", "max_tokens": NaN}', 400)]:
+    for body in [b"{not json", b"[1, 2]", b"", b'{"prompt": "x", "max_tokens": NaN}']:
         r = server.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, body
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, body
     r = httpx.get(f"{server.url}/v1/nope")
     assert r.status_code == 404 and "error" in r.json()
     assert httpx.get(f"{server.base_url}/completions").status_code == 405
@@ -465,7 +466,10 @@ def test_async_engine_queue_bound_and_step_failure(async_engine):
         with pytest.raises(RequestFailedError):
             async for _ in first:
                 pass
-        done = [[o async for o in s][-1] for s, v in zip(streams, verdicts) if v is None]
+        done = []
+        for s, v in zip(streams, verdicts):
+            if v is None:
+                done.append([o async for o in s][-1])
         return verdicts, done
 
     verdicts, done = asyncio.run(main())

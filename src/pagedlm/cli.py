@@ -105,11 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_memory)
 
     __import__("pagedlm.router.cli", fromlist=["cli"]).add_router_parser(sub)
-    try:
-        from pagedlm.server.cli import add_serve_parser
-        add_serve_parser(sub, _engine_args, engine_kwargs)
-    except ImportError:
-        pass
+    from pagedlm.server.cli import add_serve_parser
+    add_serve_parser(sub, _engine_args, engine_kwargs)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

@@ -12,8 +12,8 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 from pagedlm.engine.llm_engine import EngineStats, LLMEngine
 from pagedlm.outputs import RequestOutput
@@ -46,7 +46,7 @@ class StepRecord:
 
 @dataclass
 class _Add:
-    stream: "RequestStream"
+    stream: RequestStream
     prompt: str | list[int]
     params: SamplingParams
     priority: int
@@ -56,7 +56,6 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
-    error: BaseException | None = None  # delivered to the stream, if it is still open
 
 
 _STOP = object()
@@ -69,7 +68,7 @@ class RequestStream:
     `EngineDeadError` if the engine fails it. `abort()` (idempotent) frees the request at once.
     """
 
-    def __init__(self, owner: "AsyncLLMEngine", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.finished = False
         self._owner = owner
@@ -87,7 +86,7 @@ class RequestStream:
             self.abort()
             raise
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -167,7 +166,7 @@ class AsyncLLMEngine:
         return self._dead is None and self._thread.is_alive()
 
     def add_listener(self, fn: Callable[[StepRecord], None]) -> None:
-        """`fn(record)` runs on the engine thread after every iteration that did something."""
+        """`fn(record)` runs on the engine thread after every loop iteration (it must be quick)."""
         self._listeners.append(fn)
 
     # --- requests ------------------------------------------------------------------------------------
@@ -200,6 +199,7 @@ class AsyncLLMEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
+        """Abort a request by id (no-op if unknown or finished); its blocks are freed before the next step."""
         self._submit(_Abort(request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -273,12 +273,10 @@ class AsyncLLMEngine:
 
     def _apply(self, cmd: object, record: StepRecord) -> None:
         if isinstance(cmd, _Abort):
-            stream = self._streams.pop(cmd.request_id, None)
+            self._streams.pop(cmd.request_id, None)
             out = self.engine.abort_output(cmd.request_id)
             if out is not None:
                 record.finished.append(out)
-            if stream is not None and cmd.error is not None:
-                self._deliver([(stream, cmd.error)])
             return
         assert isinstance(cmd, _Add)
         stream = cmd.stream
@@ -296,6 +294,8 @@ class AsyncLLMEngine:
 
     def _step(self, record: StepRecord, failures: int) -> tuple[int, bool]:
         """One engine step; returns (consecutive failures, whether any output came out)."""
+        if not self._active_since_log:  # activity resumes: the throughput window starts now, not when idle began
+            self._log_state = (time.monotonic(), self.stats.prompt_tokens, self.stats.generation_tokens)
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001

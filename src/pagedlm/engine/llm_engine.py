@@ -117,6 +117,13 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"The prompt has {len(token_ids)} tokens; this model's maximum context length is "
                              f"{self.max_model_len} tokens, including at least one generated token.")
+        width = params.beam_width if params.use_beam_search else params.n
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"n / beam_width {width} exceeds max_num_seqs ({self.config.max_num_seqs}).")
+        full_len = min(len(token_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if width * -(-full_len // self.config.block_size) > self.block_manager.num_total_blocks:
+            raise ValueError(f"{width} sequences of up to {full_len} tokens cannot fit in the KV cache "
+                             f"({self.block_manager.num_total_blocks * self.config.block_size} token slots).")
         req = Request(request_id, text, token_ids, params, priority=priority, cache_salt=cache_salt,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if params.use_beam_search:

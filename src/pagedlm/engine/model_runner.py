@@ -32,7 +32,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = dtype
         self.model, self.model_config = load_model(model_path, dtype, self.device)
-        self.attn_fn = get_attention_backend(config.attention_backend)
+        self.attn_fn = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
         self.kv_cache: KVCache | None = None
 

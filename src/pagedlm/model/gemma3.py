@@ -137,6 +137,12 @@ class Gemma3ForCausalLM(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
+    def process_weights_after_loading(self) -> None:
+        """Let each Linear repack its weight for speed where layers.Linear supports it (the tied head stays)."""
+        for m in self.modules():
+            if isinstance(m, Linear) and hasattr(m, "process_weights_after_loading"):
+                m.process_weights_after_loading()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, attn_fn,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,8 +154,7 @@ class Gemma3ForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head)
+        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         if (cap := self.cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

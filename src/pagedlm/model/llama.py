@@ -10,11 +10,11 @@ from torch import nn
 
 from pagedlm.attention import AttentionMetadata, write_kv
 from pagedlm.config import ModelConfig
-from pagedlm.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagedlm.model.layers import Linear, RMSNorm, RotaryEmbedding, prefer_transposed
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -22,16 +22,15 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, attn_fn) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, attn_fn) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent in the fused output: rotate them together as one [n, heads + kv_heads, dim] view.
+        qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = attn_fn(q, k_cache, v_cache, meta, self.scale)
@@ -47,19 +46,19 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions, x, kv_cache, meta, attn_fn) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, attn_fn)
+    def forward(self, rope, x, kv_cache, meta, attn_fn) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, attn_fn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -76,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
@@ -85,13 +84,26 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns logits [len(logits_indices), vocab] (all tokens if None)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta, attn_fn)
+            x = layer(rope, x, kv_cache, meta, attn_fn)
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)
+        if self.lm_head is None:  # tied and not yet processed
+            return F.linear(x, self.embed_tokens.weight)
+        return self.lm_head(x)
+
+    def process_weights_after_loading(self) -> None:
+        """Repack the loaded weights for speed (see `Linear.process_weights_after_loading`). A tied LM head
+        gets its own Linear (a copy of the embedding) when that Linear would store it in another layout."""
+        if self.lm_head is None and prefer_transposed(self.embed_tokens.weight.dtype, self.embed_tokens.weight.device):
+            head = Linear(self.cfg.hidden_size, self.cfg.vocab_size)
+            head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)
+            self.lm_head = head
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or unexpected tensors."""
@@ -122,6 +134,8 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if pending or missing:
             raise ValueError(f"Checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+        if hasattr(self, "process_weights_after_loading"):  # models borrowing this loader may not define it
+            self.process_weights_after_loading()
 
     @staticmethod
     def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:

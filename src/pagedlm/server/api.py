@@ -12,8 +12,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,8 +24,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedlm import __version__
-from pagedlm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError, \
-    RequestStream
+from pagedlm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
+                                         RequestStream)
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams

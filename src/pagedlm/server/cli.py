@@ -5,7 +5,7 @@ import argparse
 import logging
 import os
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 from pagedlm.config import parse_bytes
 

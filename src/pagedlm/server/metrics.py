@@ -49,6 +49,9 @@ class _EngineCollector(Collector):
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.num_preemptions)
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Generation tokens processed.", s.generation_tokens)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield gauge("pagedlm:kv_blocks_total", "KV-cache blocks on the device.", s.num_total_blocks)
         yield gauge("pagedlm:kv_blocks_free", "Free KV-cache blocks.", s.num_free_blocks)
         yield gauge("pagedlm:kv_blocks_used", "Allocated KV-cache blocks.", s.num_total_blocks - s.num_free_blocks)

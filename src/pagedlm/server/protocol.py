@@ -69,6 +69,10 @@ class SamplingRequest(Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    use_beam_search: bool = False
+    beam_width: int | None = Field(None, ge=1, le=MAX_N)
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -88,7 +92,8 @@ class SamplingRequest(Request):
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens, use_beam_search=self.use_beam_search,
+                beam_width=self.beam_width, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 

@@ -1,0 +1,1 @@
+"""Benchmarks: `pagedlm bench throughput | latency | serve | kernel` (see cli.py)."""

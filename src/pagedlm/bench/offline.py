@@ -1,0 +1,168 @@
+"""`pagedlm bench throughput` (offline batch) and `pagedlm bench latency` (single stream).
+
+Every backend gets the same prompts (random token ids of equal length) and generates exactly the same number of
+tokens greedily (EOS ignored). Backends run alternately, repetition by repetition, so that a noisy machine
+slows them alike; the tables report medians and the ratio to the first backend.
+"""
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagedlm.bench.backends import Backend, make_backend, threads_note
+from pagedlm.bench.common import format_table, make_prompts, median, write_json
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ThroughputRow:
+    backend: str
+    batch: int
+    output_tok_s: float  # median over repeats
+    min_tok_s: float
+    max_tok_s: float
+    ratio: float | None = None  # to the first backend at the same batch size
+
+
+@dataclass
+class LatencyRow:
+    backend: str
+    tok_s: float  # output_len / end-to-end time, median
+    e2e_s: float
+    ttft_ms: float  # time to generate 1 token (prefill + first decode)
+    tpot_ms: float  # (e2e - ttft) / (output_len - 1)
+    ratio: float | None = None
+
+
+def load_backends(names: list[str], model: str, dtype: str, engine_kwargs: dict) -> list[Backend]:
+    out = []
+    for name in names:
+        try:
+            out.append(make_backend(name, model, dtype, engine_kwargs))
+        except ImportError as e:
+            logger.warning("Skipping backend %s: %s (install its optional package).", name, e)
+    if not out:
+        raise ValueError("no backend could be loaded")
+    return out
+
+
+def _timed(backend: Backend, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    n = backend.generate(prompts, max_tokens)
+    return time.perf_counter() - t0, n
+
+
+def run_throughput(backends: list[Backend], vocab_size: int, batch_sizes: list[int], input_len: int,
+                   output_len: int, repeats: int, seed: int = 0) -> list[ThroughputRow]:
+    prompts = make_prompts(vocab_size, max(batch_sizes), input_len, seed)
+    for b in backends:  # warm-up: first-call costs (kernel build, allocator, caches) are not measured
+        b.generate(prompts[:2], 4)
+    rows = []
+    for bs in batch_sizes:
+        rates: dict[str, list[float]] = {b.name: [] for b in backends}
+        for _ in range(repeats):
+            for b in backends:
+                dt, n = _timed(b, prompts[:bs], output_len)
+                rates[b.name].append(n / dt)
+                logger.info("%s batch %d: %.1f tok/s", b.name, bs, n / dt)
+        first = median(rates[backends[0].name])
+        for b in backends:
+            m = median(rates[b.name])
+            rows.append(ThroughputRow(b.name, bs, m, min(rates[b.name]), max(rates[b.name]), m / first))
+    return rows
+
+
+def run_latency(backends: list[Backend], vocab_size: int, input_len: int, output_len: int, repeats: int,
+                seed: int = 0) -> list[LatencyRow]:
+    prompt = make_prompts(vocab_size, 1, input_len, seed)
+    for b in backends:
+        b.generate(prompt, 4)
+    e2e: dict[str, list[float]] = {b.name: [] for b in backends}
+    ttft: dict[str, list[float]] = {b.name: [] for b in backends}
+    for _ in range(repeats):
+        for b in backends:
+            ttft[b.name].append(_timed(b, prompt, 1)[0])
+            e2e[b.name].append(_timed(b, prompt, output_len)[0])
+    rows = []
+    for b in backends:
+        t, f = median(e2e[b.name]), median(ttft[b.name])
+        rows.append(LatencyRow(b.name, output_len / t, t, f * 1e3, (t - f) / max(1, output_len - 1) * 1e3))
+    for r in rows:
+        r.ratio = r.tok_s / rows[0].tok_s
+    return rows
+
+
+THROUGHPUT_COLUMNS = [("backend", "backend", ""), ("batch", "batch", "d"), ("output_tok_s", "output tok/s", ".1f"),
+                      ("min_tok_s", "min", ".1f"), ("max_tok_s", "max", ".1f"), ("ratio", "ratio", ".2f")]
+LATENCY_COLUMNS = [("backend", "backend", ""), ("tok_s", "tok/s", ".1f"), ("e2e_s", "e2e s", ".3f"),
+                   ("ttft_ms", "TTFT ms", ".1f"), ("tpot_ms", "TPOT ms", ".2f"), ("ratio", "ratio", ".2f")]
+
+
+def environment() -> dict:
+    return {"torch": torch.__version__, "threads": threads_note(), "machine": platform.machine(),
+            "processor": platform.processor(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def plot_throughput(rows: list[ThroughputRow], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot (pip install matplotlib).")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r.backend for r in rows):
+        pts = [(r.batch, r.output_tok_s) for r in rows if r.backend == name]
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel("generated tokens/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cmd_throughput(args, engine_kwargs: dict) -> int:
+    kw = engine_kwargs(args)
+    model, dtype = kw.pop("model"), kw.pop("dtype")
+    backends = load_backends(args.backends.split(","), model, dtype, kw)
+    vocab = _vocab_size(backends, model)
+    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else [args.num_prompts]
+    rows = run_throughput(backends, vocab, sizes, args.input_len, args.output_len, args.repeats, args.seed)
+    print(format_table([asdict(r) for r in rows], THROUGHPUT_COLUMNS))
+    write_json(args.output_json, {"benchmark": "throughput", "model": model, "dtype": dtype,
+                                  "input_len": args.input_len, "output_len": args.output_len,
+                                  "repeats": args.repeats, "env": environment(), "rows": [asdict(r) for r in rows]})
+    if args.plot:
+        plot_throughput(rows, args.plot)
+    return 0
+
+
+def cmd_latency(args, engine_kwargs: dict) -> int:
+    kw = engine_kwargs(args)
+    model, dtype = kw.pop("model"), kw.pop("dtype")
+    backends = load_backends(args.backends.split(","), model, dtype, kw)
+    rows = run_latency(backends, _vocab_size(backends, model), args.input_len, args.output_len, args.repeats,
+                       args.seed)
+    print(format_table([asdict(r) for r in rows], LATENCY_COLUMNS))
+    write_json(args.output_json, {"benchmark": "latency", "model": model, "dtype": dtype,
+                                  "input_len": args.input_len, "output_len": args.output_len,
+                                  "repeats": args.repeats, "env": environment(), "rows": [asdict(r) for r in rows]})
+    return 0
+
+
+def _vocab_size(backends: list[Backend], model: str) -> int:
+    for b in backends:
+        if hasattr(b, "vocab_size"):
+            return b.vocab_size
+    from pagedlm.config import ModelConfig
+    from pagedlm.model.loader import load_hf_config
+    from pagedlm.model.registry import resolve_model
+    return ModelConfig.from_hf(load_hf_config(resolve_model(model))).vocab_size
