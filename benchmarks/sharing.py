@@ -55,11 +55,11 @@ def cmd_memory(args) -> None:
     print(f"{len(prompts)} instruction prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
           f"outputs up to {args.max_tokens} tokens, block size {llm.engine.block_manager.block_size}")
     print(f"{'workload':<22}{'blocks saved (mean over steps)':>32}{'peak blocks shared / unshared':>32}  paper")
-    for n in (2, 4, 6):
+    for n in args.n_values:
         params = SamplingParams(n=n, temperature=1.0, top_p=0.95, seed=0, max_tokens=args.max_tokens)
         saved, peak, peak_un = measure(llm, prompts, params)
         print(f"{'parallel sampling n=' + str(n):<22}{saved:>32.1%}{f'{peak} / {peak_un}':>32}  6-30%")
-    for k in (2, 4, 6):
+    for k in args.beam_widths:
         params = SamplingParams(use_beam_search=True, beam_width=k, max_tokens=args.max_tokens, early_stopping=False)
         saved, peak, peak_un = measure(llm, prompts, params)
         print(f"{'beam search k=' + str(k):<22}{saved:>32.1%}{f'{peak} / {peak_un}':>32}  38-66%")
@@ -106,6 +106,8 @@ def main() -> None:
         if name == "memory":
             p.add_argument("--prompts", type=int, default=4)
             p.add_argument("--max-tokens", type=int, default=128)
+            p.add_argument("--n-values", type=int, nargs="*", default=[2, 4, 6])
+            p.add_argument("--beam-widths", type=int, nargs="*", default=[2, 4, 6])
         else:
             p.add_argument("--requests", type=int, default=64)
             p.add_argument("--max-tokens", type=int, default=32)

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     __import__("pagedlm.router.cli", fromlist=["cli"]).add_router_parser(sub)
     from pagedlm.server.cli import add_serve_parser
     add_serve_parser(sub, _engine_args, engine_kwargs)
+    from pagedlm.bench.cli import add_bench_parser; add_bench_parser(sub, _engine_args, engine_kwargs)  # noqa: E702
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

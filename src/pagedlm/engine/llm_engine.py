@@ -121,7 +121,10 @@ class LLMEngine:
         if width > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width {width} exceeds max_num_seqs ({self.config.max_num_seqs}).")
         full_len = min(len(token_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if width * -(-full_len // self.config.block_size) > self.block_manager.num_total_blocks:
+        bs = self.config.block_size
+        need = -(-full_len // bs) if width == 1 else (  # samples/beams share the prompt's blocks
+            -(-len(token_ids) // bs) + width * (-(-(full_len - len(token_ids)) // bs) + 1))
+        if need > self.block_manager.num_total_blocks:
             raise ValueError(f"{width} sequences of up to {full_len} tokens cannot fit in the KV cache "
                              f"({self.block_manager.num_total_blocks * self.config.block_size} token slots).")
         req = Request(request_id, text, token_ids, params, priority=priority, cache_salt=cache_salt,

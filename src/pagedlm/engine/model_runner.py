@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +56,16 @@ class ModelRunner:
         # positions: start of each chunk + offset within it
         offsets = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], q_lens)
         positions = np.repeat(starts, q_lens) + offsets
-        max_blocks = max(len(c.block_table) for c in chunks)
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_table)] = c.block_table
+        # block tables in bulk: one flat array, scattered into the padded [seqs, max_blocks] table
+        n_blocks = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=len(chunks))
+        flat = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), dtype=np.int64,
+                           count=int(n_blocks.sum()))
+        tables = np.zeros((len(chunks), int(n_blocks.max())), dtype=np.int64)
+        tables[np.arange(tables.shape[1]) < n_blocks[:, None]] = flat
         seq_idx = np.repeat(np.arange(len(chunks)), q_lens)
         slots = tables[seq_idx, positions // bs] * bs + positions % bs
-        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total)
+        input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
+                                count=total)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),

@@ -10,7 +10,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back (as HF does); one fused op for float32."""
+    """x / rms(x) * weight, computed in float32 and cast back (as HF does). (`F.rms_norm` was measured: no
+    faster for decode batches on CPU, 1.4x slower for 2k-token prefill chunks.)"""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -18,8 +19,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

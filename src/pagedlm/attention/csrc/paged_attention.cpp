@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -161,18 +162,14 @@ void paged_attention(const T* q, const T* kc, const T* vc, T* out, Args a, int n
   first.push_back(int(items.size()));
   const int64_t nitems = int64_t(items.size());
   const int rows = qt * a.H;
-  std::vector<float> acc(size_t(nitems) * rows * D), ml(size_t(nitems) * rows * 2);
+  std::vector<int> group_of(nitems);
+  for (int gi = 0; gi + 1 < int(first.size()); ++gi)
+    for (int k = first[gi]; k < first[gi + 1]; ++k) group_of[k] = gi;
+  // Partial states, uninitialized (each item initializes its rows): [item, rows, D] and [item, {m, l}, rows].
+  std::unique_ptr<float[]> acc(new float[size_t(nitems) * rows * D]), ml(new float[size_t(nitems) * rows * 2]);
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-  for (int64_t k = 0; k < nitems; ++k) {
-    float* mk = ml.data() + size_t(k) * rows * 2;
-    run_item<T, D>(a, items[k], q, kc, vc, acc.data() + size_t(k) * rows * D, mk, mk + rows);
-  }
-
-  const int ngroups = int(first.size()) - 1;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int gi = 0; gi < ngroups; ++gi) {  // merge the partitions of each (seq, tile) and normalize
-    const int k0 = first[gi], k1 = first[gi + 1];
+  // Writes rows of (seq, tile) from the partial states of items k0..k1 (one item: just normalizes).
+  auto finish = [&](int k0, int k1) {
     const Item& it = items[k0];
     const int qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
     const int nrows = std::min(qt, qlen - it.tile * qt) * a.H;
@@ -186,14 +183,26 @@ void paged_attention(const T* q, const T* kc, const T* vc, T* out, Args a, int n
         if (mk == -INFINITY) continue;
         const float w = std::exp(mk - mmax);
         lsum += w * ml[size_t(k) * rows * 2 + rows + r];
-        const float* ak = acc.data() + (size_t(k) * rows + r) * D;
+        const float* ak = acc.get() + (size_t(k) * rows + r) * D;
         for (int d = 0; d < D; ++d) o[d] += w * ak[d];
       }
       const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
       T* dst = out + (int64_t(a.qsl[it.seq] + it.tile * qt) * a.H + r) * D;
       for (int d = 0; d < D; ++d) from_f(o[d] * inv, dst + d);
     }
+  };
+
+  // One parallel region (a second one costs a barrier); groups split over several items are merged after it,
+  // serially: splitting only happens when there are few groups.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+  for (int64_t k = 0; k < nitems; ++k) {
+    float* mk = ml.get() + size_t(k) * rows * 2;
+    run_item<T, D>(a, items[k], q, kc, vc, acc.get() + size_t(k) * rows * D, mk, mk + rows);
+    const int gi = group_of[k];
+    if (first[gi + 1] - first[gi] == 1) finish(int(k), int(k) + 1);
   }
+  for (int gi = 0; gi + 1 < int(first.size()); ++gi)
+    if (first[gi + 1] - first[gi] > 1) finish(first[gi], first[gi + 1]);
 }
 
 template <typename T>

@@ -1,0 +1,82 @@
+"""The `pagedlm bench` sub-commands; cli.py calls `add_bench_parser`."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Callable
+
+
+def add_bench_parser(sub, engine_args: Callable[[argparse.ArgumentParser], None],
+                     engine_kwargs: Callable[[argparse.Namespace], dict]) -> None:
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, kernel")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+
+    def offline(name: str, help: str, output_len: int, repeats: int) -> argparse.ArgumentParser:
+        q = bsub.add_parser(name, help=help)
+        engine_args(q)
+        q.add_argument("--backends", default="pagedlm,hf", help="comma list of pagedlm, hf, llama.cpp (run alternately)")
+        q.add_argument("--input-len", type=int, default=32)
+        q.add_argument("--output-len", type=int, default=output_len)
+        q.add_argument("--repeats", type=int, default=repeats, help="repetitions per backend; medians reported")
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--output-json", default=None)
+        return q
+
+    q = offline("throughput", "offline batch throughput, backends side by side", 128, 3)
+    q.add_argument("--num-prompts", type=int, default=64)
+    q.add_argument("--batch-sizes", default=None, help="e.g. 1,4,16,64: one run per size (default: --num-prompts)")
+    q.add_argument("--plot", default=None, help="write a PNG of throughput against batch size (needs matplotlib)")
+    q.set_defaults(fn=lambda a: _offline("cmd_throughput", a, engine_kwargs))
+
+    q = offline("latency", "single-stream latency, backends side by side", 128, 5)
+    q.set_defaults(fn=lambda a: _offline("cmd_latency", a, engine_kwargs))
+
+    q = bsub.add_parser("serve", help="load generator for an OpenAI-compatible server")
+    q.add_argument("--base-url", default="http://127.0.0.1:8000")
+    q.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    q.add_argument("--num-prompts", type=int, default=100)
+    q.add_argument("--input-len", type=int, default=32)
+    q.add_argument("--output-len", type=int, default=128)
+    q.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this")
+    q.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    q.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
+    q.add_argument("--max-concurrency", type=int, default=None)
+    q.add_argument("--sla-ttft-ms", type=float, default=None)
+    q.add_argument("--sla-tpot-ms", type=float, default=None)
+    q.add_argument("--sla-e2e-ms", type=float, default=None)
+    q.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (plain OpenAI servers)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--output-json", default=None)
+    q.add_argument("--save-requests", action="store_true", help="include per-request records in the JSON")
+    q.set_defaults(fn=_serve)
+
+    q = bsub.add_parser("kernel", help="paged decode attention vs SDPA on contiguous K/V")
+    q.add_argument("--backend", default="cpu")
+    q.add_argument("--dtype", default="float32")
+    q.add_argument("--batches", default="1,16,64")
+    q.add_argument("--contexts", default="128,1024,4096")
+    q.add_argument("--repeats", type=int, default=30)
+    q.add_argument("--output-json", default=None)
+    q.set_defaults(fn=_kernel)
+
+
+def _offline(name: str, args: argparse.Namespace, engine_kwargs) -> int:
+    from pagedlm.bench import offline
+    return getattr(offline, name)(args, engine_kwargs)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pagedlm.bench.serve import cmd_serve_bench
+    return cmd_serve_bench(args)
+
+
+def _kernel(args: argparse.Namespace) -> int:
+    from pagedlm.bench.kernel import bench_kernel, format_kernel, to_json
+    from pagedlm.config import parse_dtype
+    results = bench_kernel(args.backend, [int(x) for x in args.batches.split(",")],
+                           [int(x) for x in args.contexts.split(",")], parse_dtype(args.dtype), args.repeats)
+    print(format_kernel(results))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(to_json(results), f, indent=2)
+    return 0

@@ -1,0 +1,86 @@
+"""Smoke tests of the benchmark code on the tiny model (fast; the real figures come from the CLI)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from pagedlm.bench.common import format_table, make_prompts, percentile
+from pagedlm.bench.serve import RequestResult, arrival_gaps, summarize
+
+
+def test_prompts_and_stats():
+    p = make_prompts(100, 3, 5, seed=1, avoid=[0, 1, 2])
+    assert p == make_prompts(100, 3, 5, seed=1, avoid=[0, 1, 2]) and all(len(x) == 5 for x in p)
+    assert all(3 <= t < 100 for x in p for t in x)
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+    table = format_table([{"a": "x", "b": 1.234}], [("a", "name", ""), ("b", "value", ".1f")])
+    assert table.splitlines()[2].split() == ["x", "1.2"]
+
+
+def test_offline_benchmarks_tiny(tiny_model_dir):
+    from pagedlm.bench.backends import make_backend
+    from pagedlm.bench.offline import run_latency, run_throughput
+    backends = [make_backend("pagedlm", str(tiny_model_dir), "float32", {"num_kv_blocks": 64}),
+                make_backend("hf", str(tiny_model_dir), "float32", {})]
+    rows = run_throughput(backends, 500, [1, 3], input_len=6, output_len=5, repeats=2)
+    assert [(r.backend, r.batch) for r in rows] == [("pagedlm", 1), ("hf", 1), ("pagedlm", 3), ("hf", 3)]
+    assert all(r.output_tok_s > 0 and r.min_tok_s <= r.output_tok_s <= r.max_tok_s for r in rows)
+    assert rows[0].ratio == 1.0
+    lat = run_latency(backends, 500, input_len=6, output_len=5, repeats=1)
+    assert [r.backend for r in lat] == ["pagedlm", "hf"] and all(r.ttft_ms > 0 and r.tok_s > 0 for r in lat)
+    # both engines produce exactly output_len tokens per prompt
+    prompts = make_prompts(500, 2, 6)
+    assert backends[0].generate(prompts, 7) == backends[1].generate(prompts, 7) == 14
+
+
+def test_cli_throughput_json(tiny_model_dir, tmp_path):
+    from pagedlm.cli import main
+    out = tmp_path / "t.json"
+    rc = main(["bench", "throughput", "--model", str(tiny_model_dir), "--dtype", "float32", "--backends", "pagedlm",
+               "--num-prompts", "2", "--input-len", "4", "--output-len", "3", "--repeats", "1",
+               "--num-kv-blocks", "32", "--output-json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["benchmark"] == "throughput" and data["rows"][0]["batch"] == 2
+
+
+def test_kernel_benchmark_tiny():
+    from pagedlm.bench.kernel import bench_kernel, format_kernel
+    res = bench_kernel("cpu", batches=(2,), contexts=(40,), repeats=3)
+    assert len(res) == 1 and res[0].paged_us > 0 and "ratio" in format_kernel(res)
+
+
+def test_serve_summary_and_arrivals():
+    import random
+    gaps = arrival_gaps(2000, 10.0, "poisson", random.Random(0))
+    assert abs(sum(gaps) / len(gaps) - 0.1) < 0.01
+    assert arrival_gaps(3, 4.0, "fixed", random.Random(0)) == [0.25] * 3
+    assert arrival_gaps(2, float("inf"), "poisson", random.Random(0)) == [0.0, 0.0]
+    rs = [RequestResult(True, 4, 5, ttft=0.1, e2e=0.5, itl=[0.1] * 4), RequestResult(True, 4, 5, ttft=0.3, e2e=1.3),
+          RequestResult(False, 4, error="HTTP 500")]
+    s = summarize(rs, 2.0, sla_ttft_ms=200)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["goodput"] == 0.5
+    assert s["tpot_ms"]["median"] == pytest.approx(175.0) and s["output_throughput"] == 5.0
+    json.dumps(s)
+
+
+def test_serve_benchmark_against_server(tiny_model_dir):
+    """The load generator against the real OpenAI-compatible server (streaming, ignore_eos, usage)."""
+    import asyncio
+
+    from server_utils import ServerProcess
+
+    from pagedlm.bench.serve import run_load
+    srv = ServerProcess("--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "64").wait_ready()
+    try:
+        prompts = make_prompts(500, 4, 5, seed=2)
+        results, duration = asyncio.run(run_load(srv.url, None, prompts, 6, rate=50.0, arrival="poisson",
+                                                 max_concurrency=2))
+    finally:
+        srv.stop()
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_tokens for r in results] == [6] * 4
+    s = summarize(results, duration)
+    assert s["completed"] == 4 and s["ttft_ms"]["p99"] >= s["ttft_ms"]["median"] > 0
+    assert all(asdict(r)["e2e"] >= r.ttft for r in results)
