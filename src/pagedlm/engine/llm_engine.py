@@ -143,7 +143,7 @@ class LLMEngine:
         params = req.params
         gen = None
         if params.seed is not None:
-            gen = torch.Generator(device="cpu")
+            gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(params.seed + index)
         seq = Sequence(list(req.prompt_token_ids), index=index, generator=gen, cache_salt=req.cache_salt)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids, params.skip_special_tokens)
