@@ -45,7 +45,7 @@ def run_pagedlm(llm, reqs) -> dict:
     for i, (ids, max_tokens) in enumerate(reqs):
         eng.add_request(f"b{time.monotonic_ns()}-{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     max_tokens_of = {}
-    util, reserve_util, reserve_max_util = [], [], []
+    util, phys_util, reserve_util, reserve_max_util = [], [], [], []
     generated = 0
     bs = eng.block_manager.block_size
     start = time.perf_counter()
@@ -53,20 +53,23 @@ def run_pagedlm(llm, reqs) -> dict:
         for out in eng.step():
             if out.finished:
                 generated += sum(len(o.token_ids) for o in out.outputs)
-        real = reserved = reserved_max = 0
+        real = reserved = reserved_max = logical = 0
         for req in eng.scheduler.running:
             for s in req.live_seqs:
                 real += s.num_computed_tokens
+                logical += len(eng.block_manager.get_block_table(s)) * bs
                 reserved += len(req.prompt_token_ids) + req.params.max_tokens
                 reserved_max += eng.max_model_len
         used_slots = (eng.block_manager.num_total_blocks - eng.block_manager.num_free_blocks) * bs
         if used_slots:
-            util.append(real / used_slots)
+            util.append(real / logical)
+            phys_util.append(real / used_slots)
             reserve_util.append(real / reserved)
             reserve_max_util.append(real / reserved_max)
     elapsed = time.perf_counter() - start
     return dict(seconds=elapsed, generated=generated, tok_s=generated / elapsed,
-                kv_util_paged=statistics.mean(util), kv_util_reserve_max_tokens=statistics.mean(reserve_util),
+                kv_util_paged=statistics.mean(util), kv_util_physical=statistics.mean(phys_util),
+                kv_util_reserve_max_tokens=statistics.mean(reserve_util),
                 kv_util_reserve_max_model_len=statistics.mean(reserve_max_util))
 
 
@@ -99,6 +102,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-hf", action="store_true", help="only pagedlm (for the KV utilization figures)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -110,7 +114,9 @@ def main() -> None:
     llm = LLM(args.model, dtype=dtype)
     tok = llm.get_tokenizer()
     path = llm.engine.model_path
-    if path.suffix == ".gguf":
+    if args.no_hf:
+        hf = None
+    elif path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=dtype).eval()
     else:
         hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype).eval()
@@ -123,17 +129,21 @@ def main() -> None:
     results = {"pagedlm": [], "hf": []}
     for r in range(args.repeats):  # alternate so both see the same machine conditions
         results["pagedlm"].append(run_pagedlm(llm, reqs))
-        results["hf"].append(run_hf(hf, tok, reqs, eos, args.hf_batch_size))
-        print(f"  repeat {r}: pagedlm {results['pagedlm'][-1]['tok_s']:.1f} tok/s, "
-              f"hf {results['hf'][-1]['tok_s']:.1f} tok/s")
-    med = {k: statistics.median(x["tok_s"] for x in v) for k, v in results.items()}
+        if not args.no_hf:
+            results["hf"].append(run_hf(hf, tok, reqs, eos, args.hf_batch_size))
+        print(f"  repeat {r}: " + ", ".join(f"{k} {v[-1]['tok_s']:.1f} tok/s" for k, v in results.items() if v))
+    med = {k: statistics.median(x["tok_s"] for x in v) for k, v in results.items() if v}
     p = results["pagedlm"][-1]
     print(f"\n{'backend':<10}{'generated tok/s (median)':>26}{'generated tokens':>18}")
-    print(f"{'pagedlm':<10}{med['pagedlm']:>26.1f}{p['generated']:>18}")
-    print(f"{'hf':<10}{med['hf']:>26.1f}{results['hf'][-1]['generated']:>18}")
-    print(f"ratio pagedlm / hf: {med['pagedlm'] / med['hf']:.2f}x")
+    for k, v in results.items():
+        if v:
+            print(f"{k:<10}{med[k]:>26.1f}{v[-1]['generated']:>18}")
+    if "hf" in med:
+        print(f"ratio pagedlm / hf: {med['pagedlm'] / med['hf']:.2f}x")
     print("\nKV utilization (slots holding real tokens / slots allocated, mean over steps)")
     print(f"  paged blocks (block_size {llm.engine.block_manager.block_size}): {p['kv_util_paged']:.1%}")
+    print(f"  physical blocks, shared prefix blocks counted once: {p['kv_util_physical']:.1%} "
+          "(above 100% when requests share cached prefix blocks)")
     print(f"  contiguous reservation of prompt + max_tokens: {p['kv_util_reserve_max_tokens']:.1%}")
     print(f"  contiguous reservation of max_model_len ({llm.engine.max_model_len}): "
           f"{p['kv_util_reserve_max_model_len']:.1%}")

@@ -10,6 +10,8 @@ from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
 from pagedlm.model.loader import iter_weights, load_hf_config
 
+from hf_reference import assert_matches_hf, hf_greedy
+
 NEW_TOKENS = 24
 
 LONG_TEXT = (
@@ -89,22 +91,7 @@ def prompts(llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(hf_model, prompts):
-    """Greedy continuation with HF transformers (its own modeling code and KV cache), step by step."""
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = hf_model(torch.tensor([ids]), use_cache=True)
-            past, tokens, logprobs = out.past_key_values, [], []
-            logits = out.logits[0, -1]
-            for _ in range(NEW_TOKENS):
-                lp = torch.log_softmax(logits.float(), -1)
-                tok = int(lp.argmax())
-                tokens.append(tok)
-                logprobs.append(lp)
-                out = hf_model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[0, -1]
-            results.append((tokens, logprobs))
-    return results
+    return hf_greedy(hf_model, prompts, NEW_TOKENS)
 
 
 @pytest.mark.slow
@@ -131,28 +118,17 @@ def test_weights_bit_identical_to_hf_gguf_loading(gemma3_path, hf_model):
     assert names == set(hf) - {"lm_head.weight"}  # tied to the embeddings
 
 
-def check_against_hf(outputs, hf_reference):
-    for out, (hf_tokens, hf_logprobs) in zip(outputs, hf_reference):
-        comp = out.outputs[0]
-        assert comp.token_ids == hf_tokens
-        for step, (ours, ref) in enumerate(zip(comp.logprobs, hf_logprobs)):
-            top5 = torch.topk(ref, 5)
-            for lp, tid in zip(top5.values.tolist(), top5.indices.tolist()):
-                assert tid in ours, f"step {step}: HF top-5 token {tid} missing from ours"
-                assert abs(ours[tid].logprob - lp) < 1e-3, (step, tid, ours[tid].logprob, lp)
-
-
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
 
 
 @pytest.mark.slow
 def test_batched_greedy_matches_hf(llm, prompts, hf_reference):
-    check_against_hf(llm.generate(prompts, PARAMS, use_tqdm=False), hf_reference)
+    assert_matches_hf(llm.generate(prompts, PARAMS, use_tqdm=False), hf_reference)
 
 
 @pytest.mark.slow
 def test_one_by_one_greedy_matches_hf(llm, prompts, hf_reference):
-    check_against_hf([llm.generate(p, PARAMS, use_tqdm=False)[0] for p in prompts], hf_reference)
+    assert_matches_hf([llm.generate(p, PARAMS, use_tqdm=False)[0] for p in prompts], hf_reference)
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 
+from hf_reference import assert_matches_hf, hf_greedy
+
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
@@ -45,47 +47,23 @@ def hf_reference(smollm2_path, prompts):
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
                                                  torch_dtype=torch.float32).eval()
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model(torch.tensor([ids]), use_cache=True)
-            past, tokens, logprobs = out.past_key_values, [], []
-            logits = out.logits[0, -1]
-            for _ in range(NEW_TOKENS):
-                lp = torch.log_softmax(logits.float(), -1)
-                tok = int(lp.argmax())
-                tokens.append(tok)
-                logprobs.append(lp)
-                out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[0, -1]
-            results.append((tokens, logprobs))
+    results = hf_greedy(model, prompts, NEW_TOKENS)
     del model
     return results
-
-
-def check_against_hf(outputs, hf_reference):
-    for out, (hf_tokens, hf_logprobs) in zip(outputs, hf_reference):
-        comp = out.outputs[0]
-        assert comp.token_ids == hf_tokens
-        for step, (ours, ref) in enumerate(zip(comp.logprobs, hf_logprobs)):
-            top5 = torch.topk(ref, 5)
-            for lp, tid in zip(top5.values.tolist(), top5.indices.tolist()):
-                assert tid in ours, f"step {step}: HF top-5 token {tid} missing from ours"
-                assert abs(ours[tid].logprob - lp) < 1e-3, (step, tid, ours[tid].logprob, lp)
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
 
 
 def test_batched_greedy_matches_hf(llm, prompts, hf_reference):
-    check_against_hf(llm.generate(prompts, PARAMS, use_tqdm=False), hf_reference)
+    assert_matches_hf(llm.generate(prompts, PARAMS, use_tqdm=False), hf_reference)
 
 
 def test_one_by_one_greedy_matches_hf(llm, prompts, hf_reference):
     outs = [llm.generate(p, PARAMS, use_tqdm=False)[0] for p in prompts]
-    check_against_hf(outs, hf_reference)
+    assert_matches_hf(outs, hf_reference)
 
 
 def test_reference_attention_backend_matches_hf(smollm2_path, prompts, hf_reference):
     llm = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=256, attention_backend="reference")
-    check_against_hf(llm.generate(prompts[:3], PARAMS, use_tqdm=False), hf_reference[:3])
+    assert_matches_hf(llm.generate(prompts[:3], PARAMS, use_tqdm=False), hf_reference[:3])

@@ -1,4 +1,4 @@
-"""`pagedlm serve | generate | memory | pull`."""
+"""`pagedlm serve | generate | memory | pull | bench | router`."""
 from __future__ import annotations
 
 import argparse
@@ -104,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
 
-    __import__("pagedlm.router.cli", fromlist=["cli"]).add_router_parser(sub)
+    from pagedlm.bench.cli import add_bench_parser
+    from pagedlm.router.cli import add_router_parser
     from pagedlm.server.cli import add_serve_parser
+
     add_serve_parser(sub, _engine_args, engine_kwargs)
-    from pagedlm.bench.cli import add_bench_parser; add_bench_parser(sub, _engine_args, engine_kwargs)  # noqa: E702
+    add_bench_parser(sub, _engine_args, engine_kwargs)
+    add_router_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
