@@ -4,7 +4,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagedlm.kvcache.block_manager import BlockManager

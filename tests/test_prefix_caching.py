@@ -1,7 +1,7 @@
 """Automatic prefix caching: outputs never change, reuse really happens, eviction is LRU and tail-first."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 

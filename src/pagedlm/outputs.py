@@ -1,7 +1,7 @@
 """What the engine hands back to callers (same shapes as vLLM's)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass

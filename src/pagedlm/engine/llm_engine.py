@@ -10,7 +10,7 @@ import torch
 
 from pagedlm.config import EngineConfig, parse_bytes, parse_dtype
 from pagedlm.engine.model_runner import Chunk, ModelRunner
-from pagedlm.engine.scheduler import ScheduledSeq, Scheduler
+from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.kvcache.memory import MemoryReport
@@ -152,8 +152,7 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            if self.scheduler.abort_request(rid) is not None:
-                self._requests.pop(rid, None)
+            self.abort_output(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,7 +1,6 @@
 """Turns a scheduled batch into tensors and runs the model. Knows tensors, not requests."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedlm.attention import AttentionMetadata, get_attention_backend
-from pagedlm.config import EngineConfig, ModelConfig
+from pagedlm.config import EngineConfig
 from pagedlm.kvcache.kv_cache import KVCache, KVCacheSpec
 from pagedlm.model import load_model
 

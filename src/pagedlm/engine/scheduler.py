@@ -173,22 +173,20 @@ class Scheduler:
                skip: dict[int, int] | None = None) -> tuple[list[Sequence], list[int], int]:
         """How many tokens each live sequence of `req` computes this step, within the budget
         (`skip`: tokens of a sequence already in the prefix cache)."""
+        skip = skip or {}
+        need = {s.seq_id: s.num_uncomputed_tokens - skip.get(s.seq_id, 0) for s in req.live_seqs}
+        if req.beam is not None and sum(need.values()) > budget:
+            # beams are scored together: hold back every beam's last token until all can complete at once
+            need = {sid: n - 1 for sid, n in need.items()}
         seqs, nums = [], []
         left = budget
         for seq in req.live_seqs:
-            n = min(seq.num_uncomputed_tokens - (skip or {}).get(seq.seq_id, 0), left)
+            n = min(need[seq.seq_id], left)
             if n <= 0:
                 continue
             seqs.append(seq)
             nums.append(n)
             left -= n
-        need = {s.seq_id: s.num_uncomputed_tokens - (skip or {}).get(s.seq_id, 0) for s in req.live_seqs}
-        if req.beam is not None and sum(need.values()) > budget:
-            # beams are scored together: hold back every beam's last token until all can complete at once
-            pairs = [(s, min(n, need[s.seq_id] - 1)) for s, n in zip(seqs, nums)]
-            pairs = [(s, n) for s, n in pairs if n > 0]
-            seqs, nums = [s for s, _ in pairs], [n for _, n in pairs]
-            left = budget - sum(nums)
         return seqs, nums, left
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

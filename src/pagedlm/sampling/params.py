@@ -1,7 +1,7 @@
 """Per-request sampling parameters, validated before anything is queued."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
