@@ -21,6 +21,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", default="1GiB")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the linear layers")
+    p.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size (multiple of 32)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -29,7 +33,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
-                swap_space=args.swap_space, attention_backend=args.attention_backend)
+                swap_space=args.swap_space, attention_backend=args.attention_backend,
+                quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -67,7 +73,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         hf = load_hf_config(resolve_model(target))
     cfg = ModelConfig.from_hf(hf)
     dtype = parse_dtype(args.dtype)
-    spec = KVCacheSpec.for_model(cfg, args.block_size, dtype)
+    spec = KVCacheSpec.for_model(cfg, args.block_size, dtype, args.kv_cache_dtype)
     budget = parse_bytes(args.kv_cache_memory or "2GiB")
     max_len = args.max_model_len or cfg.max_position_embeddings
     report = MemoryReport.build(cfg, spec, spec.num_blocks_for(budget), 0, max_len)
@@ -101,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
 

@@ -145,6 +145,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs. Defaults follow vLLM where it has the same knob."""
@@ -166,6 +169,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # "reference" | "auto"
+    quantization: str | None = None  # weight-only: "int8" (per channel) | "int4" (group-wise)
+    quantization_group_size: int = 32
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8_e4m3"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -178,6 +184,15 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.quantization not in (None, "none", "int8", "int4"):
+            raise ValueError(f"quantization must be 'int8', 'int4' or None, got {self.quantization!r}.")
+        if self.quantization == "none":
+            self.quantization = None
+        if self.quantization == "int4" and (self.quantization_group_size < 32 or self.quantization_group_size % 32):
+            raise ValueError(f"int4 quantization needs a group size that is a multiple of 32, "
+                             f"got {self.quantization_group_size}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
 

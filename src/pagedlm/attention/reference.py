@@ -4,21 +4,30 @@ from __future__ import annotations
 import torch
 
 from pagedlm.attention.metadata import AttentionMetadata
+from pagedlm.kvcache.quant import dequantize_kv, is_quantized, quantize_kv
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots in the paged cache
-    ([num_blocks, block_size, kv_heads, head_dim])."""
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    ([num_blocks, block_size, kv_heads, entry_dim]), quantizing them for an int8/fp8 cache (kvcache/quant.py)."""
+    kv_heads, dim = k_cache.shape[-2:]
+    if is_quantized(k_cache.dtype):
+        k = quantize_kv(k, k_cache.dtype).view(torch.uint8)
+        v = quantize_kv(v, v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence, gathered from its blocks: [seq_len, kv_heads, head_dim]."""
+    """The first `seq_len` tokens of one sequence, gathered from its blocks: [seq_len, kv_heads, head_dim]
+    (dequantized to float32 from an int8/fp8 cache)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
+    if is_quantized(cache.dtype):
+        raw = cache.view(torch.uint8)[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+        return dequantize_kv(raw.view(cache.dtype))
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 

@@ -31,14 +31,15 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = dtype
-        self.model, self.model_config = load_model(model_path, dtype, self.device)
+        self.model, self.model_config = load_model(model_path, dtype, self.device, config.quantization,
+                                                   config.quantization_group_size)
         self.attn_fn = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
         self.kv_cache: KVCache | None = None
 
     @property
     def kv_spec(self) -> KVCacheSpec:
-        return KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype)
+        return KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, self.config.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.kv_cache = KVCache(self.kv_spec, num_blocks, num_cpu_blocks, self.device)

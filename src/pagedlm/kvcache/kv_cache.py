@@ -6,10 +6,14 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.config import ModelConfig
+from pagedlm.kvcache.quant import cache_dtype, entry_dim, is_quantized
 
 
 @dataclass
 class KVCacheSpec:
+    """`dtype` is the cache's element dtype: the model's, or int8 / float8_e4m3fn for a quantized cache, whose
+    entries then carry a 4-byte scale per token and kv head (`entry_dim` = head_dim + 4)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -17,12 +21,21 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
+    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> "KVCacheSpec":
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, cache_dtype(kv_cache_dtype, dtype))
+
+    @property
+    def quantized(self) -> bool:
+        return is_quantized(self.dtype)
+
+    @property
+    def entry_dim(self) -> int:
+        return entry_dim(self.head_dim, self.dtype)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.entry_dim * self.dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -33,19 +46,22 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim] per device; the host copy has the
-    same layout. Block ids come from the BlockManager; this class only moves data."""
+    """One tensor [layers, 2, num_blocks, block_size, kv_heads, entry_dim] per device; the host copy has the
+    same layout. Block ids come from the BlockManager; this class only moves data. Quantized caches are stored
+    as raw bytes (uint8, which every copy op supports) and handed to the layers as int8/fp8 views."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
         self.spec = spec
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.gpu = torch.zeros(shape, dtype=spec.dtype, device=device)
-        cpu_shape = (spec.num_layers, 2, num_cpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        storage = torch.uint8 if spec.quantized else spec.dtype
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.entry_dim)
+        self.gpu = torch.zeros(shape, dtype=storage, device=device)
+        cpu_shape = (spec.num_layers, 2, num_cpu_blocks, spec.block_size, spec.num_kv_heads, spec.entry_dim)
         pin = device.type == "cuda"
-        self.cpu = torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin)
+        self.cpu = torch.zeros(cpu_shape, dtype=storage, pin_memory=pin)
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(self.spec.num_layers)]
+        dt = self.spec.dtype
+        return [(self.gpu[i, 0].view(dt), self.gpu[i, 1].view(dt)) for i in range(self.spec.num_layers)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

@@ -1,5 +1,7 @@
 // Paged attention for CPUs: reads K/V in place from the scattered cache blocks (no gather), GQA without
 // repeating K/V, decode and prefill chunks, fp32 and bf16 (math in fp32), online softmax, OpenMP.
+// K/V caches may also be quantized (int8 or fp8 e4m3 values, each (token, kv head) entry followed by its fp32
+// scale, see kvcache/quant.py); tiles are then dequantized once into fp32 scratch, as bf16 ones are converted.
 // Plain C ABI (no torch headers) so it compiles in about a second; loaded with ctypes by cpu_kernel.py.
 //
 // Work item = (sequence, tile of query tokens, range of keys). Its rows are the tile's tokens x all heads
@@ -39,16 +41,58 @@ inline void from_f(float x, uint16_t* out) {
 
 struct Item { int seq, tile, lo, hi; };  // query tokens [tile*qt, +qt) of seq, keys [lo, hi)
 
+enum KVKind { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+
+// fp8 e4m3 (finite, no infinities; 0x7f/0xff are NaN) to float, by table.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int sign = b >> 7, e = (b >> 3) & 0xf, m = b & 7;
+      float x = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+      if (e == 15 && m == 7) x = NAN;
+      v[b] = sign ? -x : x;
+    }
+  }
+};
+const Fp8Table kFp8;
+
 struct Args {
-  int H, KVH, D, BS, max_blocks, window, qt;
+  int H, KVH, D, BS, max_blocks, window, qt, kv_kind;
   float scale;
   const int32_t *tables, *seq_lens, *qsl;
 };
 
 // One item: rows r = token * H + head. Writes unnormalized acc [rows, D] plus running max m and sum l.
 // A token's K/V for all kv heads are contiguous in the cache ([.., KVH, D]), so they are streamed once.
+// Tokens [slot, slot + n) of a cache as fp32 rows [n, KVH * D] in `buf`.
+template <int D>
+void load_rows(const Args& a, const void* cache, int64_t slot, int n, float* buf) {
+  const int KVD = a.KVH * D;
+  if (a.kv_kind == KV_BF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(cache) + slot * KVD;
+    for (int e = 0; e < n * KVD; ++e) buf[e] = to_f(src[e]);
+    return;
+  }
+  constexpr int E = D + 4;  // quantized entry: D values, then the fp32 scale
+  const uint8_t* src = static_cast<const uint8_t*>(cache) + slot * a.KVH * E;
+  for (int t = 0; t < n * a.KVH; ++t) {
+    const uint8_t* e = src + int64_t(t) * E;
+    float sc;
+    std::memcpy(&sc, e + D, 4);
+    float* dst = buf + int64_t(t) * D;
+    if (a.kv_kind == KV_INT8) {
+      const int8_t* qv = reinterpret_cast<const int8_t*>(e);
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = float(qv[d]) * sc;
+    } else {
+      for (int d = 0; d < D; ++d) dst[d] = kFp8.v[e[d]] * sc;
+    }
+  }
+}
+
 template <typename T, int D>
-void run_item(const Args& a, const Item& it, const T* q, const T* kc, const T* vc,
+void run_item(const Args& a, const Item& it, const T* q, const void* kc, const void* vc,
               float* acc, float* m, float* l) {
   const int H = a.H, G = a.H / a.KVH, KVD = a.KVH * D;
   const int q0 = a.qsl[it.seq], qlen = a.qsl[it.seq + 1] - q0, slen = a.seq_lens[it.seq];
@@ -64,25 +108,26 @@ void run_item(const Args& a, const Item& it, const T* q, const T* kc, const T* v
     m[r] = -INFINITY; l[r] = 0.f;
     for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
   }
-  constexpr bool f32 = std::is_same<T, float>::value;
+  const bool f32 = a.kv_kind == KV_F32;
   std::vector<float> kbuf(f32 ? 0 : size_t(KT) * KVD), vbuf(f32 ? 0 : size_t(KT) * KVD);
   for (int pos = it.lo; pos < it.hi;) {
     const int blk = pos / a.BS, off = pos % a.BS;
     const int n = std::min(std::min(KT, a.BS - off), it.hi - pos);
-    const int64_t base = (int64_t(table[blk]) * a.BS + off) * KVD;
+    const int64_t slot = int64_t(table[blk]) * a.BS + off;
     // Rows that see part of this tile: [r_lo, r_hi) (query positions grow with r).
     int r_lo = 0, r_hi = nrows;
     while (r_lo < nrows && qpos[r_lo] < pos) ++r_lo;
     if (a.window > 0)
       while (r_hi > r_lo && pos + n - 1 <= qpos[r_hi - 1] - a.window) --r_hi;
     if (r_lo >= r_hi) { pos += n; continue; }
-    // The tile's K/V rows [n, KVH * D]: in place for fp32, converted once for bf16.
+    // The tile's K/V rows [n, KVH * D]: in place for fp32, converted once otherwise.
     const float *kt, *vt;
-    if constexpr (f32) {
-      kt = reinterpret_cast<const float*>(kc + base);
-      vt = reinterpret_cast<const float*>(vc + base);
+    if (f32) {
+      kt = static_cast<const float*>(kc) + slot * KVD;
+      vt = static_cast<const float*>(vc) + slot * KVD;
     } else {
-      for (int e = 0; e < n * KVD; ++e) { kbuf[e] = to_f(kc[base + e]); vbuf[e] = to_f(vc[base + e]); }
+      load_rows<D>(a, kc, slot, n, kbuf.data());
+      load_rows<D>(a, vc, slot, n, vbuf.data());
       kt = kbuf.data(); vt = vbuf.data();
     }
     for (int r = r_lo; r < r_hi; ++r) {
@@ -136,7 +181,7 @@ void run_item(const Args& a, const Item& it, const T* q, const T* kc, const T* v
 }
 
 template <typename T, int D>
-void paged_attention(const T* q, const T* kc, const T* vc, T* out, Args a, int num_seqs, int nthreads) {
+void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a, int num_seqs, int nthreads) {
   const int qt = a.qt = std::max(1, MAX_ROWS / a.H);
   // One item per (seq, query tile); split key ranges (flash-decoding) when there are too few items.
   int64_t base_items = 0;
@@ -209,8 +254,7 @@ template <typename T>
 int dispatch(const void* q, const void* kc, const void* vc, void* out, const Args& a, int num_seqs, int nthreads) {
   auto run = [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    paged_attention<T, D>(static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc),
-                          static_cast<T*>(out), a, num_seqs, nthreads);
+    paged_attention<T, D>(static_cast<const T*>(q), kc, vc, static_cast<T*>(out), a, num_seqs, nthreads);
     return 0;
   };
   switch (a.D) {
@@ -229,18 +273,21 @@ int dispatch(const void* q, const void* kc, const void* vc, void* out, const Arg
 extern "C" {
 
 // q, out: [tokens, H, D]; k_cache, v_cache: [blocks, BS, KVH, D]; block_tables: [num_seqs, max_blocks] int32;
-// seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32. dtype: 0 = fp32, 1 = bf16.
-// window <= 0: no sliding window. Needs H <= 64 and H % KVH == 0. Returns 0, or -1 for an unsupported head_dim.
-int pagedlm_paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
+// seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32. dtype (of q and out): 0 = fp32, 1 = bf16;
+// kv_dtype: a KVKind (int8/fp8 caches are [blocks, BS, KVH, D + 4] bytes). window <= 0: no sliding window.
+// Needs H <= 64 and H % KVH == 0. Returns 0, or -1 for an unsupported head_dim or dtype.
+int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
+                            void* out,
                             const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                             const int32_t* query_start_loc, int num_seqs, int H, int KVH, int D, int BS,
                             float scale, int window, int nthreads) {
-  Args a{H, KVH, D, BS, max_blocks, window, 1, scale, block_tables, seq_lens, query_start_loc};
+  if (kv_dtype < KV_F32 || kv_dtype > KV_FP8 || (kv_dtype == KV_F32 && dtype != 0)) return -1;
+  Args a{H, KVH, D, BS, max_blocks, window, 1, kv_dtype, scale, block_tables, seq_lens, query_start_loc};
   if (nthreads < 1) nthreads = omp_get_max_threads();
   if (dtype == 0) return dispatch<float>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
   if (dtype == 1) return dispatch<uint16_t>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
   return -1;
 }
 
-int pagedlm_abi_version() { return 1; }
+int pagedlm_abi_version() { return 2; }
 }

@@ -1,0 +1,252 @@
+// Weight-only quantized linear layers for CPUs: y[M, N] = x[M, K] @ W^T with W kept quantized in memory and
+// dequantized in registers, so small-M products (decode) stream 1/4 (int8) or about 1/6 (int4) of the fp32
+// bytes. Activations and accumulation are fp32. Plain C ABI, loaded with ctypes by model/quant.py.
+//
+// int8: q [N, K] int8, one fp32 scale per output row:            W[n, k] = q[n, k] * s[n]
+// int4: per output row, groups of G (a multiple of 32) inputs with an fp16 scale and minimum:
+//       W[n, k] = q[n, k] * scale[n, k / G] + min[n, k / G], q in 0..15, packed 32 values per 16 bytes:
+//       byte j of a 32-value chunk holds value j in its low nibble and value j + 16 in its high nibble.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDLM_AVX2 1
+#endif
+
+namespace {
+
+constexpr int NT = 4;  // output rows per tile: their weights are read once for every row of x
+
+inline float half_to_float(uint16_t h) {
+#ifdef PAGEDLM_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0) {
+    if (man == 0) { u = sign; }
+    else {  // subnormal
+      int e = -1; uint32_t m = man;
+      do { ++e; m <<= 1; } while (!(m & 0x400));
+      u = sign | uint32_t(127 - 15 - e) << 23 | (m & 0x3ff) << 13;
+    }
+  } else if (exp == 31) { u = sign | 0x7f800000u | man << 13; }
+  else { u = sign | (exp + 127 - 15) << 23 | man << 13; }
+  float f; std::memcpy(&f, &u, 4); return f;
+#endif
+}
+
+#ifdef PAGEDLM_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline __m256 load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+#endif
+
+// Rows n0 .. n0+nt of the int8 product for every row of x (nt <= NT).
+void int8_tile(const float* x, const int8_t* q, const float* s, float* y, int M, int K, int N, int n0, int nt) {
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + int64_t(m) * K;
+    float out[NT] = {0.f, 0.f, 0.f, 0.f};
+    int k = 0;
+#ifdef PAGEDLM_AVX2
+    if (nt == NT) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      const int8_t *q0 = q + int64_t(n0) * K, *q1 = q0 + K, *q2 = q1 + K, *q3 = q2 + K;
+      for (; k + 8 <= K; k += 8) {
+        const __m256 xv = _mm256_loadu_ps(xm + k);
+        a0 = _mm256_fmadd_ps(load_i8(q0 + k), xv, a0);
+        a1 = _mm256_fmadd_ps(load_i8(q1 + k), xv, a1);
+        a2 = _mm256_fmadd_ps(load_i8(q2 + k), xv, a2);
+        a3 = _mm256_fmadd_ps(load_i8(q3 + k), xv, a3);
+      }
+      out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);
+    }
+#endif
+    for (int j = 0; j < nt; ++j) {
+      const int8_t* qj = q + int64_t(n0 + j) * K;
+      float acc = out[j];
+      for (int kk = (nt == NT ? k : 0); kk < K; ++kk) acc += float(qj[kk]) * xm[kk];
+      y[int64_t(m) * N + n0 + j] = acc * s[n0 + j];
+    }
+  }
+}
+
+// Rows n0 .. n0+nt of the int4 product. xsum[m * ngroups + g] = sum of x[m] over group g (for the minimums).
+void int4_tile(const float* x, const float* xsum, const uint8_t* q, const uint16_t* sc, const uint16_t* mn,
+               float* y, int M, int K, int N, int G, int n0, int nt) {
+  const int ngroups = K / G, row_bytes = K / 2;
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + int64_t(m) * K;
+    const float* xs = xsum + int64_t(m) * ngroups;
+    for (int j = 0; j < nt; ++j) {
+      const int n = n0 + j;
+      const uint8_t* qn = q + int64_t(n) * row_bytes;
+      const uint16_t *sn = sc + int64_t(n) * ngroups, *mnn = mn + int64_t(n) * ngroups;
+      float acc = 0.f;
+#ifdef PAGEDLM_AVX2
+      __m256 tot = _mm256_setzero_ps();
+      const __m128i lo_mask = _mm_set1_epi8(0x0f);
+      for (int g = 0; g < ngroups; ++g) {
+        __m256 gs = _mm256_setzero_ps();
+        for (int c = g * G; c < (g + 1) * G; c += 32) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + c / 2));
+          const __m128i lo = _mm_and_si128(b, lo_mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
+          gs = _mm256_fmadd_ps(u8_to_ps(lo), _mm256_loadu_ps(xm + c), gs);
+          gs = _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xm + c + 8), gs);
+          gs = _mm256_fmadd_ps(u8_to_ps(hi), _mm256_loadu_ps(xm + c + 16), gs);
+          gs = _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xm + c + 24), gs);
+        }
+        tot = _mm256_fmadd_ps(gs, _mm256_set1_ps(half_to_float(sn[g])), tot);
+        acc += half_to_float(mnn[g]) * xs[g];
+      }
+      acc += hsum(tot);
+#else
+      for (int g = 0; g < ngroups; ++g) {
+        float gs = 0.f;
+        for (int c = g * G; c < (g + 1) * G; c += 32)
+          for (int i = 0; i < 16; ++i) {
+            const uint8_t b = qn[c / 2 + i];
+            gs += float(b & 0x0f) * xm[c + i] + float(b >> 4) * xm[c + 16 + i];
+          }
+        acc += gs * half_to_float(sn[g]) + half_to_float(mnn[g]) * xs[g];
+      }
+#endif
+      y[int64_t(m) * N + n] = acc;
+    }
+  }
+}
+
+
+// The weights of rows n0 .. n0+nt dequantized to fp32, [nt, K].
+void dequant_int8_rows(const int8_t* q, const float* s, int K, int n0, int nt, float* w) {
+  for (int j = 0; j < nt; ++j) {
+    const int8_t* qj = q + int64_t(n0 + j) * K;
+    const float sj = s[n0 + j];
+    for (int k = 0; k < K; ++k) w[int64_t(j) * K + k] = float(qj[k]) * sj;
+  }
+}
+
+void dequant_int4_rows(const uint8_t* q, const uint16_t* sc, const uint16_t* mn, int K, int G, int n0, int nt,
+                       float* w) {
+  const int ngroups = K / G;
+  for (int j = 0; j < nt; ++j) {
+    const int n = n0 + j;
+    const uint8_t* qn = q + int64_t(n) * (K / 2);
+    float* wn = w + int64_t(j) * K;
+    for (int c = 0; c < K; c += 32) {
+      const float s = half_to_float(sc[int64_t(n) * ngroups + c / G]), m = half_to_float(mn[int64_t(n) * ngroups + c / G]);
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t b = qn[c / 2 + i];
+        wn[c + i] = float(b & 0x0f) * s + m;
+        wn[c + 16 + i] = float(b >> 4) * s + m;
+      }
+    }
+  }
+}
+
+// y[:, n0 .. n0+nt] = x @ w^T for a dequantized tile w [nt, K] (kept in L1/L2 while all rows of x pass).
+void dense_tile(const float* x, const float* w, float* y, int M, int K, int N, int n0, int nt) {
+  int m = 0;
+#ifdef PAGEDLM_AVX2
+  if (nt == NT && K % 8 == 0) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    for (; m + 2 <= M; m += 2) {
+      const float *xa = x + int64_t(m) * K, *xb = xa + K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int k = 0; k < K; k += 8) {
+        const __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
+        __m256 wv = _mm256_loadu_ps(w0 + k);
+        a0 = _mm256_fmadd_ps(wv, va, a0); b0 = _mm256_fmadd_ps(wv, vb, b0);
+        wv = _mm256_loadu_ps(w1 + k);
+        a1 = _mm256_fmadd_ps(wv, va, a1); b1 = _mm256_fmadd_ps(wv, vb, b1);
+        wv = _mm256_loadu_ps(w2 + k);
+        a2 = _mm256_fmadd_ps(wv, va, a2); b2 = _mm256_fmadd_ps(wv, vb, b2);
+        wv = _mm256_loadu_ps(w3 + k);
+        a3 = _mm256_fmadd_ps(wv, va, a3); b3 = _mm256_fmadd_ps(wv, vb, b3);
+      }
+      float* ya = y + int64_t(m) * N + n0;
+      float* yb = ya + N;
+      ya[0] = hsum(a0); ya[1] = hsum(a1); ya[2] = hsum(a2); ya[3] = hsum(a3);
+      yb[0] = hsum(b0); yb[1] = hsum(b1); yb[2] = hsum(b2); yb[3] = hsum(b3);
+    }
+  }
+#endif
+  for (; m < M; ++m)
+    for (int j = 0; j < nt; ++j) {
+      float acc = 0.f;
+      for (int k = 0; k < K; ++k) acc += x[int64_t(m) * K + k] * w[int64_t(j) * K + k];
+      y[int64_t(m) * N + n0 + j] = acc;
+    }
+}
+
+// Rows of x at which dequantizing a tile once beats converting the weights in registers for every row.
+constexpr int BUFFERED_MIN_ROWS = 3;
+
+}  // namespace
+
+extern "C" {
+
+int pagedlm_linear_int8(const float* x, const int8_t* q, const float* s, float* y, int M, int K, int N,
+                        int nthreads) {
+  const int tiles = (N + NT - 1) / NT;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int t = 0; t < tiles; ++t) {
+    const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
+    if (M < BUFFERED_MIN_ROWS) { int8_tile(x, q, s, y, M, K, N, n0, nt); continue; }
+    thread_local std::vector<float> w;
+    w.resize(size_t(NT) * K);
+    dequant_int8_rows(q, s, K, n0, nt, w.data());
+    dense_tile(x, w.data(), y, M, K, N, n0, nt);
+  }
+  return 0;
+}
+
+int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales, const uint16_t* mins, float* y,
+                        int M, int K, int N, int G, int nthreads) {
+  if (G % 32 != 0 || K % G != 0) return 1;
+  const int ngroups = K / G;
+  std::vector<float> xsum(size_t(M) * ngroups);
+  for (int m = 0; m < (M < BUFFERED_MIN_ROWS ? M : 0); ++m)
+    for (int g = 0; g < ngroups; ++g) {
+      float acc = 0.f;
+      for (int k = g * G; k < (g + 1) * G; ++k) acc += x[int64_t(m) * K + k];
+      xsum[size_t(m) * ngroups + g] = acc;
+    }
+  const int tiles = (N + NT - 1) / NT;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int t = 0; t < tiles; ++t) {
+    const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
+    if (M < BUFFERED_MIN_ROWS) { int4_tile(x, xsum.data(), q, scales, mins, y, M, K, N, G, n0, nt); continue; }
+    thread_local std::vector<float> w;
+    w.resize(size_t(NT) * K);
+    dequant_int4_rows(q, scales, mins, K, G, n0, nt, w.data());
+    dense_tile(x, w.data(), y, M, K, N, n0, nt);
+  }
+  return 0;
+}
+
+// W [N, K] in fp32 from the int8 / int4 layouts (for large-M products, which then run as a dense fp32 GEMM).
+int pagedlm_dequant_int8(const int8_t* q, const float* s, float* w, int K, int N, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int n = 0; n < N; ++n) dequant_int8_rows(q, s, K, n, 1, w + int64_t(n) * K);
+  return 0;
+}
+
+int pagedlm_dequant_int4(const uint8_t* q, const uint16_t* scales, const uint16_t* mins, float* w, int K, int N,
+                         int G, int nthreads) {
+  if (G % 32 != 0 || K % G != 0) return 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int n = 0; n < N; ++n) dequant_int4_rows(q, scales, mins, K, G, n, 1, w + int64_t(n) * K);
+  return 0;
+}
+
+}  // extern "C"

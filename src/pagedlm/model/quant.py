@@ -1,0 +1,201 @@
+"""Weight-only quantization of the linear layers, applied at load time from whatever the checkpoint held.
+
+- "int8": symmetric per output channel, W = q * s (q in -127..127).
+- "int4": asymmetric per group of `group_size` inputs, W = q * scale + min (q in 0..15), scale/min in fp16,
+  about 5 bits per weight with groups of 32.
+
+Products with few rows (decode) run in csrc/quant_linear.cpp, which dequantizes in registers (one or two rows)
+or tile by tile into L1 (up to KERNEL_MAX_ROWS rows) and so streams a quarter (int8) or about a sixth (int4) of
+the fp32 bytes; products with more rows (prefill, big batches) dequantize the whole weight once per call and run
+torch's dense GEMM, which is compute-bound there anyway. The tied
+embedding / LM head table is kept once, in int8 per row, for both methods (as llama.cpp keeps the output
+matrix at higher precision than Q4): looked up row by row, multiplied through the int8 kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedlm import cbuild
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_linear.cpp"
+METHODS = ("int8", "int4")
+# Above this many rows the dense path (dequantize, then GEMM) wins on a 2-core AVX2 CPU (benchmarks/quant_matmul.py).
+KERNEL_MAX_ROWS = 16
+
+
+@functools.lru_cache(maxsize=1)
+def load_quant_kernel() -> ctypes.CDLL | None:
+    """The compiled library, or None where it cannot be built (then every product takes the dense path)."""
+    if os.environ.get("PAGEDLM_DISABLE_CPU_KERNEL"):
+        return None
+    try:
+        lib = cbuild.load(SOURCE)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the dense fallback
+        logger.warning("Quantized linear kernel unavailable (%s: %s); using dequantize + GEMM.",
+                       type(e).__name__, str(e).splitlines()[0])
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.pagedlm_linear_int8.argtypes = [p, p, p, p, i, i, i, i]
+    lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i]
+    lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i]
+    lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
+    for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q int8 [N, K], scale fp32 [N])."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (packed uint8 [N, K/2], scale fp16 [N, K/G], min fp16 [N, K/G]); layout as in the kernel."""
+    n, k = w.shape
+    if group_size % 32 or k % group_size:
+        raise ValueError(f"int4 needs a group size that is a multiple of 32 and divides {k}, got {group_size}")
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-8).half()
+    mins = lo.half()
+    q = torch.round((g - mins.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.uint8)
+    q = q.reshape(n, k // 32, 2, 16)  # chunks of 32: values 0..15 low nibbles, 16..31 high nibbles
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
+    return packed.contiguous(), scale.contiguous(), mins.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = packed.shape[0], packed.shape[1] * 2
+    chunks = packed.reshape(n, k // 32, 1, 16)
+    q = torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(n, k // group_size, group_size).float()
+    return (q * scale.float()[..., None] + mins.float()[..., None]).reshape(n, k)
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for layers.Linear ([*, in] -> [*, out]) over a quantized weight; see the module docstring."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        lib = load_quant_kernel()
+        if lib is None or x2.shape[0] > KERNEL_MAX_ROWS or x2.device.type != "cpu":
+            y = F.linear(x2.float(), self.dequantize())
+        else:
+            x2 = x2.float().contiguous()
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            self._kernel(lib, x2, y)
+        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantLinear):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight.shape[1], weight.shape[0])
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+
+    def dequantize(self) -> torch.Tensor:
+        lib = load_quant_kernel()
+        if lib is None or self.qweight.device.type != "cpu":
+            return dequantize_int8(self.qweight, self.scale)
+        w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        lib.pagedlm_dequant_int8(self.qweight.data_ptr(), self.scale.data_ptr(), w.data_ptr(), self.in_features,
+                                 self.out_features, torch.get_num_threads())
+        return w
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
+        lib.pagedlm_linear_int8(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), y.data_ptr(),
+                                x.shape[0], self.in_features, self.out_features, torch.get_num_threads())
+
+
+class Int4Linear(QuantLinear):
+    def __init__(self, weight: torch.Tensor, group_size: int) -> None:
+        super().__init__(weight.shape[1], weight.shape[0])
+        self.group_size = group_size
+        packed, scale, mins = quantize_int4(weight, group_size)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("mins", mins)
+
+    def dequantize(self) -> torch.Tensor:
+        lib = load_quant_kernel()
+        if lib is None or self.qweight.device.type != "cpu":
+            return dequantize_int4(self.qweight, self.scale, self.mins, self.group_size)
+        w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        lib.pagedlm_dequant_int4(self.qweight.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(), w.data_ptr(),
+                                 self.in_features, self.out_features, self.group_size, torch.get_num_threads())
+        return w
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
+        rc = lib.pagedlm_linear_int4(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(),
+                                     self.mins.data_ptr(), y.data_ptr(), x.shape[0], self.in_features,
+                                     self.out_features, self.group_size, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"int4 kernel failed (code {rc})")
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table kept as an Int8Linear ([vocab, hidden] rows): `forward(ids)` looks rows up and
+    dequantizes them to `dtype`; a tied LM head is that same Int8Linear, so one quantized copy serves both."""
+
+    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.table.qweight[ids].float() * self.table.scale[ids, None]).to(self.dtype)
+
+
+def make_quant_linear(weight: torch.Tensor, method: str, group_size: int) -> QuantLinear:
+    """`weight` is [out, in]."""
+    if method == "int8":
+        return Int8Linear(weight)
+    if method == "int4":
+        return Int4Linear(weight, group_size)
+    raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> None:
+    """Replace, in place, every layers.Linear of a loaded `model` ([out, in] or transposed) by its quantized
+    twin, and the embedding table by an int8 one (which a tied LM head then shares)."""
+    from pagedlm.model.layers import Linear
+
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
+    embed = model.embed_tokens
+    table = Int8Linear(embed.weight.data)
+    model.embed_tokens = Int8Embedding(table, embed.weight.dtype)
+    if model.cfg.tie_word_embeddings:
+        model.lm_head = table
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                w = child.weight.data.t() if child.transposed else child.weight.data
+                setattr(parent, name, make_quant_linear(w, method, group_size))
