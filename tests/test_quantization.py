@@ -1,0 +1,188 @@
+"""Quantization: weight-only int8/int4 linear layers and int8/fp8 KV caches.
+
+Kernels are held to the dequantize-then-reference result (tight), engines with a quantized setting to the same
+setting without batching optimizations (exact), and the real model to perplexity bounds against fp32."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.attention import BACKENDS
+from pagedlm.config import EngineConfig
+from pagedlm.kvcache.kv_cache import KVCacheSpec
+from pagedlm.kvcache.quant import dequantize_kv, quantize_kv
+from pagedlm.model import quant
+from test_attention import build_case
+
+KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+# ---- weight-only quantization ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 17, 40])
+@pytest.mark.parametrize("shape", [(64, 36), (128, 96), (576, 130)])
+def test_quant_linear_equals_dequantized_matmul(method, rows, shape):
+    k, n = shape
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    layer = quant.make_quant_linear(w, method, 32)
+    x = torch.randn(2, rows, k, generator=g)  # leading dims are flattened and restored
+    ref = F.linear(x.double(), layer.dequantize().double())
+    out = layer(x)
+    assert out.shape == (2, rows, n) and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    # and the dequantized weight is close to the original (per-channel int8: |err| <= scale / 2)
+    bound = (w.abs().amax(1, keepdim=True) / 127 / 2) if method == "int8" else (w.abs().amax() / 15)
+    assert ((layer.dequantize() - w).abs() <= bound + 1e-6).all()
+
+
+def test_quant_linear_kernel_and_fallback_agree(monkeypatch):
+    w = torch.randn(96, 64) * 0.1
+    x = torch.randn(3, 64)
+    for method in ("int8", "int4"):
+        layer = quant.make_quant_linear(w, method, 32)
+        fast = layer(x)
+        monkeypatch.setattr(quant, "load_quant_kernel", lambda: None)
+        slow = layer(x)
+        monkeypatch.undo()
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.dequantize(), quant.dequantize_int8(layer.qweight, layer.scale)
+                                   if method == "int8" else
+                                   quant.dequantize_int4(layer.qweight, layer.scale, layer.mins, 32))
+
+
+def test_int4_rejects_bad_group_size():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize_int4(torch.randn(8, 64), 48)
+    with pytest.raises(ValueError, match="int4 quantization needs a group size"):
+        EngineConfig(quantization="int4", quantization_group_size=16)
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def test_quantized_model_shares_one_int8_table_for_tied_embedding(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", quantization="int4", num_kv_blocks=32)
+    model = llm.engine.runner.model
+    assert isinstance(model.embed_tokens, quant.Int8Embedding)
+    assert model.lm_head is model.embed_tokens.table
+    linears = [m for m in model.modules() if isinstance(m, quant.QuantLinear)]
+    assert sum(isinstance(m, quant.Int4Linear) for m in linears) == 4 * model.cfg.num_layers
+
+
+# ---- KV cache quantization ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_quantize_kv_roundtrip(dtype):
+    x = torch.randn(50, 3, 64) * 4
+    packed = quantize_kv(x, dtype)
+    assert packed.dtype == dtype and packed.shape == (50, 3, 68)
+    back = dequantize_kv(packed)
+    rel = 0.5 / 127 if dtype == torch.int8 else 2.0 ** -4  # half a step of the grid, relative to max|x|
+    assert ((back - x).abs() <= rel * x.abs().amax(-1, keepdim=True) + 1e-6).all()
+
+
+CASES = [  # seq_lens, query_lens (decode, prefill chunks on cached context, partial last blocks, up to 4,000)
+    ([1, 17, 300], [1, 17, 1]),
+    ([64, 129, 1000], [5, 33, 1]),
+    ([4000, 700], [1, 100]),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "cpu"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("window", [None, 48])
+def test_quantized_attention_equals_dequantized_reference(kv_dtype, q_dtype, backend, case, window):
+    seq_lens, query_lens = CASES[case]
+    q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, 8, 2, 64, 16, torch.float32, seed=case)
+    kq, vq = quantize_kv(kc, kv_dtype), quantize_kv(vc, kv_dtype)
+    q = q.to(q_dtype)
+    out = BACKENDS[backend](q, kq, vq, meta, 0.125, sliding_window=window)
+    ref = BACKENDS["reference"](q.float(), dequantize_kv(kq), dequantize_kv(vq), meta, 0.125, sliding_window=window)
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2  # bf16: only q and the output are rounded
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_write_kv_quantizes_into_the_slots(kv_dtype):
+    from pagedlm.attention import write_kv
+    cache = torch.zeros(6, 4, 2, 36, dtype=torch.uint8).view(kv_dtype)
+    k, v = torch.randn(5, 2, 32), torch.randn(5, 2, 32)
+    slots = torch.tensor([3, 9, 10, 22, 23])
+    write_kv(k, v, cache, cache.clone(), slots)
+    stored = cache.view(torch.uint8).view(-1, 2, 36)[slots].view(kv_dtype)
+    torch.testing.assert_close(dequantize_kv(stored), dequantize_kv(quantize_kv(k, kv_dtype)))
+
+
+def test_kv_budget_holds_more_tokens(tiny_model_dir):
+    from pagedlm.config import ModelConfig
+    from pagedlm.model.loader import load_hf_config
+    cfg = ModelConfig.from_hf(load_hf_config(tiny_model_dir))
+    budget = 64 * 2**20
+    blocks = {k: KVCacheSpec.for_model(cfg, 16, torch.float32, k).num_blocks_for(budget)
+              for k in ("auto", "int8", "fp8_e4m3")}
+    bf16 = KVCacheSpec.for_model(cfg, 16, torch.bfloat16).num_blocks_for(budget)
+    d = cfg.head_dim
+    assert blocks["int8"] == blocks["fp8_e4m3"]
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(4 * d / (d + 4), rel=0.01)  # fp32: about 4x
+    assert blocks["int8"] / bf16 == pytest.approx(2 * d / (d + 4), rel=0.01)  # bf16: about 2x
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="int8", kv_cache_memory=budget)
+    rep = llm.engine.memory_report
+    assert rep.num_blocks == blocks["int8"] and rep.scale_bytes == 4 and "4 B scale" in rep.format()
+
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.mark.parametrize("setting", [dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8_e4m3"),
+                                     dict(quantization="int8", kv_cache_dtype="int8"), dict(quantization="int4")],
+                         ids=["kv-int8", "kv-fp8", "w-int8+kv-int8", "w-int4"])
+def test_quantized_engine_is_batch_invariant(tiny_model_dir, setting):
+    """A quantized setting gives the same tokens one request at a time (no chunking, no prefix cache) as in a
+    batch with chunked prefill, prefix caching (shared prefix), a fork (n=2) and swap preemption."""
+    path = str(tiny_model_dir)
+    shared = list(range(5, 45))
+    prompts = [shared + [50 + i] * (3 + 5 * i) for i in range(6)] + [[60 + i] * (20 + 9 * i) for i in range(4)]
+    alone_llm = LLM(path, dtype="float32", num_kv_blocks=256, enable_prefix_caching=False,
+                    enable_chunked_prefill=False, **setting)
+    alone = [alone_llm.generate(p, PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm = LLM(path, dtype="float32", num_kv_blocks=20, block_size=8, max_num_batched_tokens=24,
+              preemption_mode="swap", swap_space="16MiB", **setting)
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    eng = llm.engine
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert eng.scheduler.num_preemptions > 0 and eng.block_manager.prefix_hits > 0
+    n2 = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2),
+                      use_tqdm=False)[0]
+    assert [c.token_ids for c in n2.outputs] == [alone[0], alone[0]]
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+
+
+# ---- the real model ----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_perplexity_bounds_on_smollm2(smollm2_path):
+    """Perplexity of SmolLM2 (fp32) on a fixed 2,100-token text: int8 KV within 1% of the unquantized cache,
+    fp8 KV within 2%, int8/int4 weights within 5% (the checkpoint itself is Q4_1/Q8_0)."""
+    from pagedlm.bench.quality import perplexity
+    text = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
+    ppl = {}
+    for name, kw in {"base": {}, "kv-int8": dict(kv_cache_dtype="int8"), "kv-fp8": dict(kv_cache_dtype="fp8_e4m3"),
+                     "w-int8": dict(quantization="int8"), "w-int4": dict(quantization="int4")}.items():
+        llm = LLM(str(smollm2_path), dtype="float32", kv_cache_memory="256MiB", **kw)
+        ids = llm.get_tokenizer().encode(text)
+        assert len(ids) > 2000
+        ppl[name] = perplexity(llm, ids)
+        del llm
+    assert 5 < ppl["base"] < 60, ppl
+    assert ppl["kv-int8"] <= ppl["base"] * 1.01, ppl
+    assert ppl["kv-fp8"] <= ppl["base"] * 1.02, ppl
+    assert ppl["w-int8"] <= ppl["base"] * 1.05 and ppl["w-int4"] <= ppl["base"] * 1.05, ppl
