@@ -157,6 +157,17 @@ def test_router_falls_back_on_errors_and_marks_model_down(monkeypatch):
         r.route(HARD, 256, exclude={"big", "small"})
 
 
+def test_decision_categories():
+    r = Router([WEAK, STRONG], FixedScore(0.9), slo=SLO(ttft_s=1.0, max_queue=5))
+    assert r.route(HARD).category == "strong"
+    assert Router([WEAK, STRONG], FixedScore(0.1)).route(EASY).category == "weak"
+    assert r.route(HARD, stats_by_model={"big": LoadStats(queue_len=5)}).category == "load"
+    assert r.route(HARD, stats_by_model={"big": LoadStats(healthy=False)}).category == "load"
+    d = r.route(HARD, stats_by_model={"big": LoadStats(ttft_s=0.5, queue_len=3)})
+    assert (d.model, d.category) == ("small", "sla")
+    assert r.fallback(r.route(HARD), HARD).category == "fallback"
+
+
 def test_router_skips_unhealthy_and_routes_overload_with_slo():
     r = Router([WEAK, STRONG], FixedScore(0.9))
     assert r.route(HARD, stats_by_model={"big": LoadStats(healthy=False)}).model == "small"
