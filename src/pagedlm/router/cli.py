@@ -8,8 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedlm.router.classifier import FAST_EMBEDDER
-
 ROUTELLM_MMLU = "RouteLLM published (MMLU, best routers): APGR ~0.60, CPT(50%) ~35%"
 
 
@@ -21,11 +19,12 @@ def add_router_parser(subparsers) -> None:
     t.add_argument("data", help="CSV file or directory of CSVs (prompt, weak, strong correctness)")
     t.add_argument("--out", required=True, help="router file to write")
     t.add_argument("--kind", default="logreg", choices=["logreg", "mlp"])
-    t.add_argument("--max-length", type=int, default=FAST_EMBEDDER.max_length,
-                   help="prompt tokens the embedder reads (more: slower routing)")
-    t.add_argument("--no-int8", dest="int8", action="store_false",
-                   help="float32 embedder (default: int8 dynamic quantization, faster on CPU)")
-    t.add_argument("--layers", type=int, default=None, help="encoder layers to use (default: all)")
+    t.add_argument("--max-length", type=int, default=None,
+                   help="prompt tokens the embedder reads (default 128; more: slower routing)")
+    t.add_argument("--layers", type=int, default=None,
+                   help="encoder layers to run: 0 (default) pools the token embeddings alone, 6 is the full "
+                        "all-MiniLM-L6-v2 (about 20x slower per prompt on CPU)")
+    t.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the encoder layers run")
     _split_args(t)
     t.add_argument("--cache-dir", default=None, help="embedding cache (default: <model cache>/router; 'none': off)")
     t.set_defaults(fn=cmd_train)
@@ -67,13 +66,14 @@ def _embed(embedder, data, idx: np.ndarray, cache: Path | None) -> np.ndarray:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pagedlm.router.classifier import Embedder, EmbedderConfig, WeakCorrectClassifier
+    from pagedlm.router.classifier import FAST_EMBEDDER, Embedder, EmbedderConfig, WeakCorrectClassifier
     from pagedlm.router.data import load_routing_data, split_indices
 
     data = load_routing_data(args.data)
     train_idx, test_idx = split_indices(data, args.test_fraction, args.seed, args.by_subject)
     train = data.take(train_idx)
-    config = EmbedderConfig(args.max_length, args.int8, args.layers)
+    config = EmbedderConfig(args.max_length or FAST_EMBEDDER.max_length, args.int8,
+                            FAST_EMBEDDER.layers if args.layers is None else args.layers)
     start = time.perf_counter()
     x = _embed(Embedder(config=config), data, train_idx, _cache_dir(args.cache_dir))
     embed_s = time.perf_counter() - start
