@@ -96,7 +96,7 @@ def test_cli_auto_completions_and_chat(served):
     assert "vllm:num_requests_running{model_name=small}" in m and "vllm:num_requests_running{model_name=big}" in m
 
 
-# --- in process: fallback, SLA, load ------------------------------------------------------------------------------------
+# --- in process: fallback, SLA, load -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def inproc(tiny_model_dir):
     engines = {name: AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
@@ -149,7 +149,7 @@ def complete(server, prompt: str, stream: bool = False, chat: bool = False):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_fallback_when_the_chosen_model_is_overloaded(env, monkeypatch, stream):
-    server, engines, route = env
+    server, engines, _ = env
     before = server.metrics(all_labels=True).get("pagedlm:router_fallbacks_total{from_model=big,to_model=small}", 0)
     refuse(monkeypatch, engines["big"])
     (model, reason), models, detail = complete(server, HARD, stream=stream)
@@ -161,7 +161,7 @@ def test_fallback_when_the_chosen_model_is_overloaded(env, monkeypatch, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_fallback_when_the_chosen_model_fails_before_output(env, monkeypatch, stream):
-    server, engines, route = env
+    server, engines, _ = env
     eng = engines["big"].engine
 
     def broken_step():
@@ -175,7 +175,7 @@ def test_fallback_when_the_chosen_model_fails_before_output(env, monkeypatch, st
 
 
 def test_every_model_refusing_is_a_503(env, monkeypatch):
-    server, engines, route = env
+    server, engines, _ = env
     for e in engines.values():
         refuse(monkeypatch, e)
     with pytest.raises(openai.InternalServerError) as exc:
@@ -184,7 +184,7 @@ def test_every_model_refusing_is_a_503(env, monkeypatch):
 
 
 def test_sla_choices_under_load(env, monkeypatch):
-    server, engines, route = env
+    server, _, route = env
     monkeypatch.setattr(route.router, "slo", SLO(ttft_s=0.5, max_queue=10))
     busy = {"big": LoadStats(queue_len=12, running=4)}
     monkeypatch.setattr(route, "load", lambda: busy)
@@ -205,7 +205,7 @@ def test_learned_policy_runs_on_the_router_thread(env, monkeypatch, tmp_path):
     from pagedlm.router import ClassifierPolicy
     from pagedlm.router.classifier import FAST_EMBEDDER, WeakCorrectClassifier
 
-    server, engines, route = env
+    server, _, route = env
     rng = np.random.default_rng(0)
     clf = WeakCorrectClassifier.fit(rng.normal(size=(200, 384)).astype(np.float32), rng.random(200) < 0.5,
                                     embedder=FAST_EMBEDDER)
@@ -219,7 +219,7 @@ def test_learned_policy_runs_on_the_router_thread(env, monkeypatch, tmp_path):
 
 
 def test_load_tracker_reads_the_engines(env):
-    server, engines, route = env
+    server, _, route = env
     complete(server, EASY)
     stats = route.load()
     assert set(stats) == {"small", "big"} and all(s.healthy for s in stats.values())
@@ -227,7 +227,7 @@ def test_load_tracker_reads_the_engines(env):
 
 
 def test_models_health_and_metrics_in_process(env):
-    server, engines, route = env
+    server, _, _ = env
     assert [m["id"] for m in httpx.get(f"{server.base_url}/models").json()["data"]] == ["small", "big", "auto"]
     assert httpx.get(f"{server.url}/health").status_code == 200
     text = httpx.get(f"{server.url}/metrics").text

@@ -82,7 +82,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "train_size": len(train), "data": str(args.data)}
     clf.save(args.out)
     acc = float(((clf.predict(x) >= 0.5) == train.weak_correct).mean())
-    print(f"trained {args.kind} on {len(train)} prompts, embedder {config.tag()} ({len(test_idx)} held out; embeddings {embed_s:.0f}s); "
+    print(f"trained {args.kind} on {len(train)} prompts, embedder {config.tag()} ({len(test_idx)} held out; "
+          f"embeddings {embed_s:.0f}s); "
           f"train accuracy {acc:.3f}; wrote {args.out}")
     return 0
 

@@ -169,7 +169,7 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
 
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of option names to values")
+        raise ValueError(f"{path}: expected a mapping of option names to values")  # noqa: TRY004 - CLI error
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest in ("config", "fn") or not hasattr(args, dest):
