@@ -1,12 +1,15 @@
-"""Run `pagedlm serve` in a subprocess on an ephemeral 127.0.0.1 port, for integration tests."""
+"""Servers for integration tests on an ephemeral 127.0.0.1 port: `pagedlm serve` in a subprocess, or an app
+served by uvicorn on a thread of the test process (so tests can reach into its engines)."""
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +18,77 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 
-class ServerProcess:
+class _Endpoint:
+    url: str | None = None
+    api_key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", headers={**self.headers(), **kw.pop("headers", {})}, timeout=60, **kw)
+
+    def metrics(self, all_labels: bool = False) -> dict[str, float]:
+        """Sample name (with labels other than model_name unless `all_labels`, e.g. `x{finished_reason=abort}`)
+        -> value."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if all_labels or k != "model_name")
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Poll /metrics until no model runs or waits anything and every KV block is free; returns the last
+        metrics (of the last model, as `metrics()` gives them)."""
+        busy = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                "pagedlm:kv_blocks_used")
+        deadline = time.monotonic() + timeout
+        while True:
+            samples = self.metrics(all_labels=True)
+            idle = all(v == 0 for k, v in samples.items() if k.split("{")[0] in busy)
+            if idle or time.monotonic() > deadline:
+                return self.metrics()
+            time.sleep(0.05)
+
+
+class InProcessServer(_Endpoint):
+    """Serves `app` with uvicorn on a daemon thread; ready when constructed. `stop()` ends it."""
+
+    def __init__(self, app, timeout: float = 30.0) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+class ServerProcess(_Endpoint):
     """Launches at construction (returns at once); `wait_ready()` blocks until /health answers.
     `stop()` always ends the process (SIGTERM, then SIGKILL) and deletes its log unless
     $PAGEDLM_KEEP_SERVER_LOGS is set."""
@@ -52,43 +125,6 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()[-4000:]}")
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, **kw)
-
-    def async_client(self, **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, **kw)
-
-    def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", headers={**self.headers(), **kw.pop("headers", {})}, timeout=60, **kw)
-
-    def metrics(self) -> dict[str, float]:
-        """Sample name (with labels other than model_name, e.g. `x{finished_reason=abort}`) -> value."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
-        """Poll /metrics until nothing runs or waits and every KV block is free; returns the last metrics."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                    and m["vllm:kv_cache_usage_perc"] == 0 and m["pagedlm:kv_blocks_used"] == 0)
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -7,10 +7,11 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from pagedlm.router import (SLO, Candidate, Decision, HeuristicPolicy, LeastLoadedPolicy, LoadStats, ModelEntry,
                             NoCandidateError, RandomPolicy, Router, SLAPolicy, ScorePolicy, extract_features)
-from pagedlm.router.classifier import WeakCorrectClassifier
+from pagedlm.router.classifier import LEGACY_EMBEDDER, EmbedderConfig, WeakCorrectClassifier
 from pagedlm.router.evaluate import call_performance_curve, optimal_curve, plot_curves, random_curve
 
 WEAK, STRONG = ModelEntry("small", cost_per_output_token=1e-6), ModelEntry("big", True, 1e-5, 3e-5)
@@ -92,7 +93,8 @@ def synthetic_embeddings(n: int, seed: int, dim: int = 16) -> tuple[np.ndarray, 
 def test_classifier_learns_and_calibrates(kind, tmp_path):
     x, y = synthetic_embeddings(3000, seed=0)
     xt, yt = synthetic_embeddings(3000, seed=1)
-    clf = WeakCorrectClassifier.fit(x, y, kind=kind, epochs=5)
+    fast = EmbedderConfig(max_length=64, quantized=True)
+    clf = WeakCorrectClassifier.fit(x, y, kind=kind, epochs=5, embedder=fast)
     assert ((clf.predict(xt) >= 0.5) == yt).mean() > 0.7
     for target in (0.2, 0.5, 0.8):
         share = (clf.strong_score(xt) >= clf.threshold_for(target)).mean()
@@ -103,6 +105,11 @@ def test_classifier_learns_and_calibrates(kind, tmp_path):
     np.testing.assert_array_equal(back.predict(xt), clf.predict(xt))
     assert back.threshold_for(0.5) == clf.threshold_for(0.5) and back.meta == {"seed": 3}
     assert back.threshold_for(0.0) == math.inf
+    assert back.embedder_config == fast  # serving embeds prompts as training did
+    blob = torch.load(tmp_path / "r.pt", weights_only=True)
+    del blob["embedder_config"]
+    torch.save(blob, tmp_path / "old.pt")
+    assert WeakCorrectClassifier.load(tmp_path / "old.pt").embedder_config == LEGACY_EMBEDDER
 
 
 # ---- SLA, fallback, load balancing ----
@@ -155,6 +162,17 @@ def test_router_falls_back_on_errors_and_marks_model_down(monkeypatch):
     assert r.route(HARD, 256).model == "big"
     with pytest.raises(NoCandidateError):
         r.route(HARD, 256, exclude={"big", "small"})
+
+
+def test_decision_categories():
+    r = Router([WEAK, STRONG], FixedScore(0.9), slo=SLO(ttft_s=1.0, max_queue=5))
+    assert r.route(HARD).category == "strong"
+    assert Router([WEAK, STRONG], FixedScore(0.1)).route(EASY).category == "weak"
+    assert r.route(HARD, stats_by_model={"big": LoadStats(queue_len=5)}).category == "load"
+    assert r.route(HARD, stats_by_model={"big": LoadStats(healthy=False)}).category == "load"
+    d = r.route(HARD, stats_by_model={"big": LoadStats(ttft_s=0.5, queue_len=3)})
+    assert (d.model, d.category) == ("small", "sla")
+    assert r.fallback(r.route(HARD), HARD).category == "fallback"
 
 
 def test_router_skips_unhealthy_and_routes_overload_with_slo():

@@ -8,8 +8,12 @@ import sys
 from pathlib import Path
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model name (e.g. smollm2-135m), .gguf file or HF directory")
+def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
+    if multi_model:
+        p.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                       help="model name (e.g. smollm2-135m), .gguf file or HF directory; repeat to serve several")
+    else:
+        p.add_argument("--model", default=None, help="model name (e.g. smollm2-135m), .gguf file or HF directory")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)

@@ -74,6 +74,7 @@ class RequestStream:
         self._owner = owner
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._head: RequestOutput | BaseException | None = None  # taken from the queue by wait_output
         self._accepted: asyncio.Future = loop.create_future()
         self._last_output_time: float | None = None  # engine thread only
 
@@ -90,9 +91,12 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished and self._queue.empty():
+        if self.finished and not self._ready():
             raise StopAsyncIteration
-        item = await self._queue.get()
+        if self._head is not None:
+            item, self._head = self._head, None
+        else:
+            item = await self._queue.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -104,9 +108,20 @@ class RequestStream:
         """Like `__anext__`, but skips to the newest output already queued (outputs are cumulative), so a
         consumer that fell behind catches up in one go."""
         out = await self.__anext__()
-        while not self.finished and not self._queue.empty():
+        while not self.finished and self._ready():
             out = await self.__anext__()
         return out
+
+    async def wait_output(self) -> None:
+        """Wait until the next output is ready without consuming it; raises the failure if that is what came."""
+        if self._head is None and not self.finished:
+            self._head = await self._queue.get()
+        if isinstance(self._head, BaseException):
+            self.finished = True
+            raise self._head
+
+    def _ready(self) -> bool:
+        return self._head is not None or not self._queue.empty()
 
     def abort(self) -> None:
         if not self.finished:

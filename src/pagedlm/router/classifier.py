@@ -7,6 +7,8 @@ The head is logistic regression or a one-hidden-layer MLP, trained in torch and 
 from __future__ import annotations
 
 import hashlib
+import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -23,18 +25,53 @@ def embedding_model_path() -> Path:
     return Path(get_model_path())
 
 
+@dataclass(frozen=True)
+class EmbedderConfig:
+    """How prompts are embedded; a router file records it, so serving embeds exactly as training did.
+
+    max_length: tokens kept from the start of a prompt. quantized: int8 dynamic quantization of the encoder's
+    linear layers (a quarter of the weight traffic, the bulk of one short prompt's latency on a CPU).
+    layers: encoder layers used (None: all six; 0: the token embeddings alone)."""
+
+    max_length: int = 256
+    quantized: bool = False
+    layers: int | None = None
+
+    def tag(self) -> str:
+        layers = "" if self.layers is None else f"-L{self.layers}"
+        return f"l{self.max_length}{'-int8' if self.quantized else ''}{layers}"
+
+
+LEGACY_EMBEDDER = EmbedderConfig()  # router files written before the config was recorded
+FAST_EMBEDDER = EmbedderConfig(max_length=128, layers=0)  # static token embeddings: ~1 ms a prompt on CPU
+
+
 class Embedder:
-    """Mean-pooled, L2-normalised token embeddings: what sentence-transformers computes for all-MiniLM-L6-v2."""
+    """Mean-pooled, L2-normalised token embeddings: what sentence-transformers computes for all-MiniLM-L6-v2
+    (with the default config)."""
 
     dim = 384
 
-    def __init__(self, path: str | Path | None = None, max_length: int = 256) -> None:
+    def __init__(self, path: str | Path | None = None, config: EmbedderConfig = LEGACY_EMBEDDER) -> None:
         from transformers import AutoModel, AutoTokenizer
 
         path = Path(path) if path else embedding_model_path()
+        self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-        self.max_length = max_length
+        model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+        model.pooler = None  # unused: the embedding is the mean of the token states
+        if config.layers is not None:
+            model.encoder.layer = model.encoder.layer[:config.layers]
+        if config.quantized:
+            with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated, still shipped in 2.13
+                warnings.simplefilter("ignore")
+                from torch.ao.quantization import quantize_dynamic
+                model = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        self.model = model
+
+    @property
+    def max_length(self) -> int:
+        return self.config.max_length
 
     @torch.inference_mode()
     def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
@@ -43,7 +80,7 @@ class Embedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for lo in range(0, len(order), batch_size):
             idx = order[lo:lo + batch_size]
-            enc = self.tokenizer([texts[i] for i in idx], padding=True, truncation=True,
+            enc = self.tokenizer([texts[i] for i in idx], padding=len(idx) > 1, truncation=True,
                                  max_length=self.max_length, return_tensors="pt")
             hidden = self.model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
@@ -53,11 +90,13 @@ class Embedder:
 
 
 def embed_cached(embedder: Embedder, texts: Sequence[str], cache_dir: Path | None) -> np.ndarray:
-    """`embedder.encode(texts)`, memoized in `cache_dir/emb-<hash of the texts>.npy` when a cache dir is given."""
+    """`embedder.encode(texts)`, memoized in `cache_dir/emb-<hash of the texts>[-<config tag>].npy` when a cache
+    dir is given."""
     if cache_dir is None:
         return embedder.encode(texts)
     digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:24]
-    file = Path(cache_dir) / f"emb-{digest}.npy"
+    tag = "" if embedder.config == LEGACY_EMBEDDER else f"-{embedder.config.tag()}"
+    file = Path(cache_dir) / f"emb-{digest}{tag}.npy"
     if file.is_file():
         return np.load(file)
     emb = embedder.encode(texts)
@@ -79,16 +118,19 @@ class WeakCorrectClassifier:
     strong model. Keeps the sorted training scores so a threshold can be calibrated for any strong share."""
 
     def __init__(self, head: nn.Module, kind: str, hidden: int, train_scores: np.ndarray,
-                 meta: dict | None = None) -> None:
+                 meta: dict | None = None, embedder: EmbedderConfig = LEGACY_EMBEDDER) -> None:
         self.head, self.kind, self.hidden = head.eval(), kind, hidden
         self.train_scores = np.sort(np.asarray(train_scores, dtype=np.float64))
         self.meta = dict(meta or {})  # e.g. how the training split was drawn
+        self.embedder_config = embedder  # how the training prompts were embedded
         self._embedder: Embedder | None = None
 
     @classmethod
     def fit(cls, x: np.ndarray, weak_correct: np.ndarray, kind: str = "logreg", hidden: int = 128,
-            weight_decay: float = 1e-3, epochs: int = 40, seed: int = 0) -> "WeakCorrectClassifier":
-        """Logistic regression (full-batch L-BFGS) or an MLP (Adam, minibatches) on binary cross-entropy."""
+            weight_decay: float = 1e-3, epochs: int = 40, seed: int = 0,
+            embedder: EmbedderConfig = LEGACY_EMBEDDER) -> "WeakCorrectClassifier":
+        """Logistic regression (full-batch L-BFGS) or an MLP (Adam, minibatches) on binary cross-entropy, on
+        embeddings `x` computed with the `embedder` config."""
         torch.manual_seed(seed)
         xt = torch.from_numpy(np.asarray(x, dtype=np.float32))
         yt = torch.from_numpy(np.asarray(weak_correct, dtype=np.float32))
@@ -111,7 +153,7 @@ class WeakCorrectClassifier:
                     opt.zero_grad()
                     loss_fn(head(xt[idx]).squeeze(-1), yt[idx]).backward()
                     opt.step()
-        clf = cls(head, kind, hidden, np.zeros(0))
+        clf = cls(head, kind, hidden, np.zeros(0), embedder=embedder)
         clf.train_scores = np.sort(clf.strong_score(x))
         return clf
 
@@ -123,9 +165,9 @@ class WeakCorrectClassifier:
         return 1.0 - self.predict(x)
 
     def score_texts(self, texts: Sequence[str]) -> np.ndarray:
-        """Strong scores for raw prompts (loads the embedding model on first use)."""
+        """Strong scores for raw prompts, embedded as in training (loads the embedding model on first use)."""
         if self._embedder is None:
-            self._embedder = Embedder()
+            self._embedder = Embedder(config=self.embedder_config)
         return self.strong_score(self._embedder.encode(texts))
 
     def threshold_for(self, strong_fraction: float) -> float:
@@ -137,6 +179,7 @@ class WeakCorrectClassifier:
     def save(self, path: str | Path) -> None:
         torch.save({"format": "pagedlm-router-v1", "kind": self.kind, "hidden": self.hidden,
                     "embedder": "all-MiniLM-L6-v2", "state": self.head.state_dict(),
+                    "embedder_config": asdict(self.embedder_config),
                     "train_scores": torch.from_numpy(self.train_scores), "meta": self.meta}, Path(path))
 
     @classmethod
@@ -148,4 +191,5 @@ class WeakCorrectClassifier:
         dim = next(v for k, v in state.items() if k.endswith("weight")).shape[1]
         head = _head(blob["kind"], dim, blob["hidden"])
         head.load_state_dict(state)
-        return cls(head, blob["kind"], blob["hidden"], blob["train_scores"].numpy(), blob.get("meta"))
+        embedder = EmbedderConfig(**blob["embedder_config"]) if "embedder_config" in blob else LEGACY_EMBEDDER
+        return cls(head, blob["kind"], blob["hidden"], blob["train_scores"].numpy(), blob.get("meta"), embedder)

@@ -19,6 +19,12 @@ def add_router_parser(subparsers) -> None:
     t.add_argument("data", help="CSV file or directory of CSVs (prompt, weak, strong correctness)")
     t.add_argument("--out", required=True, help="router file to write")
     t.add_argument("--kind", default="logreg", choices=["logreg", "mlp"])
+    t.add_argument("--max-length", type=int, default=None,
+                   help="prompt tokens the embedder reads (default 128; more: slower routing)")
+    t.add_argument("--layers", type=int, default=None,
+                   help="encoder layers to run: 0 (default) pools the token embeddings alone, 6 is the full "
+                        "all-MiniLM-L6-v2 (about 20x slower per prompt on CPU)")
+    t.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the encoder layers run")
     _split_args(t)
     t.add_argument("--cache-dir", default=None, help="embedding cache (default: <model cache>/router; 'none': off)")
     t.set_defaults(fn=cmd_train)
@@ -28,6 +34,8 @@ def add_router_parser(subparsers) -> None:
     e.add_argument("--router", required=True, help="router file from `pagedlm router train`")
     e.add_argument("--plot", default="router_curve.png", help="PNG to write")
     e.add_argument("--latency-samples", type=int, default=100)
+    e.add_argument("--latency-threads", type=int, default=1,
+                   help="torch threads while timing one-prompt routing (0: leave as is)")
     e.add_argument("--cache-dir", default=None)
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_eval)
@@ -58,21 +66,24 @@ def _embed(embedder, data, idx: np.ndarray, cache: Path | None) -> np.ndarray:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pagedlm.router.classifier import Embedder, WeakCorrectClassifier
+    from pagedlm.router.classifier import FAST_EMBEDDER, Embedder, EmbedderConfig, WeakCorrectClassifier
     from pagedlm.router.data import load_routing_data, split_indices
 
     data = load_routing_data(args.data)
     train_idx, test_idx = split_indices(data, args.test_fraction, args.seed, args.by_subject)
     train = data.take(train_idx)
+    config = EmbedderConfig(args.max_length or FAST_EMBEDDER.max_length, args.int8,
+                            FAST_EMBEDDER.layers if args.layers is None else args.layers)
     start = time.perf_counter()
-    x = _embed(Embedder(), data, train_idx, _cache_dir(args.cache_dir))
+    x = _embed(Embedder(config=config), data, train_idx, _cache_dir(args.cache_dir))
     embed_s = time.perf_counter() - start
-    clf = WeakCorrectClassifier.fit(x, train.weak_correct, kind=args.kind, seed=args.seed)
+    clf = WeakCorrectClassifier.fit(x, train.weak_correct, kind=args.kind, seed=args.seed, embedder=config)
     clf.meta = {"test_fraction": args.test_fraction, "seed": args.seed, "by_subject": args.by_subject,
                 "train_size": len(train), "data": str(args.data)}
     clf.save(args.out)
     acc = float(((clf.predict(x) >= 0.5) == train.weak_correct).mean())
-    print(f"trained {args.kind} on {len(train)} prompts ({len(test_idx)} held out; embeddings {embed_s:.0f}s); "
+    print(f"trained {args.kind} on {len(train)} prompts, embedder {config.tag()} ({len(test_idx)} held out; "
+          f"embeddings {embed_s:.0f}s); "
           f"train accuracy {acc:.3f}; wrote {args.out}")
     return 0
 
@@ -88,7 +99,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     data = load_routing_data(args.data)
     _, test_idx = split_indices(data, m.get("test_fraction", 0.3), m.get("seed", 0), m.get("by_subject", False))
     test = data.take(test_idx)
-    embedder = Embedder()
+    embedder = Embedder(config=clf.embedder_config)
     scores = clf.strong_score(_embed(embedder, data, test_idx, _cache_dir(args.cache_dir)))
     heuristic = HeuristicPolicy()
     h_scores = np.array([heuristic.score(extract_features(p)) for p in test.prompts])
@@ -102,17 +113,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     clf._embedder = embedder
     policy = ClassifierPolicy(clf)
     samples = [test.prompts[i] for i in np.random.default_rng(0).permutation(len(test))[:args.latency_samples]]
-    policy.score(extract_features(samples[0]))  # warm-up
-    times = []
-    for p in samples:
-        t0 = time.perf_counter()
-        policy.score(extract_features(p))
-        times.append(1000 * (time.perf_counter() - t0))
+    times = _time_routing(policy, samples, args.latency_threads)
     report = {
         "held_out": len(test), "weak_acc": float(w.mean()), "strong_acc": float(s.mean()),
         "curves": {k: c.summary() for k, c in curves.items()},
         "realised_strong_share": calibration,
-        "latency_ms": {"median": float(np.median(times)), "p95": float(np.percentile(times, 95))},
+        "latency_ms": {"median": float(np.median(times)), "p90": float(np.percentile(times, 90)),
+                       "p95": float(np.percentile(times, 95)), "threads": args.latency_threads},
+        "embedder": clf.embedder_config.tag(),
         "plot": str(args.plot),
     }
     if args.json:
@@ -125,7 +133,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(ROUTELLM_MMLU)
     print("calibration (target -> realised strong share on held-out): "
           + ", ".join(f"{k:.0%} -> {v:.1%}" for k, v in calibration.items()))
-    print(f"classifier latency per request: median {report['latency_ms']['median']:.1f} ms, "
-          f"p95 {report['latency_ms']['p95']:.1f} ms (CPU, {len(times)} prompts)")
+    lat = report["latency_ms"]
+    print(f"classifier latency per request (embedder {report['embedder']}): median {lat['median']:.1f} ms, "
+          f"p90 {lat['p90']:.1f} ms, p95 {lat['p95']:.1f} ms (CPU, {len(times)} prompts, "
+          f"{torch_threads(args.latency_threads)} torch threads)")
     print(f"plot: {args.plot}")
     return 0
+
+
+def torch_threads(requested: int) -> int:
+    import torch
+    return requested or torch.get_num_threads()
+
+
+def _time_routing(policy, prompts: list[str], threads: int) -> list[float]:
+    """Milliseconds per one-prompt routing decision (after a warm-up), with `threads` torch threads."""
+    import torch
+
+    from pagedlm.router.policies import extract_features
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        policy.score(extract_features(prompts[0]))
+        times = []
+        for p in prompts:
+            t0 = time.perf_counter()
+            policy.score(extract_features(p))
+            times.append(1000 * (time.perf_counter() - t0))
+    finally:
+        torch.set_num_threads(before)
+    return times

@@ -26,6 +26,7 @@ class Decision:
     reason: str
     score: float | None = None  # the quality policy's strong score, where it has one
     replica: str | None = None
+    category: str = ""  # short, bounded label of `reason`: "weak" | "strong" | "sla" | "load" | "fallback"
 
 
 @dataclass
@@ -130,7 +131,8 @@ class ScorePolicy:
         note = "" if pool is (strong if want_strong else weak) else f" (no {tier} model available)"
         c = _cheapest(pool, features)
         return Decision(c.name, f"{type(self).__name__}: score {s:.3f} {'>=' if want_strong else '<'} "
-                                f"threshold {self.threshold:.3f} -> {tier}{note}", s, c.stats.replica)
+                                f"threshold {self.threshold:.3f} -> {tier}{note}", s, c.stats.replica,
+                        "strong" if c.strong else "weak")
 
     def calibrate(self, features: Sequence[RequestFeatures], strong_fraction: float) -> float:
         """Set the threshold so that about `strong_fraction` of `features` score at or above it."""
@@ -231,19 +233,21 @@ class SLAPolicy:
         pref = next(c for c in candidates if c.name == first.model)
         others = sorted((c for c in candidates if c is not pref),
                         key=lambda c: (c.strong != pref.strong, c.cost(features), c.name))
-        skipped = []
+        skipped, category = [], first.category
         for c in [pref, *others]:
             why = self.problem(c, features)
             if why is None:
                 reason = first.reason if c is pref else f"{first.reason}; skipped {'; '.join(skipped)}"
-                return Decision(c.name, reason, first.score, c.stats.replica)
+                return Decision(c.name, reason, first.score, c.stats.replica, category)
+            if c is pref:
+                category = "load" if why.startswith(("down", "overloaded")) else "sla"
             skipped.append(f"{c.name}: {why}")
         usable = [c for c in candidates if c.stats.healthy and c.stats.kv_usage < self.slo.max_kv_usage]
         if not usable:
             raise NoCandidateError(f"every model is down or overloaded: {'; '.join(skipped)}")
         c = min(usable, key=lambda c: (self.predict_ttft(c), c.cost(features)))
         return Decision(c.name, f"no model meets the SLO ({'; '.join(skipped)}); lowest predicted TTFT",
-                        first.score, c.stats.replica)
+                        first.score, c.stats.replica, "sla")
 
 
 class LeastLoadedPolicy:
@@ -260,4 +264,4 @@ class LeastLoadedPolicy:
         roomy = [c for c in healthy if c.stats.kv_usage < self.max_kv_usage] or healthy
         c = min(roomy, key=lambda c: (c.stats.outstanding, c.stats.kv_usage))
         return Decision(c.name, f"least loaded replica ({c.stats.outstanding} outstanding, "
-                                f"kv {c.stats.kv_usage:.0%})", replica=c.stats.replica)
+                                f"kv {c.stats.kv_usage:.0%})", replica=c.stats.replica, category="load")

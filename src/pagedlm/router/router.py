@@ -84,7 +84,7 @@ class Router:
         """After `failed.model` errored or refused (overload): record it and route to another model."""
         self.report_failure(failed.model)
         d = self.route(prompt, max_tokens, stats_by_model, exclude={failed.model, *tried})
-        return replace(d, reason=f"fallback from {failed.model}: {d.reason}")
+        return replace(d, reason=f"fallback from {failed.model}: {d.reason}", category="fallback")
 
     def report_failure(self, model: str) -> None:
         self._failures[model] = n = self._failures.get(model, 0) + 1

@@ -1,8 +1,13 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over an AsyncLLMEngine.
+"""The OpenAI-compatible HTTP API (FastAPI) over one AsyncLLMEngine per served model.
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize,
 /tokenizer_info, /version. Errors use OpenAI's JSON shape. A request whose client disconnects is aborted
 at once (streaming or not), and every path out of a handler aborts what it queued.
+
+A request names its model (none: the first served one). With an `AutoRoute`, the route's name (`auto`) lets
+the router choose; a model that refuses (queue full), fails or is down before anything reached the client is
+replaced by the router's fallback. The choice is in the `x-pagedlm-routed-model` / `x-pagedlm-route-reason`
+headers and in the body's `model`.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,11 +32,13 @@ from pagedlm import __version__
 from pagedlm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                          RequestStream)
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedlm.router import Decision, NoCandidateError
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import protocol as P
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.protocol import APIError
+from pagedlm.server.routing import AutoRoute
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +48,16 @@ RETRY_AFTER_S = 1
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # union members in pydantic error paths
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 8 * 2**20) -> FastAPI:
-    """The app; `api_key` (if set) is required as a bearer token everywhere except PUBLIC_PATHS."""
+def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | None = None,
+              max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None) -> FastAPI:
+    """The app serving each engine under its name (the first is the default for requests without `model`);
+    `api_key` (if set) is required as a bearer token everywhere except PUBLIC_PATHS."""
+    if not engines:
+        raise ValueError("build_app needs at least one engine")
     app = FastAPI(title="pagedlm", version=__version__)
-    srv = _Server(engine, served_model_name, ServerMetrics(engine, served_model_name))
-    app.state.server = srv
+    metrics = ServerMetrics(engines, routing=route is not None)
+    front = _Frontend({name: _Server(engine, name) for name, engine in engines.items()}, metrics, route)
+    app.state.server = front
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -68,8 +79,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.is_running:
-            raise APIError(503, "The engine loop has stopped.", type="server_error")
+        dead = [name for name, srv in front.servers.items() if not srv.engine.is_running]
+        if dead:
+            raise APIError(503, f"The engine loop has stopped ({', '.join(dead)}).", type="server_error")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -77,39 +89,153 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         return {"version": __version__}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics_() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(P.ModelList(data=[srv.model_card()]))
+        return _json(P.ModelList(data=front.model_cards()))
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        srv.check_model(model)
-        return _json(srv.model_card())
+        return _json(front.model_card(model))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await srv.completions(request)
+        return await front.completions(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await srv.chat_completions(request)
+        return await front.chat_completions(request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return await srv.tokenize(request)
+        req = await _parse(request, P.TokenizeRequest)
+        return front.server(req.model).tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return await srv.detokenize(request)
+        req = await _parse(request, P.DetokenizeRequest)
+        return front.server(req.model).detokenize(req)
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info() -> Response:
-        return JSONResponse(srv.tokenizer_info())
+    async def tokenizer_info(model: str | None = None) -> Response:
+        return JSONResponse(front.server(model).tokenizer_info())
 
     return app
+
+
+class _Unavailable(APIError):
+    """The chosen model could not take or finish the request (queue full, failed, stopped) before anything
+    reached the client; a routed request tries another model."""
+
+
+# --- model resolution and routing -----------------------------------------------------------------------------
+class _Frontend:
+    """Resolves each request's model and, for the route name, routes it (with fallback)."""
+
+    def __init__(self, servers: dict[str, _Server], metrics: ServerMetrics, route: AutoRoute | None) -> None:
+        self.servers, self.metrics, self.route = servers, metrics, route
+        self.default = next(iter(servers.values()))
+        self.created = int(time.time())
+
+    def server(self, model: str | None) -> _Server:
+        if not model:
+            return self.default
+        srv = self.servers.get(model)
+        if srv is None:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return srv
+
+    def is_routed(self, model: str | None) -> bool:
+        return self.route is not None and model == self.route.name
+
+    def model_cards(self) -> list[P.ModelCard]:
+        cards = [srv.model_card() for srv in self.servers.values()]
+        if self.route is not None:
+            cards.append(self._route_card())
+        return cards
+
+    def model_card(self, model: str) -> P.ModelCard:
+        return self._route_card() if self.is_routed(model) else self.server(model).model_card()
+
+    def _route_card(self) -> P.ModelCard:
+        lens = [self.servers[m].engine.max_model_len for m in self.route.router.models]
+        return P.ModelCard(id=self.route.name, created=self.created, root=None, max_model_len=min(lens))
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, P.CompletionRequest)
+        if not self.is_routed(req.model):
+            srv = self.server(req.model)
+            req.check_supported()
+            return await srv.completions(request, req, arrival)
+        req.check_supported()
+        text = _routing_text(req.prompt)
+        return await self._routed(text, req.max_tokens,
+                                  lambda srv: srv.completions(request, req, arrival, routed=True))
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, P.ChatCompletionRequest)
+        if not self.is_routed(req.model):
+            srv = self.server(req.model)
+            req.check_supported()
+            return await srv.chat_completions(request, req, arrival)
+        req.check_supported()
+        users = [m.text() for m in req.messages if m.role == "user"]
+        text = users[-1] if users else "\n".join(m.text() for m in req.messages)
+        return await self._routed(text, req.max_completion_tokens or req.max_tokens,
+                                  lambda srv: srv.chat_completions(request, req, arrival, routed=True))
+
+    async def _routed(self, text: str, max_tokens: int | None,
+                      run: Callable[[_Server], Awaitable[Response]]) -> Response:
+        """`run` on the routed model; on `_Unavailable`, on the router's fallback, until one takes it."""
+        route, metrics = self.route, self.metrics
+        decision = await self._decide(route.route(text, max_tokens))
+        tried: list[str] = []
+        while True:
+            try:
+                response = await run(self.servers[decision.model])
+            except _Unavailable as e:
+                logger.warning("Routed model %s is unavailable (%s); falling back", decision.model, e.message)
+                tried.append(decision.model)
+                try:
+                    nxt = await self._decide(route.fallback(decision, text, max_tokens, tried))
+                except _Unavailable:
+                    raise e from None
+                metrics.router_fallbacks.labels(decision.model, nxt.model).inc()
+                decision = nxt
+                continue
+            route.router.report_success(decision.model)
+            metrics.router_requests.labels(decision.model, decision.category).inc()
+            response.headers["x-pagedlm-routed-model"] = decision.model
+            response.headers["x-pagedlm-route-reason"] = decision.category
+            response.headers["x-pagedlm-route-detail"] = _header_text(decision.reason)
+            return response
+
+    async def _decide(self, decision: Awaitable[Decision]) -> Decision:
+        t0 = time.perf_counter()
+        try:
+            return await decision
+        except NoCandidateError as e:
+            raise _Unavailable(503, f"No model can take the request: {e}", type="server_error",
+                               code="no_model_available", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        finally:
+            self.metrics.router_decision.observe(time.perf_counter() - t0)
+
+
+def _routing_text(prompt: str | list[int] | list[str] | list[list[int]]) -> str:
+    """The text a completion request is routed on; token ids cannot be routed (each model has its own)."""
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return "\n".join(prompt)
+    raise APIError(400, "Token-id prompts need a named model (token ids differ between models).", param="prompt")
+
+
+def _header_text(text: str, limit: int = 512) -> str:
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]
 
 
 # --- the handlers ---------------------------------------------------------------------------------------------
@@ -129,25 +255,22 @@ class _ChoiceState:
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLMEngine, name: str, metrics: ServerMetrics) -> None:
-        self.engine, self.name, self.metrics = engine, name, metrics
+    """One served model: its requests, after the model is resolved (tokenizer, template, limits are its own).
+    `routed` requests also wait, when streaming, for the first outputs before the response starts, so that a
+    failure then is still `_Unavailable`."""
+
+    def __init__(self, engine: AsyncLLMEngine, name: str) -> None:
+        self.engine, self.name = engine, name
         self.tok = engine.tokenizer
         self.created = int(time.time())
-
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def model_card(self) -> P.ModelCard:
         return P.ModelCard(id=self.name, created=self.created, root=str(self.engine.engine.model_path),
                            max_model_len=self.engine.max_model_len)
 
     # --- completions ---
-    async def completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        req = await _parse(request, P.CompletionRequest)
-        self.check_model(req.model)
-        req.check_supported()
+    async def completions(self, request: Request, req: P.CompletionRequest, arrival: float,
+                          routed: bool = False) -> Response:
         prompts = self._completion_prompts(req.prompt)
         k = req.logprobs
         params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=k if req.echo else None)
@@ -155,6 +278,8 @@ class _Server:
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival)
         if req.stream:
+            if routed:
+                await _first_outputs(request, streams)
             return _sse(self._completion_events(req, rid, prompts, streams, params), streams)
         finals = await _collect(request, streams)
         choices = [self._completion_choice(i * params.n + o.index, req, params, prompt, out, o, _ChoiceState())
@@ -261,11 +386,8 @@ class _Server:
             _abort_all(streams)
 
     # --- chat ---
-    async def chat_completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        req = await _parse(request, P.ChatCompletionRequest)
-        self.check_model(req.model)
-        req.check_supported()
+    async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
+                               routed: bool = False) -> Response:
         ids = self._chat_prompt(req.messages, req.add_generation_prompt)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -274,6 +396,8 @@ class _Server:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [ids], params, req.priority, arrival)
         if req.stream:
+            if routed:
+                await _first_outputs(request, streams)
             return _sse(self._chat_events(req, rid, streams, params), streams)
         (out,) = await _collect(request, streams)
         choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
@@ -359,18 +483,16 @@ class _Server:
         _abort_all(streams)
         e = errors[0]
         if isinstance(e, QueueFullError):
-            raise APIError(503, str(e), type="server_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise _Unavailable(503, str(e), type="server_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
         if isinstance(e, EngineDeadError):
-            raise APIError(503, str(e), type="server_error")
+            raise _Unavailable(503, str(e), type="server_error")
         if isinstance(e, ValueError):
             raise APIError(400, str(e))
         raise e
 
     # --- tokenizer endpoints ---
-    async def tokenize(self, request: Request) -> Response:
-        req = await _parse(request, P.TokenizeRequest)
-        self.check_model(req.model)
+    def tokenize(self, req: P.TokenizeRequest) -> Response:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Give exactly one of `prompt` or `messages`.")
         if req.messages is not None:
@@ -387,9 +509,7 @@ class _Server:
         return _json(P.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids,
                                         token_strs=strs))
 
-    async def detokenize(self, request: Request) -> Response:
-        req = await _parse(request, P.DetokenizeRequest)
-        self.check_model(req.model)
+    def detokenize(self, req: P.DetokenizeRequest) -> Response:
         vocab = len(self.tok.hf)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
@@ -499,25 +619,42 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
         async for i, out in _merge(streams):
             finals[i] = out
 
+    try:
+        await _unless_disconnected(request, run())
+    finally:
+        _abort_all(streams)
+    return finals
+
+
+async def _first_outputs(request: Request, streams: list[RequestStream]) -> None:
+    """Wait until every stream has an output ready (not consumed); on failure or disconnect, abort them all."""
+    try:
+        await _unless_disconnected(request, asyncio.gather(*(s.wait_output() for s in streams)))
+    except BaseException:
+        _abort_all(streams)
+        raise
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> None:
+    """Await `work`; 499 if the client disconnects first, `_Unavailable` (500) if the engine fails it."""
+
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work, watch = asyncio.ensure_future(run()), asyncio.ensure_future(disconnected())
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
-            work.cancel()
-        _abort_all(streams)
-    if not work.done() or work.cancelled():
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
         raise APIError(499, "The client disconnected.")
     try:
-        work.result()
+        task.result()
     except (RequestFailedError, EngineDeadError) as e:
-        raise APIError(500, str(e), type="server_error") from None
-    return finals
+        raise _Unavailable(500, str(e), type="server_error") from None
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:

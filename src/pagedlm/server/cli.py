@@ -1,4 +1,8 @@
-"""`pagedlm serve`: the OpenAI-compatible server (uvicorn), bound to 127.0.0.1:8000 unless told otherwise."""
+"""`pagedlm serve`: the OpenAI-compatible server (uvicorn), bound to 127.0.0.1:8000 unless told otherwise.
+
+`--model` may be repeated (`NAME=MODEL` names one): every model gets its own engine (and its own KV budget) in
+one server; with more than one, requests for `--router-name` (`auto`) are routed among them.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +10,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 from pagedlm.config import parse_bytes
 
@@ -14,52 +19,185 @@ logger = logging.getLogger("pagedlm.server")
 API_KEY_ENV = "PAGEDLM_API_KEY"
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Callable[[argparse.ArgumentParser], None],
+def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Callable[..., None],
                      engine_kwargs_fn: Callable[[argparse.Namespace], dict]) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    engine_args_fn(p)
+    """`engine_args_fn(parser, multi_model=True)` adds the engine flags with a repeatable `--model`."""
+    p = subparsers.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
+    engine_args_fn(p, multi_model=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is logged)")
     p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer <key>` (or set ${API_KEY_ENV})")
-    p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model; one model)")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="requests allowed to wait for a slot; beyond it requests get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=_size, default=8 * 2**20,
                    help="largest request body, e.g. 8MiB (larger: 413)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput lines (0: off)")
     p.add_argument("--disable-access-log", action="store_true")
-    p.set_defaults(fn=lambda args: serve(args, engine_kwargs_fn))
+    r = p.add_argument_group("several models and routing")
+    r.add_argument("--config", default=None,
+                   help="YAML file of these options (keys: option names without --); command-line flags win")
+    r.add_argument("--router", default=None, choices=["heuristic", "learned", "none"],
+                   help="policy for requests to --router-name (default: heuristic with several models, else none)")
+    r.add_argument("--router-name", default="auto", help="model name that asks the router to choose")
+    r.add_argument("--router-classifier", default=None, help="router file from `pagedlm router train` (learned)")
+    r.add_argument("--strong-model", action="append", default=None, metavar="NAME",
+                   help="a strong-tier model (repeatable; default: the last --model; the others are weak)")
+    r.add_argument("--strong-fraction", type=float, default=0.5,
+                   help="learned router: share of its training prompts that score as strong")
+    r.add_argument("--router-threshold", type=float, default=None,
+                   help="strong-score threshold (overrides --strong-fraction; heuristic default 0.5)")
+    r.add_argument("--model-cost", action="append", default=None, metavar="NAME=IN,OUT",
+                   help="price per 1M input and output tokens (cheapest model of a tier wins; repeatable)")
+    r.add_argument("--max-ttft-ms", type=float, default=None, help="SLO: predicted time to first token")
+    r.add_argument("--max-tpot-ms", type=float, default=None, help="SLO: recent time per output token")
+    r.add_argument("--max-queue", type=int, default=None, help="SLO: waiting requests at which a model is overloaded")
+    r.add_argument("--max-request-cost", type=float, default=None, help="SLO: predicted price of one request")
+    p.set_defaults(fn=lambda args: serve(args, engine_kwargs_fn, p))
     return p
 
 
-def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespace], dict]) -> int:
+def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespace], dict],
+          parser: argparse.ArgumentParser | None = None) -> int:
     import uvicorn
 
     from pagedlm.engine.async_engine import AsyncLLMEngine
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
+    from pagedlm.server.routing import AutoRoute
 
+    if args.config:
+        apply_config(args, parser, args.config)
     if args.max_waiting < 1 or args.max_body_bytes < 1:
         raise ValueError("--max-waiting and --max-body-bytes must be >= 1.")
-    kwargs = engine_kwargs_fn(args)
-    sock = _bind(args.host, args.port)  # before loading the model: a busy port fails fast
-    engine = LLMEngine.from_args(**kwargs)  # logs the KV memory report
-    async_engine = AsyncLLMEngine(engine, max_waiting=args.max_waiting, log_interval=args.log_interval)
+    models = model_specs(args)
+    router = build_router(args, [name for name, _ in models])
+    sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
+    engines: dict[str, AsyncLLMEngine] = {}
+    route = None
     try:
-        name = args.served_model_name or kwargs["model"]
+        for name, target in models:
+            kwargs = engine_kwargs_fn(argparse.Namespace(**{**vars(args), "model": target}))
+            logger.info("Loading %s (%s)", name, target)
+            engine = LLMEngine.from_args(**kwargs)  # logs the KV memory report
+            engines[name] = AsyncLLMEngine(engine, max_waiting=args.max_waiting, log_interval=args.log_interval)
+        if router is not None:
+            route = AutoRoute(router, engines, args.router_name)
+            route.warm_up()
         api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-        app = build_app(async_engine, name, api_key, args.max_body_bytes)
+        app = build_app(engines, api_key, args.max_body_bytes, route)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", name, url, url,
+        served = ", ".join([*engines, *([route.name] if route else [])])
+        logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", served, url, url,
                     ", API key required" if api_key else "")
+        if route is not None:
+            logger.info("Routing `%s` with %s", route.name, describe_router(router))
         config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
                                 timeout_graceful_shutdown=5, timeout_keep_alive=30)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
-        async_engine.shutdown()
+        if route is not None:
+            route.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
         sock.close()
     return 0
+
+
+def model_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(served name, model) per `--model` (`NAME=MODEL` or `MODEL`, named as given); default: the default model."""
+    from pagedlm.model.registry import DEFAULT_MODEL
+
+    specs = []
+    for spec in args.model or [DEFAULT_MODEL]:
+        name, sep, target = spec.partition("=")
+        if not sep or not name or "/" in name or not target:
+            name, target = spec, spec
+        specs.append((name, target))
+    if args.served_model_name:
+        if len(specs) != 1:
+            raise ValueError("--served-model-name needs exactly one --model (name several with NAME=MODEL).")
+        specs = [(args.served_model_name, specs[0][1])]
+    names = [n for n, _ in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Model names must be distinct: {names}")
+    return specs
+
+
+def build_router(args: argparse.Namespace, names: list[str]):
+    """The `Router` the flags ask for, or None (one model and no --router, or --router none)."""
+    from pagedlm.router import SLO, ClassifierPolicy, HeuristicPolicy, ModelEntry, Router
+
+    kind = args.router or ("heuristic" if len(names) > 1 else "none")
+    if kind == "none":
+        return None
+    if args.router_name in names:
+        raise ValueError(f"--router-name {args.router_name!r} is also a model name.")
+    strong = set(args.strong_model or names[-1:])
+    if not strong <= set(names):
+        raise ValueError(f"--strong-model {sorted(strong - set(names))} is not a served model ({names}).")
+    costs = dict(_cost(spec, names) for spec in args.model_cost or [])
+    entries = [ModelEntry(n, n in strong, *costs.get(n, (0.0, 0.0))) for n in names]
+    if kind == "learned":
+        if not args.router_classifier:
+            raise ValueError("--router learned needs --router-classifier FILE (from `pagedlm router train`).")
+        from pagedlm.router.classifier import WeakCorrectClassifier
+
+        policy = ClassifierPolicy(WeakCorrectClassifier.load(args.router_classifier), args.strong_fraction,
+                                  args.router_threshold)
+    else:
+        policy = HeuristicPolicy(0.5 if args.router_threshold is None else args.router_threshold)
+    limits = (args.max_ttft_ms, args.max_tpot_ms, args.max_queue, args.max_request_cost)
+    slo = None
+    if any(v is not None for v in limits):
+        slo = SLO(ttft_s=_seconds(args.max_ttft_ms), tpot_s=_seconds(args.max_tpot_ms),
+                  max_cost=args.max_request_cost, max_queue=args.max_queue)
+    return Router(entries, policy, slo)
+
+
+def describe_router(router) -> str:
+    models = ", ".join(f"{m.name} ({'strong' if m.strong else 'weak'})" for m in router.models.values())
+    return f"{type(router.policy).__name__} (threshold {router.policy.threshold:.3f}) over {models}" + (
+        f", SLO {router.slo}" if router.slo else "")
+
+
+def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser | None, path: str) -> None:
+    """Fill options left at their defaults from a YAML mapping of option names (`max-ttft-ms: 500`). List
+    options take a list or a mapping: `model: {small: smollm2-135m}`, `model-cost: {small: [0.1, 0.2]}`."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of option names to values")  # noqa: TRY004 - CLI error
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest in ("config", "fn") or not hasattr(args, dest):
+            raise ValueError(f"{path}: unknown option {key!r}")
+        if dest in ("model", "strong_model", "model_cost"):
+            if isinstance(value, dict):
+                value = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in value.items()]
+            elif not isinstance(value, list):
+                value = [value]
+            value = [str(v) for v in value]
+        default = parser.get_default(dest) if parser is not None else None
+        if getattr(args, dest) == default:
+            setattr(args, dest, value)
+
+
+def _cost(spec: str, names: list[str]) -> tuple[str, tuple[float, float]]:
+    name, _, prices = spec.partition("=")
+    parts = prices.split(",")
+    if name not in names or len(parts) != 2:
+        raise ValueError(f"--model-cost {spec!r}: expected NAME=IN,OUT with NAME one of {names}")
+    try:
+        return name, (float(parts[0]) / 1e6, float(parts[1]) / 1e6)
+    except ValueError:
+        raise ValueError(f"--model-cost {spec!r}: prices must be numbers") from None
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
 
 
 def _size(value: str) -> int:
