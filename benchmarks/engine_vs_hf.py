@@ -44,7 +44,6 @@ def run_pagedlm(llm, reqs) -> dict:
     eng = llm.engine
     for i, (ids, max_tokens) in enumerate(reqs):
         eng.add_request(f"b{time.monotonic_ns()}-{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    max_tokens_of = {}
     util, phys_util, reserve_util, reserve_max_util = [], [], [], []
     generated = 0
     bs = eng.block_manager.block_size

@@ -67,7 +67,7 @@ def main() -> None:
     single = make_prompts(vocab, 1, args.input_len, seed=2, avoid=eos)
     lat: dict[str, list[float]] = {n: [] for n in names}
     thr: dict[str, list[float]] = {n: [] for n in names}
-    for n, llm in llms.items():  # warm-up (kernels built, allocator warm)
+    for llm in llms.values():  # warm-up (kernels built, allocator warm)
         timed(llm, single, 8)
     for r in range(args.repeats):
         for n in (names if r % 2 == 0 else names[::-1]):

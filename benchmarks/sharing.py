@@ -74,7 +74,8 @@ def cmd_prefix(args) -> None:
         llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=caching)
         tok = llm.get_tokenizer()
         prompts = [tok.encode(tok.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what about category {i % 14}?"}]),
+            [{"role": "system", "content": system},
+             {"role": "user", "content": f"Question {i}: what about category {i % 14}?"}]),
             add_special_tokens=False) for i in range(args.requests)]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         start = time.perf_counter()
@@ -84,8 +85,10 @@ def cmd_prefix(args) -> None:
         gen = sum(len(o.outputs[0].token_ids) for o in outs)
         computed = st.prompt_tokens - st.prefix_cache_hits
         rows.append((caching, gen / elapsed, elapsed, st.prompt_tokens, computed, outs))
-    print(f"{args.requests} requests, system prompt of {len(prompts[0]) - 20}+ tokens, {args.max_tokens} output tokens each")
-    print(f"{'prefix caching':<16}{'gen tok/s (median)':>20}{'wall s (median)':>18}{'prompt tokens':>15}{'computed':>10}")
+    print(f"{args.requests} requests, system prompt of {len(prompts[0]) - 20}+ tokens, "
+          f"{args.max_tokens} output tokens each")
+    print(f"{'prefix caching':<16}{'gen tok/s (median)':>20}{'wall s (median)':>18}{'prompt tokens':>15}"
+          f"{'computed':>10}")
     for caching in (False, True):
         sel = [r for r in rows if r[0] == caching]
         print(f"{'on' if caching else 'off':<16}{statistics.median(r[1] for r in sel):>20.1f}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedlm.kvcache.block_manager import BlockManager
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import assert_matches_hf, hf_greedy
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
 from pagedlm.model.loader import iter_weights, load_hf_config
-
-from hf_reference import assert_matches_hf, hf_greedy
 
 NEW_TOKENS = 24
 
@@ -25,9 +24,8 @@ LONG_TEXT = (
 @pytest.fixture(scope="module")
 def tiny_gemma_dir(tmp_path_factory):
     """Random 6-layer Gemma 3 (5 sliding layers with window 8, then 1 global), nonzero norm weights."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     from conftest import build_tiny_tokenizer
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     path = tmp_path_factory.mktemp("tiny_gemma3")
     tok = build_tiny_tokenizer()

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import assert_matches_hf, hf_greedy
 
 from pagedlm import LLM, SamplingParams
-
-from hf_reference import assert_matches_hf, hf_greedy
 
 pytestmark = pytest.mark.slow
 

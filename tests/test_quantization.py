@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention import build_case
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.attention import BACKENDS
@@ -16,7 +17,6 @@ from pagedlm.config import EngineConfig
 from pagedlm.kvcache.kv_cache import KVCacheSpec
 from pagedlm.kvcache.quant import dequantize_kv, quantize_kv
 from pagedlm.model import quant
-from test_attention import build_case
 
 KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
 

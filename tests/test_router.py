@@ -9,8 +9,21 @@ import numpy as np
 import pytest
 import torch
 
-from pagedlm.router import (SLO, Candidate, Decision, HeuristicPolicy, LeastLoadedPolicy, LoadStats, ModelEntry,
-                            NoCandidateError, RandomPolicy, Router, SLAPolicy, ScorePolicy, extract_features)
+from pagedlm.router import (
+    SLO,
+    Candidate,
+    Decision,
+    HeuristicPolicy,
+    LeastLoadedPolicy,
+    LoadStats,
+    ModelEntry,
+    NoCandidateError,
+    RandomPolicy,
+    Router,
+    ScorePolicy,
+    SLAPolicy,
+    extract_features,
+)
 from pagedlm.router.classifier import LEGACY_EMBEDDER, EmbedderConfig, WeakCorrectClassifier
 from pagedlm.router.evaluate import call_performance_curve, optimal_curve, plot_curves, random_curve
 
@@ -46,7 +59,8 @@ def test_features_classify_question_types():
     assert extract_features("Pick one\nA. cat\nB. dog\nC. cow").question_type == "multiple_choice"
     f = extract_features(EASY, max_tokens=32)
     assert (f.question_type, f.max_tokens, f.has_code, f.has_math) == ("factual", 32, False, False)
-    assert extract_features("x" * 400).prompt_tokens == 100 and extract_features("hi", prompt_tokens=7).prompt_tokens == 7
+    assert extract_features("x" * 400).prompt_tokens == 100
+    assert extract_features("hi", prompt_tokens=7).prompt_tokens == 7
 
 
 def test_heuristic_policy_sends_hard_requests_strong():
@@ -240,7 +254,8 @@ def test_cli_train_eval_and_learned_router(tmp_path, capsys):
 
     rng = np.random.default_rng(0)
     easy = [f"What is {a} plus {b}?" for a, b in rng.integers(1, 50, size=(20, 2))]
-    hard = [f"Prove the theorem about integral number {i} of the Riemann zeta function step by step." for i in range(20)]
+    hard = [f"Prove the theorem about integral number {i} of the Riemann zeta function step by step."
+            for i in range(20)]
     rows = [(p, True, True) for p in easy] + [(p, False, bool(i % 2)) for i, p in enumerate(hard)]
     data = tmp_path / "mmlu_toy.csv"
     write_csv(data, rows)

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
+import pagedlm.sampling.sampler as sampler_mod
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
-import pagedlm.sampling.sampler as sampler_mod
 
 EOS = 7
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 from tqdm import tqdm
 
@@ -23,7 +24,8 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -31,7 +33,10 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
         for p in params:

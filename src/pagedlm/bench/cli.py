@@ -14,7 +14,8 @@ def add_bench_parser(sub, engine_args: Callable[[argparse.ArgumentParser], None]
     def offline(name: str, help: str, output_len: int, repeats: int) -> argparse.ArgumentParser:
         q = bsub.add_parser(name, help=help)
         engine_args(q)
-        q.add_argument("--backends", default="pagedlm,hf", help="comma list of pagedlm, hf, llama.cpp (run alternately)")
+        q.add_argument("--backends", default="pagedlm,hf",
+                       help="comma list of pagedlm, hf, llama.cpp (run alternately)")
         q.add_argument("--input-len", type=int, default=32)
         q.add_argument("--output-len", type=int, default=output_len)
         q.add_argument("--repeats", type=int, default=repeats, help="repetitions per backend; medians reported")

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-def make_prompts(vocab_size: int, num: int, input_len: int, seed: int = 0, avoid: Sequence[int] = ()) -> list[list[int]]:
+def make_prompts(vocab_size: int, num: int, input_len: int, seed: int = 0,
+                 avoid: Sequence[int] = ()) -> list[list[int]]:
     """`num` prompts of exactly `input_len` random token ids (the same for every backend, no padding needed)."""
     rng = random.Random(seed)
     skip = set(avoid)

@@ -68,8 +68,10 @@ def bench_kernel(backend: str = "cpu", batches=(1, 16, 64), contexts=(128, 1024,
             tp, tc = [], []
             reps = max(3, min(repeats, int(repeats * 1024 * 16 / (b * s)) + 3))
             for _ in range(reps):  # alternate so that machine noise hits both sides alike
-                t0 = time.perf_counter(); paged(); tp.append(time.perf_counter() - t0)
-                t0 = time.perf_counter(); contiguous(); tc.append(time.perf_counter() - t0)
+                for fn_, times in ((paged, tp), (contiguous, tc)):
+                    t0 = time.perf_counter()
+                    fn_()
+                    times.append(time.perf_counter() - t0)
             results.append(KernelResult(backend, str(dtype).removeprefix("torch."), b, s,
                                         statistics.median(tp) * 1e6, statistics.median(tc) * 1e6))
     return results

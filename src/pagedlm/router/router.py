@@ -11,8 +11,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from pagedlm.router.policies import (SLO, Candidate, Decision, HeuristicPolicy, LeastLoadedPolicy, LoadStats,
-                                     NoCandidateError, Policy, SLAPolicy, extract_features)
+from pagedlm.router.policies import (
+    SLO,
+    Candidate,
+    Decision,
+    HeuristicPolicy,
+    LeastLoadedPolicy,
+    LoadStats,
+    NoCandidateError,
+    Policy,
+    SLAPolicy,
+    extract_features,
+)
 
 
 @dataclass(frozen=True)

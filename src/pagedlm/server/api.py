@@ -29,8 +29,13 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedlm import __version__
-from pagedlm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
-                                         RequestStream)
+from pagedlm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.router import Decision, NoCandidateError
 from pagedlm.sampling.detokenizer import held_back
