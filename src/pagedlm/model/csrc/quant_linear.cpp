@@ -59,8 +59,20 @@ void int8_tile(const float* x, const int8_t* q, const float* s, float* y, int M,
     int k = 0;
 #ifdef PAGEDLM_AVX2
     if (nt == NT) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
       const int8_t *q0 = q + int64_t(n0) * K, *q1 = q0 + K, *q2 = q1 + K, *q3 = q2 + K;
+      for (; k + 16 <= K; k += 16) {  // two independent chains per row hide the FMA latency
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + k) + 4 * K, _MM_HINT_T0);
+        const __m256 xv = _mm256_loadu_ps(xm + k), xw = _mm256_loadu_ps(xm + k + 8);
+        a0 = _mm256_fmadd_ps(load_i8(q0 + k), xv, a0);
+        a1 = _mm256_fmadd_ps(load_i8(q1 + k), xv, a1);
+        a2 = _mm256_fmadd_ps(load_i8(q2 + k), xv, a2);
+        a3 = _mm256_fmadd_ps(load_i8(q3 + k), xv, a3);
+        b0 = _mm256_fmadd_ps(load_i8(q0 + k + 8), xw, b0);
+        b1 = _mm256_fmadd_ps(load_i8(q1 + k + 8), xw, b1);
+        b2 = _mm256_fmadd_ps(load_i8(q2 + k + 8), xw, b2);
+        b3 = _mm256_fmadd_ps(load_i8(q3 + k + 8), xw, b3);
+      }
       for (; k + 8 <= K; k += 8) {
         const __m256 xv = _mm256_loadu_ps(xm + k);
         a0 = _mm256_fmadd_ps(load_i8(q0 + k), xv, a0);
@@ -68,7 +80,8 @@ void int8_tile(const float* x, const int8_t* q, const float* s, float* y, int M,
         a2 = _mm256_fmadd_ps(load_i8(q2 + k), xv, a2);
         a3 = _mm256_fmadd_ps(load_i8(q3 + k), xv, a3);
       }
-      out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);
+      out[0] = hsum(_mm256_add_ps(a0, b0)); out[1] = hsum(_mm256_add_ps(a1, b1));
+      out[2] = hsum(_mm256_add_ps(a2, b2)); out[3] = hsum(_mm256_add_ps(a3, b3));
     }
 #endif
     for (int j = 0; j < nt; ++j) {
