@@ -41,3 +41,21 @@ def test_generate_on_tiny_model(tiny_model_dir, capsys):
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["memory", "--model", "no-such-model"]) == 2
     assert "expected a known model name" in capsys.readouterr().err
+
+
+def test_memory_with_quantized_kv_cache(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_70B))
+    assert main(["memory", "--model", str(cfg), "--kv-cache-dtype", "int8", "--kv-cache-memory", "40GiB",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["kv_bytes_per_token"] == 2 * 80 * 8 * (128 + 4) and r["scale_bytes"] == 4  # values + fp32 scale
+
+
+def test_generate_quantized_and_bad_flags(tiny_model_dir, capsys):
+    assert main(["generate", "Hello!", "--model", str(tiny_model_dir), "--max-tokens", "5", "--num-kv-blocks", "32",
+                 "--quantization", "int8", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert capsys.readouterr().out.strip() != ""
+    assert main(["generate", "Hello!", "--model", str(tiny_model_dir), "--quantization", "int4",
+                 "--quantization-group-size", "48"]) == 2
+    assert "group size" in capsys.readouterr().err
