@@ -28,6 +28,7 @@ def check_invariants(bm: BlockManager, live: dict[int, Seq]) -> None:
             assert pool.ref_counts[b] == held[b], f"block {b}: ref {pool.ref_counts[b]} != holders {held[b]}"
             assert (b in free) == (held[b] == 0), f"block {b} is both free and used, or neither"
         assert len(free) + sum(1 for b in range(pool.num_blocks) if held[b]) == pool.num_blocks
+    assert bm.swapped == {sid for sid, s in live.items() if getattr(s, "swapped", False)}
     bs = bm.block_size
     for sid, seq in live.items():
         tables = bm.get_block_tables(seq)
@@ -76,12 +77,8 @@ def test_random_operations_keep_invariants(ops, num_blocks, block_size, windows)
                 pairs = bm.swap_in([target])
                 assert len(pairs) == len(set(d for _, d in pairs))
                 target.swapped = False
-            elif op == "free":
-                # a swapped sequence frees its host blocks
-                for table in bm.block_tables.pop(target.seq_id, []):
-                    for b in table:
-                        if b != NULL_BLOCK:
-                            bm.cpu.decref(b)
+            elif op == "free":  # a swapped sequence frees its host blocks
+                bm.free(target)
                 del live[target.seq_id]
         elif op == "append":
             k = n % 5 + 1
@@ -108,13 +105,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, block_size, windows)
             target.swapped = True
         check_invariants(bm, live)
     for seq in list(live.values()):
-        if getattr(seq, "swapped", False):
-            for table in bm.block_tables.pop(seq.seq_id, []):
-                for b in table:
-                    if b != NULL_BLOCK:
-                        bm.cpu.decref(b)
-        else:
-            bm.free(seq)
+        bm.free(seq)
     assert bm.gpu.num_free == num_blocks and bm.cpu.num_free == 12
     assert bm.block_tables == {}
 

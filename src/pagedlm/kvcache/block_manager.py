@@ -160,6 +160,7 @@ class BlockManager:
                         "once they leave the window.")
             enable_prefix_caching = False
         self.block_tables: dict[int, list[list[int]]] = {}  # seq id -> one table per group
+        self.swapped: set[int] = set()  # seq ids whose tables list host blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.seq_hashes: dict[int, list[bytes]] = {}  # chain hashes of each sequence's full blocks
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -320,12 +321,14 @@ class BlockManager:
             self.seq_hashes[child.seq_id] = list(self.seq_hashes[parent.seq_id])
 
     def free(self, seq: SeqLike) -> None:
-        """Drop the sequence's reference to each of its device blocks, tail first, so that with prefix
-        caching the end of a chain is evicted before its beginning."""
+        """Drop the sequence's reference to each of its blocks (host blocks if it is swapped out), tail first,
+        so that with prefix caching the end of a chain is evicted before its beginning."""
+        pool = self.cpu if seq.seq_id in self.swapped else self.gpu
+        self.swapped.discard(seq.seq_id)
         for table in self.block_tables.pop(seq.seq_id, []):
             for block in reversed(table):
                 if block != NULL_BLOCK:
-                    self.gpu.decref(block)
+                    pool.decref(block)
         self.seq_hashes.pop(seq.seq_id, None)
 
     # --- swapping ----------------------------------------------------------------------------------------
@@ -338,6 +341,7 @@ class BlockManager:
 
     def swap_out(self, seqs: list[SeqLike]) -> list[tuple[int, int]]:
         """Move the sequences' device blocks to host blocks. A block shared among `seqs` is copied once."""
+        self.swapped.update(s.seq_id for s in seqs)
         return self._move(seqs, self.gpu, self.cpu)
 
     def can_swap_in(self, seqs: list[SeqLike], num_new_tokens: list[int] | None = None) -> bool:
@@ -347,6 +351,7 @@ class BlockManager:
         return len(self._distinct(seqs)) + extra * self.num_groups <= self.gpu.num_free - self.watermark_blocks
 
     def swap_in(self, seqs: list[SeqLike]) -> list[tuple[int, int]]:
+        self.swapped.difference_update(s.seq_id for s in seqs)
         return self._move(seqs, self.cpu, self.gpu)
 
     def _move(self, seqs: list[SeqLike], src_pool: BlockPool, dst_pool: BlockPool) -> list[tuple[int, int]]:
