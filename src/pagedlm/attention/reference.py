@@ -20,7 +20,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, star
     Blocks before the one holding `start` are not read (a sliding-window group may have freed them)."""
     block_size = cache.shape[1]
     first, num_blocks = start // block_size, (seq_len + block_size - 1) // block_size
-    return cache[block_table[first:num_blocks].long()].flatten(0, 1)[start - first * block_size:seq_len - first * block_size]
+    skip = first * block_size
+    return cache[block_table[first:num_blocks].long()].flatten(0, 1)[start - skip:seq_len - skip]
 
 
 def window_start(seq_len: int, query_len: int, sliding_window: int | None) -> int:

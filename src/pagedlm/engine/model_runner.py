@@ -59,12 +59,14 @@ class ModelRunner:
         # positions: start of each chunk + offset within it
         offsets = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], q_lens)
         positions = np.repeat(starts, q_lens) + offsets
-        seq_idx = np.repeat(np.arange(len(chunks)), q_lens)
+        seq_idx, blk, off = np.repeat(np.arange(len(chunks)), q_lens), positions // bs, positions % bs
         input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
                                 count=total)
         dev = self.device
-        seq_lens_t = torch.from_numpy(seq_lens).to(dev, torch.int32)
-        cu_t = torch.from_numpy(cu).to(dev, torch.int32)
+        shared = dict(seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+                      query_start_loc=torch.from_numpy(cu).to(dev, torch.int32), seq_lens_list=seq_lens.tolist(),
+                      query_lens_list=q_lens.tolist(), max_query_len=int(q_lens.max()),
+                      max_seq_len=int(seq_lens.max()), block_size=bs)
         metas = []
         for g in range(len(self.kv_spec.groups)):
             # block tables in bulk: one flat array, scattered into the padded [seqs, max_blocks] table
@@ -73,20 +75,11 @@ class ModelRunner:
                                count=int(n_blocks.sum()))
             tables = np.zeros((len(chunks), int(n_blocks.max())), dtype=np.int64)
             tables[np.arange(tables.shape[1]) < n_blocks[:, None]] = flat
-            slots = tables[seq_idx, positions // bs] * bs + positions % bs
+            slots = tables[seq_idx, blk] * bs + off
             assert total == 0 or slots.min() >= 0, "a new token's slot is in a freed block"
             np.maximum(tables, 0, out=tables)  # freed sliding-window blocks: any valid id, never read
-            metas.append(AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev),
-                block_tables=torch.from_numpy(tables).to(dev, torch.int32),
-                seq_lens=seq_lens_t,
-                query_start_loc=cu_t,
-                seq_lens_list=seq_lens.tolist(),
-                query_lens_list=q_lens.tolist(),
-                max_query_len=int(q_lens.max()),
-                max_seq_len=int(seq_lens.max()),
-                block_size=bs,
-            ))
+            metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev),
+                                           block_tables=torch.from_numpy(tables).to(dev, torch.int32), **shared))
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas
 
     @torch.inference_mode()
