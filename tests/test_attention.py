@@ -94,6 +94,36 @@ def test_sliding_window(backend):
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sliding_window_never_reads_freed_blocks(backend, threads):
+    """Blocks wholly before the first query's window may be freed and their table entries point anywhere:
+    here at a block full of NaN. Decode, prefill chunks and split key ranges (long batch-1 decode)."""
+    dim, window, bs = 16, 8, 4
+    cases = [([30, 12, 25, 63], [1, 12, 5, 9]), ([700], [1])]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seq_lens, query_lens in cases:
+            q, ks, vs, kc, vc, meta = build_case(seq_lens, query_lens, 4, 2, dim, bs, torch.float32, seed=3)
+            expected = BACKENDS[backend](q, kc, vc, meta, dim ** -0.5, sliding_window=window)
+            poison = torch.full_like(kc[:1], float("nan"))
+            kc, vc = torch.cat([kc, poison]), torch.cat([vc, poison])
+            for i, (s, lq) in enumerate(zip(seq_lens, query_lens)):
+                first_live = max(0, s - lq - window + 1) // bs
+                meta.block_tables[i, :first_live] = kc.shape[0] - 1
+            out = BACKENDS[backend](q, kc, vc, meta, dim ** -0.5, sliding_window=window)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+            start = 0
+            for k, v, s, lq in zip(ks, vs, seq_lens, query_lens):
+                ref = dense_attention(q[start:start + lq], k, v, dim ** -0.5, window)
+                torch.testing.assert_close(out[start:start + lq].double(), ref, atol=2e-5, rtol=1e-4)
+                start += lq
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_bf16(backend):
     dim = 64
     q, ks, vs, kc, vc, meta = build_case([50, 7], [1, 7], 6, 2, dim, 16, torch.bfloat16, seed=1)

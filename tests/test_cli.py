@@ -59,3 +59,30 @@ def test_generate_quantized_and_bad_flags(tiny_model_dir, capsys):
     assert main(["generate", "Hello!", "--model", str(tiny_model_dir), "--quantization", "int4",
                  "--quantization-group-size", "48"]) == 2
     assert "group size" in capsys.readouterr().err
+
+
+GEMMA3_270M = {
+    "model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+    "max_position_embeddings": 32768, "sliding_window": 512, "query_pre_attn_scalar": 256,
+}
+
+
+def test_memory_separates_sliding_window_layers(tmp_path, capsys):
+    """Gemma 3 270M: 3 global layers grow with the sequence, 15 sliding layers keep 512 tokens (+ a block)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(GEMMA3_270M))
+    assert main(["memory", "--model", str(cfg), "--dtype", "bfloat16", "--kv-cache-memory", "2GiB",
+                 "--max-model-len", "32768", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["full_layers"], r["sliding_layers"], r["sliding_window"]) == (3, 15, 512)
+    assert r["full_bytes_per_token"] == 2 * 3 * 256 * 2 and r["sliding_bytes_per_token"] == 2 * 15 * 256 * 2
+    assert (r["layers_per_block"], r["num_groups"]) == (3, 6) and r["bytes_per_block"] == 2 * 3 * 256 * 2 * 16
+    assert r["num_blocks"] == 2 * 2**30 // r["bytes_per_block"]
+    assert r["sliding_bytes_per_seq"] == 5 * (512 // 16 + 1) * r["bytes_per_block"]
+    assert abs(r["max_concurrency"] - r["num_blocks"] / (2048 + 5 * 33)) < 1e-9
+    assert abs(r["max_concurrency_without_freeing"] - r["num_blocks"] / (6 * 2048)) < 1e-9
+    assert r["max_concurrency"] > 5 * r["max_concurrency_without_freeing"]
+    main(["memory", "--model", str(cfg), "--dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    assert "sliding window   : 15 layers" in out and "if sliding-window blocks were kept" in out

@@ -197,3 +197,24 @@ def test_memory_report(tiny_model_dir):
     assert r.num_blocks == 2**20 // (r.kv_bytes_per_token * 16)
     assert r.tokens_capacity == r.num_blocks * 16
     assert "KV bytes per token" in r.format()
+
+
+def test_abort_swapped_request_frees_host_blocks(tiny_model_dir, reference):
+    prompts, expected = reference
+    eng = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=36, block_size=4,
+                              preemption_mode="swap", swap_space=2**20, max_num_batched_tokens=64)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, GREEDY)
+    while not eng.scheduler.swapped:
+        eng.step()
+    victim = eng.scheduler.swapped[0].request_id
+    eng.abort_request(victim)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert set(done) == {str(i) for i in range(len(prompts))} - {victim}
+    assert all(toks == expected[int(rid)] for rid, toks in done.items())
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks and bm.cpu.num_free == bm.cpu.num_blocks

@@ -48,7 +48,7 @@ def test_tiny_gemma3_matches_hf_across_the_sliding_window(tiny_gemma_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_gemma_dir, dtype=torch.float32).eval()
-    llm = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=64, block_size=4)
+    llm = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=384, block_size=4)  # blocks of 1 of 6 layers
     assert llm.engine.runner.model.layer_sliding_windows == [8, 8, 8, 8, 8, None]
     prompts = [list(range(5, 35)), list(range(100, 105)), list(range(200, 221))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
@@ -73,7 +73,7 @@ def hf_model(gemma3_path):
 
 @pytest.fixture(scope="module")
 def llm(gemma3_path):
-    return LLM(str(gemma3_path), dtype="float32", num_kv_blocks=160)
+    return LLM(str(gemma3_path), dtype="float32", num_kv_blocks=960)  # blocks of 3 of the 18 layers
 
 
 @pytest.fixture(scope="module")

@@ -41,9 +41,9 @@ def test_block_manager_reuses_verifies_and_evicts_tail_first():
     assert admit(bm, a) == []
     b = Seq(1, list(range(9)) + [99])  # same first two blocks
     hit = admit(bm, b)
-    assert hit == bm.block_tables[0][:2] and bm.gpu.ref_counts[hit[0]] == 2
+    assert hit == bm.get_block_table(a)[:2] and bm.gpu.ref_counts[hit[0]] == 2
     c = Seq(2, list(range(8)))  # exactly two full blocks: the last one is recomputed, so one hit
-    assert admit(bm, c) == bm.block_tables[0][:1]
+    assert admit(bm, c) == bm.get_block_table(a)[:1]
     salted = Seq(3, list(range(10)), cache_salt="tenant-b")
     assert admit(bm, salted) == []  # a different salt never shares
     for s in (a, b, c, salted):

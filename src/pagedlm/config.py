@@ -166,7 +166,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap"
     scheduling_policy: str = "fcfs"  # or "priority"
     watermark: float = 0.01
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # off for models with sliding-window layers (their blocks are freed)
     seed: int = 0
     attention_backend: str = "auto"  # "reference" | "auto"
     quantization: str | None = None  # weight-only: "int8" (per channel) | "int4" (group-wise)

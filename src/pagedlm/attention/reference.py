@@ -20,15 +20,23 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence, gathered from its blocks: [seq_len, kv_heads, head_dim]
-    (dequantized to float32 from an int8/fp8 cache)."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:
+    """Tokens `start .. seq_len` of one sequence, gathered from its blocks: [seq_len - start, kv_heads, head_dim]
+    (dequantized to float32 from an int8/fp8 cache). Blocks before the one holding `start` are not read (a
+    sliding-window group may have freed them)."""
     block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
+    first, num_blocks = start // block_size, (seq_len + block_size - 1) // block_size
+    skip = first * block_size
+    index = block_table[first:num_blocks].long()
     if is_quantized(cache.dtype):
-        raw = cache.view(torch.uint8)[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+        raw = cache.view(torch.uint8)[index].flatten(0, 1)[start - skip:seq_len - skip]
         return dequantize_kv(raw.view(cache.dtype))
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+    return cache[index].flatten(0, 1)[start - skip:seq_len - skip]
+
+
+def window_start(seq_len: int, query_len: int, sliding_window: int | None) -> int:
+    """The first key position any of the sequence's queries reads (0 without a window)."""
+    return 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -37,7 +45,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim].
 
     Query token j of a sequence sits at position `seq_len - query_len + j` and attends to every cached
-    position <= its own (and, with a sliding window, > its own - window). Math in float32.
+    position <= its own (and, with a sliding window, > its own - window; blocks wholly before the first
+    query's window are never read). Math in float32.
     """
     num_heads = q.shape[1]
     kv_heads = k_cache.shape[2]
@@ -46,12 +55,13 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     starts = meta.query_start_loc.tolist()
     for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.query_lens_list)):
         qi = q[starts[i]:starts[i] + q_len].float()  # [q, H, D]
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len).float()  # [S, KVH, D]
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len).float()
+        lo = window_start(seq_len, q_len, sliding_window)
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len, lo).float()  # [S - lo, KVH, D]
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len, lo).float()
         qi = qi.view(q_len, kv_heads, group, -1)
-        scores = torch.einsum("qhgd,shd->hgqs", qi, k) * scale  # [KVH, G, q, S]
+        scores = torch.einsum("qhgd,shd->hgqs", qi, k) * scale  # [KVH, G, q, S - lo]
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        k_pos = torch.arange(lo, seq_len).unsqueeze(0)
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window

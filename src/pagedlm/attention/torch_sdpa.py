@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.attention.metadata import AttentionMetadata
-from pagedlm.attention.reference import gather_kv
+from pagedlm.attention.reference import gather_kv, window_start
 
 
 def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -16,9 +16,9 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.query_lens_list)):
-        lo = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len)[lo:]
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len)[lo:]
+        lo = window_start(seq_len, q_len, sliding_window)
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len, lo)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len, lo)
         qi = q[starts[i]:starts[i] + q_len].transpose(0, 1)  # [H, q, D]
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, S, D]
         if q_len == 1:

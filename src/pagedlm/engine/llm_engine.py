@@ -68,14 +68,14 @@ class LLMEngine:
         num_cpu_blocks = spec.num_blocks_for(parse_bytes(config.swap_space)) if config.preemption_mode == "swap" else 0
         self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, spec.sliding_windows)
         self.scheduler = Scheduler(config, self.block_manager)
 
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
                              f"{self.model_config.max_position_embeddings}.")
-        capacity = num_blocks * config.block_size
+        capacity = self.block_manager.max_tokens_per_seq(config.max_num_batched_tokens)
         if max_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache capacity (%d tokens); capping it.", max_len, capacity)
             max_len = capacity
@@ -120,12 +120,11 @@ class LLMEngine:
         if width > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width {width} exceeds max_num_seqs ({self.config.max_num_seqs}).")
         full_len = min(len(token_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        bs = self.config.block_size
-        need = -(-full_len // bs) if width == 1 else (  # samples/beams share the prompt's blocks
-            -(-len(token_ids) // bs) + width * (-(-(full_len - len(token_ids)) // bs) + 1))
+        need = self.block_manager.max_blocks_needed(len(token_ids), full_len, width,
+                                                    self.config.max_num_batched_tokens)
         if need > self.block_manager.num_total_blocks:
             raise ValueError(f"{width} sequences of up to {full_len} tokens cannot fit in the KV cache "
-                             f"({self.block_manager.num_total_blocks * self.config.block_size} token slots).")
+                             f"(they need {need} blocks of {self.block_manager.num_total_blocks}).")
         req = Request(request_id, text, token_ids, params, priority=priority, cache_salt=cache_salt,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if params.use_beam_search:
@@ -175,7 +174,7 @@ class LLMEngine:
         for s in sched.scheduled:
             start = s.seq.num_computed_tokens
             chunks.append(Chunk(s.seq.token_slice(start, start + s.num_new_tokens), start,
-                                self.block_manager.get_block_table(s.seq)))
+                                self.block_manager.get_block_tables(s.seq)))
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
                 self.prompt_tokens_total += len(s.request.prompt_token_ids)

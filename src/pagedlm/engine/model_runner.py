@@ -19,11 +19,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Chunk:
-    """Tokens `start .. start+len(token_ids)` of one sequence, whose K/V live in `block_table`."""
+    """Tokens `start .. start+len(token_ids)` of one sequence, whose K/V live in `block_tables` (one table per
+    KV cache group; NULL_BLOCK entries are blocks a sliding-window group freed)."""
 
     token_ids: list[int]
     start: int
-    block_table: list[int]
+    block_tables: list[list[int]]
 
 
 class ModelRunner:
@@ -35,17 +36,20 @@ class ModelRunner:
                                                    config.quantization_group_size)
         self.attn_fn = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
+        self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, config.kv_cache_dtype)
+        self.layer_group = [0] * self.model_config.num_layers  # layer -> its KV cache group
+        for g, group in enumerate(self.kv_spec.groups):
+            for layer in group.layers:
+                self.layer_group[layer] = g
         self.kv_cache: KVCache | None = None
-
-    @property
-    def kv_spec(self) -> KVCacheSpec:
-        return KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, self.config.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.kv_cache = KVCache(self.kv_spec, num_blocks, num_cpu_blocks, self.device)
         self.layer_caches = self.kv_cache.layer_caches()
 
-    def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+        """The flat batch: input ids, positions and one AttentionMetadata per KV cache group (its block tables
+        and slot mapping; the sequence lengths are shared)."""
         bs = self.block_size
         q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
         starts = np.array([c.start for c in chunks], dtype=np.int64)
@@ -56,34 +60,34 @@ class ModelRunner:
         # positions: start of each chunk + offset within it
         offsets = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], q_lens)
         positions = np.repeat(starts, q_lens) + offsets
-        # block tables in bulk: one flat array, scattered into the padded [seqs, max_blocks] table
-        n_blocks = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=len(chunks))
-        flat = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), dtype=np.int64,
-                           count=int(n_blocks.sum()))
-        tables = np.zeros((len(chunks), int(n_blocks.max())), dtype=np.int64)
-        tables[np.arange(tables.shape[1]) < n_blocks[:, None]] = flat
-        seq_idx = np.repeat(np.arange(len(chunks)), q_lens)
-        slots = tables[seq_idx, positions // bs] * bs + positions % bs
+        seq_idx, blk, off = np.repeat(np.arange(len(chunks)), q_lens), positions // bs, positions % bs
         input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
                                 count=total)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            query_start_loc=torch.from_numpy(cu).to(dev, torch.int32),
-            seq_lens_list=seq_lens.tolist(),
-            query_lens_list=q_lens.tolist(),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=bs,
-        )
-        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+        shared = dict(seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+                      query_start_loc=torch.from_numpy(cu).to(dev, torch.int32), seq_lens_list=seq_lens.tolist(),
+                      query_lens_list=q_lens.tolist(), max_query_len=int(q_lens.max()),
+                      max_seq_len=int(seq_lens.max()), block_size=bs)
+        metas = []
+        for g in range(len(self.kv_spec.groups)):
+            # block tables in bulk: one flat array, scattered into the padded [seqs, max_blocks] table
+            n_blocks = np.fromiter((len(c.block_tables[g]) for c in chunks), dtype=np.int64, count=len(chunks))
+            flat = np.fromiter(itertools.chain.from_iterable(c.block_tables[g] for c in chunks), dtype=np.int64,
+                               count=int(n_blocks.sum()))
+            tables = np.zeros((len(chunks), int(n_blocks.max())), dtype=np.int64)
+            tables[np.arange(tables.shape[1]) < n_blocks[:, None]] = flat
+            slots = tables[seq_idx, blk] * bs + off
+            assert total == 0 or slots.min() >= 0, "a new token's slot is in a freed block"
+            np.maximum(tables, 0, out=tables)  # freed sliding-window blocks: any valid id, never read
+            metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev),
+                                           block_tables=torch.from_numpy(tables).to(dev, torch.int32), **shared))
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], logits_indices: list[int]) -> torch.Tensor:
         """Run one forward pass; returns float32 logits for the flat token positions in `logits_indices`."""
-        input_ids, positions, meta = self.prepare(chunks)
+        input_ids, positions, metas = self.prepare(chunks)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, positions, self.layer_caches, meta, self.attn_fn, idx)
+        layer_metas = [metas[g] for g in self.layer_group]
+        logits = self.model(input_ids, positions, self.layer_caches, layer_metas, self.attn_fn, idx)
         return logits.float()

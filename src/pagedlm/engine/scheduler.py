@@ -3,7 +3,8 @@
 Each step first serves running requests (decode tokens, or the next chunk of a prompt still being
 prefilled), then swapped-out ones, then waiting ones, all under one token budget. When the KV cache has
 no room for a running sequence's next tokens, the lowest-priority running request is preempted (recompute:
-its blocks are freed and it is prefilled again later; swap: its blocks move to host memory).
+its blocks are freed and it is prefilled again later; swap: its blocks move to host memory). Blocks of
+sliding-window layers are freed as soon as they leave the window (BlockManager.free_skipped_blocks).
 """
 from __future__ import annotations
 
@@ -93,6 +94,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+
+        # 0. Sliding-window blocks that left the window in the last step go back to the pool.
+        if bm.has_sliding:
+            for req in self.running:
+                for seq in req.live_seqs:
+                    bm.free_skipped_blocks(seq)
 
         # 1. Running requests, highest priority first; preempt from the back when blocks run out.
         queue = self._order(self.running)

@@ -4,14 +4,23 @@ Contract: a physical block is owned by the block tables that list it; its ref co
 `free` drops one reference per block of the sequence and a block returns to its pool's free list when its
 count reaches zero. Anything that must move data (copy-on-write, swap) is returned to the caller as
 (src, dst) block pairs: the engine performs the copies before the next forward pass.
+
+A sequence has one block table per KV cache group (see kv_cache.py); all groups draw from the same pools. In a
+sliding-window group, a block whose tokens have all left the window of the sequence's next token is freed
+(`free_skipped_blocks`: its ref count drops) and its table entry becomes NULL_BLOCK, which no kernel reads.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from typing import Protocol
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK = -1  # table entry of a freed sliding-window block
 
 
 class SeqLike(Protocol):
@@ -33,6 +42,32 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None = No
     if salt is not None and parent is None:
         h.update(b"salt:" + salt.encode())
     return h.digest()
+
+
+def max_blocks_needed(sliding_windows: list[int | None], block_size: int, prompt_len: int, total_len: int,
+                      width: int = 1, max_chunk: int | None = None) -> int:
+    """Most blocks `width` sequences forked after a prompt of `prompt_len` tokens hold at once while they grow
+    to `total_len` tokens each, prefilled in chunks of at most `max_chunk` tokens (default: in one chunk). A
+    sliding-window group holds at most the window before a chunk, the chunk, and one partly used block."""
+    def blocks(n: int) -> int:
+        return -(-n // block_size)
+
+    full = blocks(total_len) if width == 1 else blocks(prompt_len) + width * (blocks(total_len - prompt_len) + 1)
+    chunk = min(max_chunk or total_len, total_len)
+    return sum(full if w is None else min(full, width * (blocks(chunk + w - 1) + 1)) for w in sliding_windows)
+
+
+def max_tokens_per_seq(sliding_windows: list[int | None], block_size: int, num_blocks: int,
+                       max_chunk: int | None = None) -> int:
+    """The longest single sequence whose blocks fit in `num_blocks` (at most num_blocks x block_size)."""
+    lo, hi = 0, num_blocks * block_size
+    while lo < hi:  # the need grows with the length
+        mid = (lo + hi + 1) // 2
+        if max_blocks_needed(sliding_windows, block_size, mid, mid, 1, max_chunk) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -105,17 +140,27 @@ class BlockPool:
 class BlockManager:
     """Per-sequence block tables over a device pool, plus a host pool for swapped-out sequences.
 
-    A sequence's table covers its first `num_computed_tokens` tokens plus whatever `allocate` /
-    `append_slots` reserved for the tokens scheduled next. While swapped out, its table lists host blocks.
+    `sliding_windows` has one entry per KV cache group (None: full attention; default: one full group). A
+    sequence's tables cover its first `num_computed_tokens` tokens plus whatever `allocate` / `append_slots`
+    reserved for the tokens scheduled next. While swapped out, its tables list host blocks. Prefix caching
+    needs every cached block to hold all layers of its tokens, so it is off for models with sliding layers.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, sliding_windows: list[int | None] | None = None) -> None:
         self.block_size = block_size
         self.gpu = BlockPool(num_blocks)
         self.cpu = BlockPool(num_cpu_blocks)
         self.watermark_blocks = int(watermark * num_blocks)
-        self.block_tables: dict[int, list[int]] = {}
+        self.sliding_windows = list(sliding_windows or [None])
+        self.num_groups = len(self.sliding_windows)
+        self.has_sliding = any(w is not None for w in self.sliding_windows)
+        if enable_prefix_caching and self.has_sliding:
+            logger.info("Prefix caching is disabled: the model has sliding-window layers, whose blocks are freed "
+                        "once they leave the window.")
+            enable_prefix_caching = False
+        self.block_tables: dict[int, list[list[int]]] = {}  # seq id -> one table per group
+        self.swapped: set[int] = set()  # seq ids whose tables list host blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.seq_hashes: dict[int, list[bytes]] = {}  # chain hashes of each sequence's full blocks
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -133,24 +178,34 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.gpu.num_free / max(self.gpu.num_blocks, 1)
 
-    def get_block_table(self, seq: SeqLike) -> list[int]:
-        return self.block_tables.get(seq.seq_id, [])
+    def get_block_tables(self, seq: SeqLike) -> list[list[int]]:
+        """The sequence's table of each group (empty tables if it holds no blocks)."""
+        return self.block_tables.get(seq.seq_id) or [[] for _ in range(self.num_groups)]
+
+    def get_block_table(self, seq: SeqLike, group: int = 0) -> list[int]:
+        return self.get_block_tables(seq)[group]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _new_blocks_needed(self, seq: SeqLike, num_new_tokens: int) -> int:
-        table = self.block_tables.get(seq.seq_id, [])
-        need = max(0, self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table))
-        if self._needs_cow(seq, table):
-            need += 1
-        return need
+        total = self._blocks_for(seq.num_computed_tokens + num_new_tokens)
+        tables = self.block_tables.get(seq.seq_id)
+        if tables is None:
+            return total * self.num_groups
+        return sum(max(0, total - len(t)) + self._needs_cow(seq, t) for t in tables)
 
     def _needs_cow(self, seq: SeqLike, table: list[int]) -> bool:
         """The block the next token goes into already holds tokens and has other owners."""
         idx = seq.num_computed_tokens // self.block_size
         return (seq.num_computed_tokens % self.block_size != 0 and idx < len(table)
                 and self.gpu.ref_counts[table[idx]] > 1)
+
+    def max_blocks_needed(self, prompt_len: int, total_len: int, width: int = 1, max_chunk: int | None = None) -> int:
+        return max_blocks_needed(self.sliding_windows, self.block_size, prompt_len, total_len, width, max_chunk)
+
+    def max_tokens_per_seq(self, max_chunk: int | None = None) -> int:
+        return max_tokens_per_seq(self.sliding_windows, self.block_size, self.gpu.num_blocks, max_chunk)
 
     # --- prefix cache --------------------------------------------------------------------------------
     def find_cached_prefix(self, seq: CacheableSeq) -> list[int]:
@@ -181,7 +236,7 @@ class BlockManager:
         any attention of that step reads it, so a request scheduled later in the same step may share them."""
         if not self.enable_prefix_caching:
             return
-        table = self.block_tables.get(seq.seq_id, [])
+        table = self.get_block_table(seq)
         full = min(num_tokens // self.block_size, len(table))
         bs = self.block_size
         for i, h in enumerate(self._chain_hashes(seq, full)):
@@ -195,7 +250,7 @@ class BlockManager:
         cached = cached or [[] for _ in seqs]
         need = 0
         for s, n, hit in zip(seqs, num_new_tokens, cached):
-            if hit:
+            if hit:  # prefix caching: a single group
                 total = self._blocks_for(len(hit) * self.block_size + n)
                 need += total - len(hit) + sum(1 for b in set(hit) if self.gpu.ref_counts[b] == 0)
             else:
@@ -212,7 +267,7 @@ class BlockManager:
         for block in cached:
             self.gpu.incref(block)
         if cached:
-            self.block_tables[seq.seq_id] = list(cached)
+            self.block_tables[seq.seq_id] = [list(cached)]
         return self.append_slots(seq, num_new_tokens)
 
     def can_append_slots(self, seqs: list[SeqLike], num_new_tokens: list[int]) -> bool:
@@ -220,66 +275,96 @@ class BlockManager:
         return need <= self.gpu.num_free
 
     def append_slots(self, seq: SeqLike, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Reserve slots for the next `num_new_tokens` tokens. Returns copy-on-write pairs (src, dst):
-        the shared, partly filled block the new tokens go into is replaced by a private copy."""
-        table = self.block_tables.setdefault(seq.seq_id, [])
+        """Reserve slots for the next `num_new_tokens` tokens in every group. Returns copy-on-write pairs
+        (src, dst): a shared, partly filled block the new tokens go into is replaced by a private copy."""
+        tables = self.block_tables.get(seq.seq_id)
+        if tables is None:
+            tables = self.block_tables[seq.seq_id] = [[] for _ in range(self.num_groups)]
+        total = self._blocks_for(seq.num_computed_tokens + num_new_tokens)
         copies = []
-        if self._needs_cow(seq, table):
-            idx = seq.num_computed_tokens // self.block_size
-            src = table[idx]
-            dst = self.gpu.allocate()
-            self.gpu.decref(src)
-            table[idx] = dst
-            copies.append((src, dst))
-        while len(table) < self._blocks_for(seq.num_computed_tokens + num_new_tokens):
-            table.append(self.gpu.allocate())
+        for table in tables:
+            if self._needs_cow(seq, table):
+                idx = seq.num_computed_tokens // self.block_size
+                src = table[idx]
+                dst = self.gpu.allocate()
+                self.gpu.decref(src)
+                table[idx] = dst
+                copies.append((src, dst))
+            while len(table) < total:
+                table.append(self.gpu.allocate())
         return copies
+
+    def free_skipped_blocks(self, seq: SeqLike) -> None:
+        """In each sliding-window group, drop the sequence's reference to every block whose tokens are all
+        at positions < num_computed_tokens - window + 1: no query from the next token on reads them."""
+        tables = self.block_tables.get(seq.seq_id)
+        if tables is None or not self.has_sliding:
+            return
+        for table, window in zip(tables, self.sliding_windows):
+            if window is None:
+                continue
+            i = min(len(table), max(0, seq.num_computed_tokens - window + 1) // self.block_size) - 1
+            while i >= 0 and table[i] != NULL_BLOCK:  # the freed blocks are a prefix of the table
+                self.gpu.decref(table[i])
+                table[i] = NULL_BLOCK
+                i -= 1
 
     def fork(self, parent: SeqLike, child: SeqLike) -> None:
         """The child shares every block of the parent (ref counts up); copies happen later, on write."""
-        table = self.block_tables.get(parent.seq_id, [])
-        for block in table:
-            self.gpu.incref(block)
-        self.block_tables[child.seq_id] = list(table)
+        tables = self.get_block_tables(parent)
+        for table in tables:
+            for block in table:
+                if block != NULL_BLOCK:
+                    self.gpu.incref(block)
+        self.block_tables[child.seq_id] = [list(t) for t in tables]
         if parent.seq_id in self.seq_hashes:
             self.seq_hashes[child.seq_id] = list(self.seq_hashes[parent.seq_id])
 
     def free(self, seq: SeqLike) -> None:
-        """Drop the sequence's reference to each of its device blocks, tail first, so that with prefix
-        caching the end of a chain is evicted before its beginning."""
-        for block in reversed(self.block_tables.pop(seq.seq_id, [])):
-            self.gpu.decref(block)
+        """Drop the sequence's reference to each of its blocks (host blocks if it is swapped out), tail first,
+        so that with prefix caching the end of a chain is evicted before its beginning."""
+        pool = self.cpu if seq.seq_id in self.swapped else self.gpu
+        self.swapped.discard(seq.seq_id)
+        for table in self.block_tables.pop(seq.seq_id, []):
+            for block in reversed(table):
+                if block != NULL_BLOCK:
+                    pool.decref(block)
         self.seq_hashes.pop(seq.seq_id, None)
 
     # --- swapping ----------------------------------------------------------------------------------------
     def _distinct(self, seqs: list[SeqLike]) -> list[int]:
-        return list(dict.fromkeys(b for s in seqs for b in self.block_tables.get(s.seq_id, [])))
+        return list(dict.fromkeys(b for s in seqs for t in self.block_tables.get(s.seq_id, []) for b in t
+                                  if b != NULL_BLOCK))
 
     def can_swap_out(self, seqs: list[SeqLike]) -> bool:
         return len(self._distinct(seqs)) <= self.cpu.num_free
 
     def swap_out(self, seqs: list[SeqLike]) -> list[tuple[int, int]]:
         """Move the sequences' device blocks to host blocks. A block shared among `seqs` is copied once."""
+        self.swapped.update(s.seq_id for s in seqs)
         return self._move(seqs, self.gpu, self.cpu)
 
     def can_swap_in(self, seqs: list[SeqLike], num_new_tokens: list[int] | None = None) -> bool:
         extra = len(seqs) if num_new_tokens is None else sum(
             self._blocks_for(s.num_computed_tokens + n) - self._blocks_for(s.num_computed_tokens) + 1
             for s, n in zip(seqs, num_new_tokens))
-        return len(self._distinct(seqs)) + extra <= self.gpu.num_free - self.watermark_blocks
+        return len(self._distinct(seqs)) + extra * self.num_groups <= self.gpu.num_free - self.watermark_blocks
 
     def swap_in(self, seqs: list[SeqLike]) -> list[tuple[int, int]]:
+        self.swapped.difference_update(s.seq_id for s in seqs)
         return self._move(seqs, self.cpu, self.gpu)
 
     def _move(self, seqs: list[SeqLike], src_pool: BlockPool, dst_pool: BlockPool) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}
         for seq in seqs:
-            table = self.block_tables.get(seq.seq_id, [])
-            for i, block in enumerate(table):
-                if block not in mapping:
-                    mapping[block] = dst_pool.allocate()
-                else:
-                    dst_pool.incref(mapping[block])
-                src_pool.decref(block)
-                table[i] = mapping[block]
+            for table in self.block_tables.get(seq.seq_id, []):
+                for i, block in enumerate(table):
+                    if block == NULL_BLOCK:
+                        continue
+                    if block not in mapping:
+                        mapping[block] = dst_pool.allocate()
+                    else:
+                        dst_pool.incref(mapping[block])
+                    src_pool.decref(block)
+                    table[i] = mapping[block]
         return list(mapping.items())

@@ -1,9 +1,15 @@
-"""KV memory arithmetic made visible: bytes per token, blocks, tokens that fit, concurrency."""
+"""KV memory arithmetic made visible: bytes per token, blocks, tokens that fit, concurrency.
+
+Sliding-window layers only keep their last `window` tokens (plus a partly used block), so their cost per sequence
+is bounded; only the full-attention layers grow with the sequence. Concurrency is counted for decoding sequences;
+a prefill chunk of n tokens briefly needs ceil(n / block_size) more blocks in every sliding-window group.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 from pagedlm.config import ModelConfig
+from pagedlm.kvcache.block_manager import max_blocks_needed, max_tokens_per_seq
 from pagedlm.kvcache.kv_cache import KVCacheSpec
 
 
@@ -23,28 +29,48 @@ class MemoryReport:
     dtype: str
     dtype_bytes: int
     scale_bytes: int  # per token and kv head, for int8/fp8 caches (0 otherwise)
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # all layers
+    full_layers: int
+    sliding_layers: int
+    sliding_window: int | None
+    full_bytes_per_token: int  # grows with every token of a sequence
+    sliding_bytes_per_token: int  # only for the tokens in the window
+    sliding_bytes_per_seq: int  # bound for one decoding sequence, whatever its length
     block_size: int
+    layers_per_block: int
+    num_groups: int  # KV cache groups (block tables per sequence)
     bytes_per_block: int
     num_blocks: int
     num_cpu_blocks: int
     kv_cache_bytes: int
-    tokens_capacity: int
+    tokens_capacity: int  # the longest single sequence that fits
     max_model_len: int
-    max_concurrency: float  # sequences of max_model_len that fit at once
+    max_concurrency: float  # decoding sequences of max_model_len that fit at once
+    max_concurrency_without_freeing: float  # the same if sliding-window blocks were kept
 
     @classmethod
     def build(cls, cfg: ModelConfig, spec: KVCacheSpec, num_blocks: int, num_cpu_blocks: int,
-              max_model_len: int) -> "MemoryReport":
-        blocks_per_seq = -(-max_model_len // spec.block_size)
+              max_model_len: int) -> MemoryReport:
+        windows = spec.sliding_windows
+        per_layer = 2 * spec.num_kv_heads * spec.entry_dim * spec.element_size
+        full_layers = sum(len(g.layers) for g in spec.groups if g.sliding_window is None)
+        sliding_layers = spec.num_layers - full_layers
+        sliding = [w for w in windows if w is not None]
+        blocks_per_seq = max_blocks_needed(windows, spec.block_size, max_model_len, max_model_len, 1, 1)
+        sliding_blocks = max_blocks_needed(sliding, spec.block_size, max_model_len, max_model_len, 1, 1)
         return cls(
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            dtype=str(spec.dtype).removeprefix("torch."), dtype_bytes=spec.dtype.itemsize,
+            dtype=str(spec.dtype).removeprefix("torch."), dtype_bytes=spec.element_size,
             scale_bytes=spec.entry_dim - spec.head_dim,
-            kv_bytes_per_token=spec.bytes_per_token, block_size=spec.block_size,
-            bytes_per_block=spec.bytes_per_block, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
-            kv_cache_bytes=num_blocks * spec.bytes_per_block, tokens_capacity=num_blocks * spec.block_size,
-            max_model_len=max_model_len, max_concurrency=num_blocks / blocks_per_seq)
+            kv_bytes_per_token=spec.bytes_per_token, full_layers=full_layers, sliding_layers=sliding_layers,
+            sliding_window=max(sliding) if sliding else None, full_bytes_per_token=full_layers * per_layer,
+            sliding_bytes_per_token=sliding_layers * per_layer,
+            sliding_bytes_per_seq=sliding_blocks * spec.bytes_per_block, block_size=spec.block_size,
+            layers_per_block=spec.layers_per_block, num_groups=len(spec.groups), bytes_per_block=spec.bytes_per_block,
+            num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, kv_cache_bytes=num_blocks * spec.bytes_per_block,
+            tokens_capacity=max_tokens_per_seq(windows, spec.block_size, num_blocks, 1),
+            max_model_len=max_model_len, max_concurrency=num_blocks / blocks_per_seq,
+            max_concurrency_without_freeing=num_blocks / (len(windows) * -(-max_model_len // spec.block_size)))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,13 +79,31 @@ class MemoryReport:
         entry = f"{self.head_dim} head_dim x {self.dtype_bytes} B ({self.dtype})"
         if self.scale_bytes:
             entry = f"({entry} + {self.scale_bytes} B scale)"
-        return "\n".join([
+        lines = [
             "KV cache memory report",
             f"  KV bytes per token : 2 x {self.num_layers} layers x {self.num_kv_heads} kv_heads x "
             f"{entry} = {self.kv_bytes_per_token:,} B ({_fmt_bytes(self.kv_bytes_per_token)})",
-            f"  block size         : {self.block_size} tokens = {_fmt_bytes(self.bytes_per_block)}",
+        ]
+        if self.sliding_layers:
+            lines += [
+                (f"    full attention   : {self.full_layers} layers = {self.full_bytes_per_token:,} B per token, "
+                 "for every token"),
+                (f"    sliding window   : {self.sliding_layers} layers = {self.sliding_bytes_per_token:,} B per token, "
+                 f"for the last {self.sliding_window:,} tokens only: at most {_fmt_bytes(self.sliding_bytes_per_seq)} "
+                 "per sequence"),
+            ]
+        block = f"{self.block_size} tokens = {_fmt_bytes(self.bytes_per_block)}"
+        if self.num_groups > 1:
+            block = (f"{self.block_size} tokens x {self.layers_per_block} layers = {_fmt_bytes(self.bytes_per_block)} "
+                     f"({self.num_groups} block tables per sequence)")
+        concurrency = f"{self.max_concurrency:.2f} sequences of {self.max_model_len:,} tokens"
+        if self.sliding_layers:
+            concurrency += f" ({self.max_concurrency_without_freeing:.2f} if sliding-window blocks were kept)"
+        lines += [
+            f"  block size         : {block}",
             f"  KV cache           : {self.num_blocks:,} blocks = {_fmt_bytes(self.kv_cache_bytes)}"
             + (f" (+ {self.num_cpu_blocks:,} host swap blocks)" if self.num_cpu_blocks else ""),
-            f"  tokens that fit    : {self.tokens_capacity:,}",
-            f"  max concurrency    : {self.max_concurrency:.2f} sequences of {self.max_model_len:,} tokens",
-        ])
+            f"  tokens that fit    : {self.tokens_capacity:,}" + (" in one sequence" if self.sliding_layers else ""),
+            f"  max concurrency    : {concurrency}",
+        ]
+        return "\n".join(lines)

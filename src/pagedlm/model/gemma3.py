@@ -144,12 +144,13 @@ class Gemma3ForCausalLM(nn.Module):
                 m.process_weights_after_loading()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, attn_fn,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata], attn_fn,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]. Returns logits [len(logits_indices), vocab] (all tokens if None)."""
+        """input_ids, positions: [num_tokens]; kv_caches[i], metas[i]: layer i's paged K/V and the batch layout of
+        its KV cache group. Returns logits [len(logits_indices), vocab] (all tokens if None)."""
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
             x = layer(positions, x, kv_cache, meta, attn_fn)
         if logits_indices is not None:
             x = x[logits_indices]

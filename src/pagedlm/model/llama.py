@@ -80,12 +80,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, attn_fn,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata], attn_fn,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]. Returns logits [len(logits_indices), vocab] (all tokens if None)."""
+        """input_ids, positions: [num_tokens]; kv_caches[i], metas[i]: layer i's paged K/V and the batch layout of
+        its KV cache group. Returns logits [len(logits_indices), vocab] (all tokens if None)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, shared by all layers
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
             x = layer(rope, x, kv_cache, meta, attn_fn)
         if logits_indices is not None:
             x = x[logits_indices]

@@ -320,7 +320,8 @@ class _Server:
         blocks = self.engine.stats.num_total_blocks
         for p in prompt_lens:
             length = min(p + (params.max_tokens or max_len), max_len)
-            if params.n * -(-length // cfg.block_size) > blocks:
+            if params.n * self.engine.engine.block_manager.max_blocks_needed(
+                    length, length, 1, cfg.max_num_batched_tokens) > blocks:
                 raise APIError(400, f"{params.n} sequences of up to {length} tokens do not fit in the KV cache "
                                     f"({blocks * cfg.block_size} tokens); lower n or max_tokens.", param="n")
 
