@@ -136,3 +136,19 @@ def test_sliding_blocks_per_sequence_stay_bounded(tiny_swa_dir, reference):
     total = len(prompts[3]) + GREEDY.max_tokens
     assert peak_used <= -(-total // BS) + 2 * (-(-(chunk + WINDOW - 1) // BS) + 1)
     assert peak_used < 3 * -(-total // BS) * 0.6  # versus every group keeping every block
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_with_freed_blocks(tiny_swa_dir, reference, kv_cache_dtype):
+    """An int8/fp8 cache on a sliding-window model: chunked prefill + swap preemption + freeing give the tokens
+    of the same cache dtype one prompt at a time without freeing."""
+    prompts, _ = reference
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BlockManager, "free_skipped_blocks", lambda self, seq: None)
+        llm = LLM(str(tiny_swa_dir), dtype="float32", num_kv_blocks=2048, block_size=BS, max_num_batched_tokens=4096,
+                  kv_cache_dtype=kv_cache_dtype)
+        expected = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    got, eng = run(tiny_swa_dir, prompts, num_kv_blocks=80, max_num_batched_tokens=16, preemption_mode="swap",
+                   swap_space=2**20, kv_cache_dtype=kv_cache_dtype)
+    assert eng.scheduler.num_preemptions > 0
+    assert got == expected
