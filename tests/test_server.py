@@ -276,6 +276,8 @@ def test_errors_map_to_client_exceptions(server, client):
         assert ei.value.status_code == 400 and err["type"] == "invalid_request_error" and err["message"], kw
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 600}])
+    with pytest.raises(openai.BadRequestError, match=r"do not fit in the KV cache \(512 blocks; one sequence fits"):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=500, n=20)  # 20 x 32 blocks > 512
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[])
     with pytest.raises(openai.BadRequestError):

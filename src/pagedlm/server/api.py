@@ -322,8 +322,11 @@ class _Server:
             length = min(p + (params.max_tokens or max_len), max_len)
             if params.n * self.engine.engine.block_manager.max_blocks_needed(
                     length, length, 1, cfg.max_num_batched_tokens) > blocks:
+                bm = self.engine.engine.block_manager
                 raise APIError(400, f"{params.n} sequences of up to {length} tokens do not fit in the KV cache "
-                                    f"({blocks * cfg.block_size} tokens); lower n or max_tokens.", param="n")
+                                    f"({blocks} blocks; one sequence fits at most "
+                                    f"{bm.max_tokens_per_seq(cfg.max_num_batched_tokens)} tokens); "
+                                    "lower n or max_tokens.", param="n")
 
     def _echo_text(self, prompt: _Prompt) -> str:
         return prompt.text if prompt.text is not None else self.tok.decode(prompt.token_ids, skip_special_tokens=False)
