@@ -37,6 +37,9 @@ def load_kernel() -> ctypes.CDLL | None:
         lib = cbuild.load(SOURCE)
         fn = lib.pagedlm_paged_attention
         fn.restype = ctypes.c_int
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.pagedlm_rope_write_kv.restype = i
+        lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, i]
         fn.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
                        + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         return lib
@@ -75,3 +78,19 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if rc != 0:
         raise RuntimeError(f"paged attention kernel failed (code {rc})")
     return out
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Rotate q and k of a fused fp32 `qkv` [tokens, (H + 2 KVH) * D] in place (cos/sin: [tokens, 1, D/2]) and
+    write k, v into an fp32 paged cache, in one kernel call. Returns False (and does nothing) where the compiled
+    kernel or these layouts are unavailable; the caller then takes the torch path."""
+    lib = load_kernel()
+    if (lib is None or qkv.device.type != "cpu" or qkv.dtype != torch.float32 or k_cache.dtype != torch.float32
+            or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
+                    and v_cache.is_contiguous()) or cos.dtype != torch.float32 or slot_mapping.dtype != torch.int64):
+        return False
+    lib.pagedlm_rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
+                              k_cache.shape[-1], slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                              torch.get_num_threads())
+    return True

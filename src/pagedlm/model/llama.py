@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.attention import AttentionMetadata, write_kv
+from pagedlm.attention.cpu_kernel import rope_write_kv
 from pagedlm.config import ModelConfig
 from pagedlm.model.layers import Linear, RMSNorm, RotaryEmbedding, prefer_transposed
 
@@ -27,12 +28,15 @@ class LlamaAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, attn_fn) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k are adjacent in the fused output: rotate them together as one [n, heads + kv_heads, dim] view.
-        qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), *rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping):
+            q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)  # rotated in place, k/v written
+        else:
+            # q and k are adjacent in the fused output: rotate them together as one [n, heads + kv_heads, dim] view.
+            qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = attn_fn(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 

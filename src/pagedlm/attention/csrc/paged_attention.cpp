@@ -289,5 +289,31 @@ int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* 
   return -1;
 }
 
-int pagedlm_abi_version() { return 2; }
+// Fused decode helper: rotates the q and k heads of each token's fused qkv row in place (rotate-half RoPE with
+// that token's cos/sin rows [D/2]) and writes its k and v heads to the fp32 cache at slots[t]. Same arithmetic
+// as HF's `x * cos + rotate_half(x) * sin` (separate multiplies and adds, no FMA contraction).
+__attribute__((optimize("fp-contract=off")))
+int pagedlm_rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H, int KVH, int D,
+                          const int64_t* slots, float* k_cache, float* v_cache, int nthreads) {
+  const int half = D / 2, row = (H + 2 * KVH) * D, kvd = KVH * D;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
+  for (int t = 0; t < T; ++t) {
+    float* r = qkv + int64_t(t) * row;
+    const float *c = cos + int64_t(t) * half, *s = sin + int64_t(t) * half;
+    for (int h = 0; h < H + KVH; ++h) {
+      float* x = r + h * D;
+      for (int i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
+        x[i] = a - b;
+        x[i + half] = e + f;
+      }
+    }
+    std::memcpy(k_cache + slots[t] * kvd, r + H * D, sizeof(float) * kvd);
+    std::memcpy(v_cache + slots[t] * kvd, r + (H + KVH) * D, sizeof(float) * kvd);
+  }
+  return 0;
+}
+
+int pagedlm_abi_version() { return 3; }
 }
