@@ -185,3 +185,26 @@ def test_cpu_kernel_falls_back_for_unsupported_head_dim():
     q, ks, vs, kc, vc, meta = build_case([20], [3], 2, 1, 24, 4, torch.float32)
     out = BACKENDS["cpu"](q, kc, vc, meta, 24 ** -0.5)
     torch.testing.assert_close(out.double(), dense_attention(q, ks[0], vs[0], 24 ** -0.5), atol=2e-5, rtol=1e-4)
+
+
+def test_fused_rope_write_kv_equals_torch_path():
+    from pagedlm.attention.cpu_kernel import load_kernel, rope_write_kv
+    from pagedlm.model.layers import RotaryEmbedding
+
+    if load_kernel() is None:
+        pytest.skip("CPU kernel unavailable")
+    h, kvh, d, t = 6, 2, 32, 37
+    rot = RotaryEmbedding(d, 256, 10000.0)
+    cos, sin = rot.cos_sin(torch.randint(0, 256, (t,)), torch.float32)
+    qkv = torch.randn(t, (h + 2 * kvh) * d)
+    slots = torch.randperm(64)[:t]
+    kc, vc = torch.zeros(4, 16, kvh, d), torch.zeros(4, 16, kvh, d)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    qk = RotaryEmbedding.apply(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
+    write_kv(qk[:, h:], qkv[:, (h + kvh) * d:].view(t, kvh, d), kc_ref, vc_ref, slots)
+    fused = qkv.clone()
+    assert rope_write_kv(fused, cos, sin, h, kvh, kc, vc, slots)
+    torch.testing.assert_close(fused[:, :h * d].view(t, h, d), qk[:, :h], rtol=0, atol=1e-6)
+    torch.testing.assert_close(kc, kc_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+    assert not rope_write_kv(fused.bfloat16(), cos, sin, h, kvh, kc, vc, slots)  # unsupported: caller falls back
