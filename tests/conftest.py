@@ -44,6 +44,27 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+def build_tiny_gemma3(path: Path, **config) -> Path:
+    """A random Gemma 3 (64 hidden, 6 layers, head_dim 16) with nonzero norm weights, saved with the tiny
+    tokenizer; `config` overrides Gemma3TextConfig fields (sliding_window, layer_types, ...)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = build_tiny_tokenizer()
+    cfg = Gemma3TextConfig(**{**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     query_pre_attn_scalar=16, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                                     pad_token_id=None), **config})
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight 2-layer LLaMA (hidden 64, 4 heads, 2 KV heads, tied embeddings) in HF

@@ -19,25 +19,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny_swa_dir(tmp_path_factory):
-    from conftest import build_tiny_tokenizer
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from conftest import build_tiny_gemma3
 
-    path = tmp_path_factory.mktemp("tiny_gemma3_swa")
-    tok = build_tiny_tokenizer()
-    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-                           max_position_embeddings=512, query_pre_attn_scalar=16, bos_token_id=None,
-                           eos_token_id=tok.eos_token_id, pad_token_id=None)
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_swa"), sliding_window=WINDOW,
+                             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                             max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")

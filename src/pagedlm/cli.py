@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from pagedlm.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+
 
 def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
     if multi_model:
@@ -25,10 +27,10 @@ def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", default="1GiB")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weight-only quantization of the linear layers")
     p.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size (multiple of 32)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
 

@@ -146,6 +146,7 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see model/quant.py
 
 
 @dataclass
@@ -184,7 +185,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
-        if self.quantization not in (None, "none", "int8", "int4"):
+        if self.quantization not in (None, "none", *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be 'int8', 'int4' or None, got {self.quantization!r}.")
         if self.quantization == "none":
             self.quantization = None

@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm import cbuild
+from pagedlm.config import QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_linear.cpp"
-METHODS = ("int8", "int4")
+METHODS = QUANTIZATION_METHODS
 # Above this many rows the dense path (dequantize, then GEMM) wins on a 2-core AVX2 CPU (benchmarks/quant_matmul.py).
 KERNEL_MAX_ROWS = 16
 
