@@ -1,11 +1,13 @@
 """Compile a plain-C++ kernel source (C ABI, no torch headers) with the system's g++ on first use, cached under
-`$PAGEDLM_CACHE/kernels/` keyed by the source, compiler, flags and CPU, and load it with ctypes."""
+`$PAGEDLM_CACHE/kernels/` keyed by the source (and the local files it #includes), compiler, flags and CPU, and
+load it with ctypes."""
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -30,12 +32,26 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
+def _source_bytes(source: Path, seen: set[Path] | None = None) -> bytes:
+    """The source followed by every local file it #includes ("..." includes, recursively)."""
+    seen = set() if seen is None else seen
+    source = source.resolve()
+    if source in seen:
+        return b""
+    seen.add(source)
+    text = source.read_bytes()
+    out = [text]
+    for inc in re.findall(rb'^\s*#include\s+"([^"]+)"', text, flags=re.M):
+        out.append(_source_bytes(source.parent / inc.decode(), seen))
+    return b"".join(out)
+
+
 def build(source: Path) -> Path:
     """Compile `source` (if not cached) and return the shared library's path. Raises on failure."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    digest = hashlib.sha256(source.read_bytes() + " ".join([cxx, *FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_source_bytes(source) + " ".join([cxx, *FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}_{digest}.so"
     if out.exists():
         return out

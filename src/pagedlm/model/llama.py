@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.attention import AttentionMetadata, write_kv
-from pagedlm.attention.cpu_kernel import rope_write_kv
+from pagedlm.attention.cpu_kernel import paged_attention_cpu, rope_write_kv
 from pagedlm.config import ModelConfig
 from pagedlm.model.layers import Linear, RMSNorm, RotaryEmbedding, prefer_transposed
+from pagedlm.model.llama_decode import LlamaDecodeKernel
 
 
 class LlamaAttention(nn.Module):
@@ -82,6 +83,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata], attn_fn,
@@ -90,14 +92,23 @@ class LlamaForCausalLM(nn.Module):
         its KV cache group. Returns logits [len(logits_indices), vocab] (all tokens if None)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, shared by all layers
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
-            x = layer(rope, x, kv_cache, meta, attn_fn)
+        kernel = self.decode_kernel() if attn_fn is paged_attention_cpu else None
+        if kernel is None or not kernel.run(x, *rope, kv_caches, metas):
+            for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
+                x = layer(rope, x, kv_cache, meta, attn_fn)
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
         if self.lm_head is None:  # tied and not yet processed
             return F.linear(x, self.embed_tokens.weight)
         return self.lm_head(x)
+
+    def decode_kernel(self) -> LlamaDecodeKernel | None:
+        """The fused decoder stack for small steps (llama_decode.py), bound on first use: by then the weights
+        are in their final layout (repacked, quantized)."""
+        if self._decode_kernel is False:
+            self._decode_kernel = LlamaDecodeKernel.create(self)
+        return self._decode_kernel
 
     def process_weights_after_loading(self) -> None:
         """Repack the loaded weights for speed (see `Linear.process_weights_after_loading`). A tied LM head

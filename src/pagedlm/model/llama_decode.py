@@ -1,0 +1,146 @@
+"""The LLaMA decoder stack in one compiled call for steps with few new tokens (csrc/llama_decode.cpp).
+
+A single-stream decode step runs about 40 small torch ops per layer; with quantized weights their dispatch costs
+as much as the matmuls. This path hands the residual stream, the layers' weights and the batch layout to one
+C++ function instead. It is taken only where it gives the same results as the torch path (CPU, fp32 activations
+and KV cache, the compiled attention backend, at most `MAX_TOKENS` new tokens) and skipped otherwise.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedlm import cbuild
+from pagedlm.attention.metadata import AttentionMetadata
+from pagedlm.model.layers import Linear
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
+MAX_TOKENS = 16  # the quantized kernels' small-batch limit (quant.KERNEL_MAX_ROWS); dense GEMMs win above it
+LIN_F32T, LIN_INT8, LIN_INT4 = 0, 1, 2
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("K", ctypes.c_int), ("N", ctypes.c_int), ("G", ctypes.c_int),
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("H", ctypes.c_int), ("KVH", ctypes.c_int),
+                ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("eps", ctypes.c_float),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+@functools.lru_cache(maxsize=1)
+def load_decode_kernel() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDLM_DISABLE_CPU_KERNEL") or os.environ.get("PAGEDLM_DISABLE_FUSED_DECODE"):
+        return None
+    try:
+        lib = cbuild.load(SOURCE)
+    except Exception as e:  # noqa: BLE001 - any failure means: run the layers in torch
+        logger.warning("Fused decode kernel unavailable (%s: %s); decoding layer by layer in torch.",
+                       type(e).__name__, str(e).splitlines()[0])
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, p, p, i, p, p, i, i]
+    lib.pagedlm_llama_decode.restype = i
+    return lib
+
+
+def _describe(linear: nn.Module) -> _Linear | None:
+    """The kernel's view of a linear layer, or None for a layout it does not read."""
+    from pagedlm.model.quant import Int4Linear, Int8Linear
+
+    if isinstance(linear, Linear):
+        w = linear.weight
+        if not linear.transposed or w.dtype != torch.float32:
+            return None
+        return _Linear(LIN_F32T, linear.in_features, linear.out_features, 0, w.data_ptr(), None, None)
+    if isinstance(linear, Int8Linear):
+        return _Linear(LIN_INT8, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(),
+                       linear.scale.data_ptr(), None)
+    if isinstance(linear, Int4Linear):
+        return _Linear(LIN_INT4, linear.in_features, linear.out_features, linear.group_size,
+                       linear.qweight.data_ptr(), linear.scale.data_ptr(), linear.mins.data_ptr())
+    return None
+
+
+class LlamaDecodeKernel:
+    """Binds a loaded (and possibly quantized) LlamaForCausalLM and its KV caches to the compiled stack.
+
+    Holds raw pointers to the model's weights: build it after the weights reached their final layout and
+    rebuild it if they move. `run` returns False, having changed nothing, when it cannot take the batch."""
+
+    def __init__(self, lib: ctypes.CDLL, model: nn.Module, weights: list[tuple[_Linear, ...]]) -> None:
+        cfg = model.cfg
+        self.lib, self.model, self.cfg = lib, model, cfg
+        self._weights = weights
+        self._layers = (_Layer * cfg.num_layers)()
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(model.layers, weights)):
+            self._layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
+                                     layer.post_attention_layernorm.weight.data_ptr(), qkv, o, gate_up, down)
+        self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size, 0, cfg.rms_norm_eps, self._layers)
+        self._bound_caches: tuple[int, ...] = ()
+
+    @classmethod
+    def create(cls, model: nn.Module) -> LlamaDecodeKernel | None:
+        """None where the kernel is unavailable or the model has a layer it does not read."""
+        from pagedlm.attention.cpu_kernel import HEAD_DIMS
+
+        cfg = model.cfg
+        lib = load_decode_kernel()
+        if lib is None or cfg.head_dim not in HEAD_DIMS or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads > 64:
+            return None
+        weights = []
+        for layer in model.layers:
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
+                return None
+            lins = [_describe(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                           layer.mlp.down_proj)]
+            if any(lin is None for lin in lins):
+                return None
+            weights.append(tuple(lins))
+        return cls(lib, model, weights)
+
+    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        key = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        if key == self._bound_caches:
+            return True
+        for k, v in kv_caches:
+            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.device.type != "cpu":
+                return False
+        for i, (k, v) in enumerate(kv_caches):
+            self._layers[i].k_cache, self._layers[i].v_cache = k.data_ptr(), v.data_ptr()
+        self._model.BS = kv_caches[0][0].shape[1]
+        self._bound_caches = key
+        return True
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> bool:
+        """Advance the residual stream `x` [tokens, hidden] (fp32, contiguous) through every layer in place."""
+        meta = metas[0]
+        if (x.shape[0] > MAX_TOKENS or x.dtype != torch.float32 or not x.is_contiguous()
+                or any(m is not meta for m in metas) or not self._bind_caches(kv_caches)):
+            return False
+        tables = meta.block_tables
+        rc = self.lib.pagedlm_llama_decode(
+            ctypes.byref(self._model), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+            meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], meta.seq_lens.data_ptr(),
+            meta.query_start_loc.data_ptr(), meta.num_seqs, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"fused decode kernel failed (code {rc})")
+        return True

@@ -1,0 +1,97 @@
+"""The fused decoder stack (model/llama_decode.py) against the layer-by-layer torch path it replaces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.model.llama_decode import MAX_TOKENS, LlamaDecodeKernel, load_decode_kernel
+
+pytestmark = pytest.mark.skipif(load_decode_kernel() is None, reason="fused decode kernel unavailable")
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def _generate(llm: LLM, prompts: list[list[int]]):
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.fixture
+def count_runs(monkeypatch):
+    """Counts the steps the fused kernel took (run returned True)."""
+    taken = []
+    original = LlamaDecodeKernel.run
+
+    def run(self, x, *args):
+        ok = original(self, x, *args)
+        if ok:
+            taken.append(x.shape[0])
+        return ok
+
+    monkeypatch.setattr(LlamaDecodeKernel, "run", run)
+    return taken
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, count_runs):
+    """Greedy tokens are identical and logprobs agree to float32 rounding. The fused run's steps hold up to 16
+    tokens (prefill chunks mixed with decode tokens); the torch run prefills whole prompts."""
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
+    kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, quantization=quantization)
+    fused_llm = LLM(str(tiny_model_dir), max_num_batched_tokens=MAX_TOKENS, **kw)
+    fused = _generate(fused_llm, prompts)
+    assert count_runs and max(count_runs) <= MAX_TOKENS and len(set(count_runs)) > 2
+    torch_llm = LLM(str(tiny_model_dir), **kw)
+    torch_llm.engine.runner.model._decode_kernel = None  # layer by layer
+    count_runs.clear()
+    plain = _generate(torch_llm, prompts)
+    assert not count_runs
+    for f, p in zip(fused, plain):
+        assert f.token_ids == p.token_ids
+        assert f.cumulative_logprob == pytest.approx(p.cumulative_logprob, abs=1e-4)
+        for lf, lp in zip(f.logprobs, p.logprobs):
+            assert set(lf) == set(lp)
+            for tok in lf:
+                assert lf[tok].logprob == pytest.approx(lp[tok].logprob, abs=1e-4)
+
+
+def test_fused_decode_forward_matches_on_mixed_batch(tiny_model_dir):
+    """One forward pass over a mixed batch (a 4-token prefill chunk after cached context plus decode tokens of
+    other sequences) gives the same logits through the kernel as through the torch layers, and writes the
+    same K/V into the cache."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
+    eng = llm.engine
+    runner, model = eng.runner, eng.runner.model
+    from pagedlm.engine.model_runner import Chunk
+
+    torch.manual_seed(0)
+    chunks = [Chunk(token_ids=[7, 8, 9, 10], start=9, block_tables=[[3, 11]]),
+              Chunk(token_ids=[20], start=30, block_tables=[[5, 1, 40, 2]]),
+              Chunk(token_ids=[21], start=0, block_tables=[[17]])]
+    caches = runner.kv_cache
+    for t in caches.layer_caches():
+        for c in t:
+            c.normal_()
+    before = [tuple(c.clone() for c in kv) for kv in caches.layer_caches()]
+    fused = runner.execute(chunks, [3, 4, 5])
+    after_fused = [tuple(c.clone() for c in kv) for kv in caches.layer_caches()]
+    for kv, saved in zip(caches.layer_caches(), before):
+        for c, s in zip(kv, saved):
+            c.copy_(s)
+    model._decode_kernel = None
+    plain = runner.execute(chunks, [3, 4, 5])
+    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+    for kf, kp in zip(after_fused, caches.layer_caches()):
+        for a, b in zip(kf, kp):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_decode_steps_aside(tiny_model_dir, count_runs):
+    """The kernel is not used where it would not give the torch path's results: another attention backend,
+    bf16 activations, a quantized KV cache."""
+    prompt = [[5, 6, 7]]
+    for kw in (dict(attention_backend="reference"), dict(dtype="bfloat16"), dict(kv_cache_dtype="int8")):
+        llm = LLM(str(tiny_model_dir), num_kv_blocks=32, **{"dtype": "float32", **kw})
+        _generate(llm, prompt)
+        assert not count_runs, kw
