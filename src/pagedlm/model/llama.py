@@ -93,12 +93,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, shared by all layers
         kernel = self.decode_kernel() if attn_fn is paged_attention_cpu else None
-        if kernel is None or not kernel.run(x, *rope, kv_caches, metas):
+        normed = kernel is not None and kernel.run(x, *rope, kv_caches, metas)
+        if not normed:
             for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
                 x = layer(rope, x, kv_cache, meta, attn_fn)
         if logits_indices is not None:
             x = x[logits_indices]
-        x = self.norm(x)
+        if not normed:
+            x = self.norm(x)
         if self.lm_head is None:  # tied and not yet processed
             return F.linear(x, self.embed_tokens.weight)
         return self.lm_head(x)

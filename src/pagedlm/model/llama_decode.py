@@ -40,7 +40,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("H", ctypes.c_int), ("KVH", ctypes.c_int),
                 ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("eps", ctypes.c_float),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,7 +92,7 @@ class LlamaDecodeKernel:
             self._layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
                                      layer.post_attention_layernorm.weight.data_ptr(), qkv, o, gate_up, down)
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size, 0, cfg.rms_norm_eps, self._layers)
+                             cfg.intermediate_size, 0, cfg.rms_norm_eps, self._layers, model.norm.weight.data_ptr())
         self._bound_caches: tuple[int, ...] = ()
 
     @classmethod
@@ -103,6 +103,8 @@ class LlamaDecodeKernel:
         cfg = model.cfg
         lib = load_decode_kernel()
         if lib is None or cfg.head_dim not in HEAD_DIMS or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads > 64:
+            return None
+        if model.norm.weight.dtype != torch.float32:
             return None
         weights = []
         for layer in model.layers:
@@ -131,7 +133,8 @@ class LlamaDecodeKernel:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> bool:
-        """Advance the residual stream `x` [tokens, hidden] (fp32, contiguous) through every layer in place."""
+        """Run the hidden states `x` [tokens, hidden] (fp32, contiguous) through every layer and the final norm,
+        in place."""
         meta = metas[0]
         if (x.shape[0] > MAX_TOKENS or x.dtype != torch.float32 or not x.is_contiguous()
                 or any(m is not meta for m in metas) or not self._bind_caches(kv_caches)):

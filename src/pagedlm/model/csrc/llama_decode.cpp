@@ -29,6 +29,7 @@ struct Model {
   int num_layers, hidden, H, KVH, D, inter, BS;
   float eps;
   const Layer* layers;
+  const float* final_norm;  // [hidden]
 };
 
 constexpr int CB = 64;  // output columns per work item of the transposed fp32 product (8 accumulators)
@@ -116,8 +117,7 @@ void silu_mul(const float* g, const float* u, float* out, int n) {
 
 extern "C" {
 
-// x: [M, hidden] fp32, the residual stream, updated in place through all layers (the final norm is left to
-// the caller). cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV
+// x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV
 // cache group shared by all layers). Returns 0, or the first failing kernel's code.
 int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, const float* sin,
                          const int64_t* slots, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
@@ -149,6 +149,8 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
     if ((rc = linear(L.down, act.data(), t.data(), M, nthreads))) return rc;
     for (size_t i = 0; i < size_t(M) * hid; ++i) x[i] += t[i];
   }
+  rms_norm(x, md.final_norm, h.data(), M, hid, md.eps);
+  std::memcpy(x, h.data(), sizeof(float) * size_t(M) * hid);
   return 0;
 }
 
