@@ -41,9 +41,10 @@ def test_quant_linear_equals_dequantized_matmul(method, rows, shape):
     assert ((layer.dequantize() - w).abs() <= bound + 1e-6).all()
 
 
-def test_quant_linear_kernel_and_fallback_agree(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_quant_linear_kernel_and_fallback_agree(monkeypatch, rows):
     w = torch.randn(96, 64) * 0.1
-    x = torch.randn(3, 64)
+    x = torch.randn(rows, 64)
     for method in ("int8", "int4"):
         layer = quant.make_quant_linear(w, method, 32)
         fast = layer(x)
@@ -51,9 +52,23 @@ def test_quant_linear_kernel_and_fallback_agree(monkeypatch):
         slow = layer(x)
         monkeypatch.undo()
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(layer.dequantize(), quant.dequantize_int8(layer.qweight, layer.scale)
+        torch.testing.assert_close(layer.dequantize(), quant.dequantize_int8(quant.unpack_int8(layer.qweight),
+                                                                             layer.scale)
                                    if method == "int8" else
                                    quant.dequantize_int4(layer.qweight, layer.scale, layer.mins, 32))
+
+
+def test_int8_packed_layout():
+    """Packing is a pure permutation: unpack(pack(q)) == q, and row lookups (the embedding) read the right rows."""
+    w = torch.randn(40, 48)
+    q, _ = quant.quantize_int8(w)
+    packed = quant.pack_int8(q)
+    assert packed.shape == (10, 3, 4, 16) and torch.equal(quant.unpack_int8(packed), q)
+    layer = quant.Int8Linear(w)
+    assert layer.packed and torch.equal(layer.qweight, packed)
+    ids = torch.tensor([[0, 5, 39], [7, 7, 20]])
+    assert torch.equal(layer.rows(ids), q[ids])
+    assert not quant.Int8Linear(torch.randn(6, 48)).packed  # 6 rows: not a whole number of tiles
 
 
 def test_int4_rejects_bad_group_size():

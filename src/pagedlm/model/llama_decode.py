@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 MAX_TOKENS = 16  # the quantized kernels' small-batch limit (quant.KERNEL_MAX_ROWS); dense GEMMs win above it
-LIN_F32T, LIN_INT8, LIN_INT4 = 0, 1, 2
+LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED = 0, 1, 2, 3
 
 
 class _Linear(ctypes.Structure):
@@ -69,7 +69,8 @@ def _describe(linear: nn.Module) -> _Linear | None:
             return None
         return _Linear(LIN_F32T, linear.in_features, linear.out_features, 0, w.data_ptr(), None, None)
     if isinstance(linear, Int8Linear):
-        return _Linear(LIN_INT8, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(),
+        kind = LIN_INT8_PACKED if linear.packed else LIN_INT8
+        return _Linear(kind, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(),
                        linear.scale.data_ptr(), None)
     if isinstance(linear, Int4Linear):
         return _Linear(LIN_INT4, linear.in_features, linear.out_features, linear.group_size,

@@ -46,9 +46,9 @@ def load_quant_kernel() -> ctypes.CDLL | None:
                        type(e).__name__, str(e).splitlines()[0])
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.pagedlm_linear_int8.argtypes = [p, p, p, p, i, i, i, i]
+    lib.pagedlm_linear_int8.argtypes = [p, p, p, p, i, i, i, i, i]
     lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i]
-    lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i]
+    lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4):
         fn.restype = ctypes.c_int
@@ -65,6 +65,22 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
+
+
+def can_pack_int8(n: int, k: int) -> bool:
+    return n % 4 == 0 and k % 16 == 0
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/4, K/16, 4, 16]: tiles of 4 rows stored as 64-byte chunks of 16 inputs of each row (the
+    kernel's packed layout, one sequential stream per tile)."""
+    n, k = q.shape
+    return q.view(n // 4, 4, k // 16, 16).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    t, c = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(t * 4, c * 16)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,24 +132,35 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
+    """`qweight` is [N, K], or packed ([N/4, K/16, 4, 16], see `pack_int8`) where the shape allows."""
+
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight.shape[1], weight.shape[0])
         q, scale = quantize_int8(weight)
-        self.register_buffer("qweight", q)
+        self.packed = can_pack_int8(*q.shape)
+        self.register_buffer("qweight", pack_int8(q) if self.packed else q)
         self.register_buffer("scale", scale)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 rows `ids` ([*ids.shape, K]), whatever the layout."""
+        if not self.packed:
+            return self.qweight[ids]
+        return self.qweight[ids // 4, :, ids % 4, :].reshape(*ids.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         lib = load_quant_kernel()
         if lib is None or self.qweight.device.type != "cpu":
-            return dequantize_int8(self.qweight, self.scale)
+            q = unpack_int8(self.qweight) if self.packed else self.qweight
+            return dequantize_int8(q, self.scale)
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         lib.pagedlm_dequant_int8(self.qweight.data_ptr(), self.scale.data_ptr(), w.data_ptr(), self.in_features,
-                                 self.out_features, torch.get_num_threads())
+                                 self.out_features, int(self.packed), torch.get_num_threads())
         return w
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
         lib.pagedlm_linear_int8(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), y.data_ptr(),
-                                x.shape[0], self.in_features, self.out_features, torch.get_num_threads())
+                                x.shape[0], self.in_features, self.out_features, int(self.packed),
+                                torch.get_num_threads())
 
 
 class Int4Linear(QuantLinear):
@@ -171,7 +198,7 @@ class Int8Embedding(nn.Module):
         self.table, self.dtype = table, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.table.qweight[ids].float() * self.table.scale[ids, None]).to(self.dtype)
+        return (self.table.rows(ids).float() * self.table.scale[ids, None]).to(self.dtype)
 
 
 def make_quant_linear(weight: torch.Tensor, method: str, group_size: int) -> QuantLinear:

@@ -148,6 +148,18 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
     const int blk = pos / a.BS, off = pos % a.BS;
     const int n = std::min(std::min(KT, a.BS - off), it.hi - pos);
     const int64_t slot = int64_t(table[blk]) * a.BS + off;
+    if (pos + n < it.hi) {  // the next tile's K/V rows are scattered and cold (the weights evicted them): prefetch
+      const int npos = pos + n, nn = std::min(std::min(KT, a.BS - npos % a.BS), it.hi - npos);
+      const int64_t nslot = int64_t(table[npos / a.BS]) * a.BS + npos % a.BS;
+      const int64_t row = a.kv_kind == KV_F32 ? int64_t(KVD) * 4 : a.kv_kind == KV_BF16 ? int64_t(KVD) * 2
+                                                                                      : int64_t(a.KVH) * (D + 4);
+      const char* kp = static_cast<const char*>(kc) + nslot * row;
+      const char* vp = static_cast<const char*>(vc) + nslot * row;
+      for (int64_t b = 0; b < nn * row; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
+      }
+    }
     // Rows that see part of this tile: [r_lo, r_hi) (query positions grow with r).
     int r_lo = 0, r_hi = nrows;
     while (r_lo < nrows && qpos[r_lo] < pos) ++r_lo;

@@ -3,6 +3,9 @@
 // bytes. Activations and accumulation are fp32. Plain C ABI, loaded with ctypes by model/quant.py.
 //
 // int8: q [N, K] int8, one fp32 scale per output row:            W[n, k] = q[n, k] * s[n]
+//       Packed (when N % 4 == 0 and K % 16 == 0): rows 4t..4t+3 form tile t, stored as K/16 chunks of 64 bytes,
+//       chunk c = weights k = 16c..16c+15 of row 4t, then of rows 4t+1, 4t+2, 4t+3. A tile is then one sequential
+//       stream instead of four interleaved ones: 1.3x the bandwidth on a 2-core EPYC (about 20 against 15 GB/s).
 // int4: per output row, groups of G (a multiple of 32) inputs with an fp16 scale and minimum:
 //       W[n, k] = q[n, k] * scale[n, k / G] + min[n, k / G], q in 0..15, packed 32 values per 16 bytes:
 //       byte j of a 32-value chunk holds value j in its low nibble and value j + 16 in its high nibble.
@@ -19,6 +22,7 @@ namespace {
 
 constexpr int NT = 4;  // output rows per tile: their weights are read once for every row of x
 constexpr int PF_TILES = 8;
+constexpr int PF_BYTES = 2048;  // prefetch distance in a packed stream
 
 inline float half_to_float(uint16_t h) {
 #ifdef PAGEDLM_AVX2
@@ -96,6 +100,52 @@ void int8_tile(const float* x, const int8_t* q, const float* s, float* y, int M,
       y[int64_t(m) * N + n0 + j] = acc * s[n0 + j];
     }
   }
+}
+
+// Tile n0 / 4 of a packed int8 weight (see the top), for every row of x.
+void int8p_tile(const float* x, const int8_t* q, const float* s, float* y, int M, int K, int N, int n0) {
+  const int8_t* tile = q + int64_t(n0) * K;
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + int64_t(m) * K;
+    float out[NT];
+#ifdef PAGEDLM_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const int8_t* p = tile;
+    for (int k = 0; k < K; k += 16, p += 64) {
+      if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0);
+      const __m256 xv = _mm256_loadu_ps(xm + k), xw = _mm256_loadu_ps(xm + k + 8);
+      a0 = _mm256_fmadd_ps(load_i8(p), xv, a0);
+      b0 = _mm256_fmadd_ps(load_i8(p + 8), xw, b0);
+      a1 = _mm256_fmadd_ps(load_i8(p + 16), xv, a1);
+      b1 = _mm256_fmadd_ps(load_i8(p + 24), xw, b1);
+      a2 = _mm256_fmadd_ps(load_i8(p + 32), xv, a2);
+      b2 = _mm256_fmadd_ps(load_i8(p + 40), xw, b2);
+      a3 = _mm256_fmadd_ps(load_i8(p + 48), xv, a3);
+      b3 = _mm256_fmadd_ps(load_i8(p + 56), xw, b3);
+    }
+    out[0] = hsum(_mm256_add_ps(a0, b0)); out[1] = hsum(_mm256_add_ps(a1, b1));
+    out[2] = hsum(_mm256_add_ps(a2, b2)); out[3] = hsum(_mm256_add_ps(a3, b3));
+#else
+    for (int r = 0; r < NT; ++r) {
+      float acc = 0.f;
+      for (int k = 0; k < K; ++k) acc += float(tile[(k / 16) * 64 + r * 16 + k % 16]) * xm[k];
+      out[r] = acc;
+    }
+#endif
+    for (int r = 0; r < NT; ++r) y[int64_t(m) * N + n0 + r] = out[r] * s[n0 + r];
+  }
+}
+
+// The 4 rows of packed tile n0 / 4 dequantized to fp32, [4, K].
+void dequant_int8p_tile(const int8_t* q, const float* s, int K, int n0, float* w) {
+  const int8_t* tile = q + int64_t(n0) * K;
+  for (int c = 0; c < K / 16; ++c)
+    for (int r = 0; r < NT; ++r) {
+      const int8_t* src = tile + c * 64 + r * 16;
+      float* dst = w + int64_t(r) * K + c * 16;
+      const float sr = s[n0 + r];
+      for (int i = 0; i < 16; ++i) dst[i] = float(src[i]) * sr;
+    }
 }
 
 // Rows n0 .. n0+nt of the int4 product. xsum[m * ngroups + g] = sum of x[m] over group g (for the minimums).
@@ -215,16 +265,23 @@ constexpr int BUFFERED_MIN_ROWS = 3;
 
 extern "C" {
 
-int pagedlm_linear_int8(const float* x, const int8_t* q, const float* s, float* y, int M, int K, int N,
+// packed: q is in the packed layout (needs N % 4 == 0 and K % 16 == 0; returns 1 otherwise).
+int pagedlm_linear_int8(const float* x, const int8_t* q, const float* s, float* y, int M, int K, int N, int packed,
                         int nthreads) {
+  if (packed && (N % NT || K % 16)) return 1;
   const int tiles = (N + NT - 1) / NT;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int t = 0; t < tiles; ++t) {
     const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
-    if (M < BUFFERED_MIN_ROWS) { int8_tile(x, q, s, y, M, K, N, n0, nt); continue; }
+    if (M < BUFFERED_MIN_ROWS) {
+      if (packed) int8p_tile(x, q, s, y, M, K, N, n0);
+      else int8_tile(x, q, s, y, M, K, N, n0, nt);
+      continue;
+    }
     thread_local std::vector<float> w;
     w.resize(size_t(NT) * K);
-    dequant_int8_rows(q, s, K, n0, nt, w.data());
+    if (packed) dequant_int8p_tile(q, s, K, n0, w.data());
+    else dequant_int8_rows(q, s, K, n0, nt, w.data());
     dense_tile(x, w.data(), y, M, K, N, n0, nt);
   }
   return 0;
@@ -255,7 +312,13 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
 }
 
 // W [N, K] in fp32 from the int8 / int4 layouts (for large-M products, which then run as a dense fp32 GEMM).
-int pagedlm_dequant_int8(const int8_t* q, const float* s, float* w, int K, int N, int nthreads) {
+int pagedlm_dequant_int8(const int8_t* q, const float* s, float* w, int K, int N, int packed, int nthreads) {
+  if (packed && (N % NT || K % 16)) return 1;
+  if (packed) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int t = 0; t < N / NT; ++t) dequant_int8p_tile(q, s, K, t * NT, w + int64_t(t) * NT * K);
+    return 0;
+  }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int n = 0; n < N; ++n) dequant_int8_rows(q, s, K, n, 1, w + int64_t(n) * K);
   return 0;
