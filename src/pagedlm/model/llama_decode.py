@@ -95,6 +95,7 @@ class LlamaDecodeKernel:
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, 0, cfg.rms_norm_eps, self._layers, model.norm.weight.data_ptr())
         self._bound_caches: tuple[int, ...] = ()
+        self._bound_list: list | None = None
 
     @classmethod
     def create(cls, model: nn.Module) -> LlamaDecodeKernel | None:
@@ -120,8 +121,11 @@ class LlamaDecodeKernel:
         return cls(lib, model, weights)
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        if kv_caches is self._bound_list:  # the runner passes the same list every step
+            return True
         key = tuple(t.data_ptr() for kv in kv_caches for t in kv)
         if key == self._bound_caches:
+            self._bound_list = kv_caches
             return True
         for k, v in kv_caches:
             if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.device.type != "cpu":
@@ -129,7 +133,7 @@ class LlamaDecodeKernel:
         for i, (k, v) in enumerate(kv_caches):
             self._layers[i].k_cache, self._layers[i].v_cache = k.data_ptr(), v.data_ptr()
         self._model.BS = kv_caches[0][0].shape[1]
-        self._bound_caches = key
+        self._bound_caches, self._bound_list = key, kv_caches
         return True
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
