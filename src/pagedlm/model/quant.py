@@ -2,7 +2,9 @@
 
 - "int8": symmetric per output channel, W = q * s (q in -127..127).
 - "int4": asymmetric per group of `group_size` inputs, W = q * scale + min (q in 0..15), scale/min in fp16,
-  about 5 bits per weight with groups of 32.
+  about 5 bits per weight with groups of 32 (llama.cpp's Q4_1). Its activations are quantized on the fly per
+  32-value block to int8 with one fp32 scale (as llama.cpp pairs Q4_1 with Q8_1), so the kernel reduces blocks
+  with integer dot products; every path, kernel or dense fallback, computes y = Q8(x) @ W^T.
 
 Products with few rows (decode) run in csrc/quant_linear.cpp, which dequantizes in registers (one or two rows)
 or tile by tile into L1 (up to KERNEL_MAX_ROWS rows) and so streams a quarter (int8) or about a sixth (int4) of
@@ -98,6 +100,15 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return packed.contiguous(), scale.contiguous(), mins.contiguous()
 
 
+def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [.., K] (K a multiple of 32) with each 32-value block rounded to int8 steps of max|block| / 127: the
+    values the int4 kernel multiplies (same rounding: half to even of x / d)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    d = torch.where(d > 0, d, torch.ones_like(d))
+    return (torch.round(blocks / d) * d).reshape(x.shape)
+
+
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
     n, k = packed.shape[0], packed.shape[1] * 2
     chunks = packed.reshape(n, k // 32, 1, 16)
@@ -117,7 +128,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         lib = load_quant_kernel()
         if lib is None or x2.shape[0] > KERNEL_MAX_ROWS or x2.device.type != "cpu":
-            y = F.linear(x2.float(), self.dequantize())
+            y = F.linear(self.dense_input(x2.float()), self.dequantize())
         else:
             x2 = x2.float().contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
@@ -126,6 +137,10 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def dense_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations as the kernel multiplies them (identity unless it quantizes them)."""
+        return x
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
         raise NotImplementedError
@@ -171,6 +186,9 @@ class Int4Linear(QuantLinear):
         self.register_buffer("qweight", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("mins", mins)
+
+    def dense_input(self, x: torch.Tensor) -> torch.Tensor:
+        return quantize_activations_q8(x)
 
     def dequantize(self) -> torch.Tensor:
         lib = load_quant_kernel()
