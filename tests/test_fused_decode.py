@@ -33,12 +33,14 @@ def count_runs(monkeypatch):
     return taken
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, count_runs):
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("int8", "auto"), ("int4", "auto"),
+                                                         (None, "int8"), ("int4", "int8")])
+def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, kv_cache_dtype, count_runs):
     """Greedy tokens are identical and logprobs agree to float32 rounding. The fused run's steps hold up to 16
     tokens (prefill chunks mixed with decode tokens); the torch run prefills whole prompts."""
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
-    kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, quantization=quantization)
+    kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)
     fused_llm = LLM(str(tiny_model_dir), max_num_batched_tokens=MAX_TOKENS, **kw)
     fused = _generate(fused_llm, prompts)
     assert count_runs and max(count_runs) <= MAX_TOKENS and len(set(count_runs)) > 2
@@ -89,9 +91,9 @@ def test_fused_decode_forward_matches_on_mixed_batch(tiny_model_dir):
 
 def test_fused_decode_steps_aside(tiny_model_dir, count_runs):
     """The kernel is not used where it would not give the torch path's results: another attention backend,
-    bf16 activations, a quantized KV cache."""
+    bf16 activations, an fp8 KV cache."""
     prompt = [[5, 6, 7]]
-    for kw in (dict(attention_backend="reference"), dict(dtype="bfloat16"), dict(kv_cache_dtype="int8")):
+    for kw in (dict(attention_backend="reference"), dict(dtype="bfloat16"), dict(kv_cache_dtype="fp8_e4m3")):
         llm = LLM(str(tiny_model_dir), num_kv_blocks=32, **{"dtype": "float32", **kw})
         _generate(llm, prompt)
         assert not count_runs, kw

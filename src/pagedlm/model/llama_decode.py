@@ -2,8 +2,8 @@
 
 A single-stream decode step runs about 40 small torch ops per layer; with quantized weights their dispatch costs
 as much as the matmuls. This path hands the residual stream, the layers' weights and the batch layout to one
-C++ function instead. It is taken only where it gives the same results as the torch path (CPU, fp32 activations
-and KV cache, the compiled attention backend, at most `MAX_TOKENS` new tokens) and skipped otherwise.
+C++ function instead. It is taken only where it gives the same results as the torch path (CPU, fp32 activations,
+an fp32 or int8 KV cache, the compiled attention backend, at most `MAX_TOKENS` new tokens) and skipped otherwise.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 MAX_TOKENS = 16  # the quantized kernels' small-batch limit (quant.KERNEL_MAX_ROWS); dense GEMMs win above it
 LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED = 0, 1, 2, 3
+KV_F32, KV_INT8 = 0, 2  # the attention kernel's KVKind
 
 
 class _Linear(ctypes.Structure):
@@ -39,7 +40,8 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("H", ctypes.c_int), ("KVH", ctypes.c_int),
-                ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("eps", ctypes.c_float),
+                ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("kv_kind", ctypes.c_int),
+                ("eps", ctypes.c_float),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
 
 
@@ -78,6 +80,15 @@ def _describe(linear: nn.Module) -> _Linear | None:
     return None
 
 
+def _kv_kind(cache: torch.Tensor, head_dim: int) -> int | None:
+    """The kernel's code for a layer's KV cache tensor, or None where it cannot write it (fp8, bf16)."""
+    if cache.dtype == torch.float32:
+        return KV_F32
+    if cache.dtype == torch.int8 and cache.shape[-1] == head_dim + 4:
+        return KV_INT8
+    return None
+
+
 class LlamaDecodeKernel:
     """Binds a loaded (and possibly quantized) LlamaForCausalLM and its KV caches to the compiled stack.
 
@@ -93,7 +104,8 @@ class LlamaDecodeKernel:
             self._layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
                                      layer.post_attention_layernorm.weight.data_ptr(), qkv, o, gate_up, down)
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size, 0, cfg.rms_norm_eps, self._layers, model.norm.weight.data_ptr())
+                             cfg.intermediate_size, 0, KV_F32, cfg.rms_norm_eps, self._layers,
+                             model.norm.weight.data_ptr())
         self._bound_caches: tuple[int, ...] = ()
         self._bound_list: list | None = None
 
@@ -127,9 +139,11 @@ class LlamaDecodeKernel:
         if key == self._bound_caches:
             self._bound_list = kv_caches
             return True
-        for k, v in kv_caches:
-            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.device.type != "cpu":
-                return False
+        kinds = {_kv_kind(k, self.cfg.head_dim) for k, _ in kv_caches}
+        if len(kinds) != 1 or None in kinds or not all(
+                k.is_contiguous() and v.is_contiguous() and k.device.type == "cpu" for k, v in kv_caches):
+            return False
+        self._model.kv_kind = kinds.pop()
         for i, (k, v) in enumerate(kv_caches):
             self._layers[i].k_cache, self._layers[i].v_cache = k.data_ptr(), v.data_ptr()
         self._model.BS = kv_caches[0][0].shape[1]

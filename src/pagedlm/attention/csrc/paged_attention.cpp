@@ -338,7 +338,8 @@ int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* 
 }
 
 // Fused decode helper: rotates the q and k heads of each token's fused qkv row in place (rotate-half RoPE with
-// that token's cos/sin rows [D/2]) and writes its k and v heads to the fp32 cache at slots[t]. Same arithmetic
+// that token's cos/sin rows [D/2]) and writes its k and v heads to the fp32 cache at slots[t] (k_cache null:
+// rotates only). Same arithmetic
 // as HF's `x * cos + rotate_half(x) * sin` (separate multiplies and adds, no FMA contraction).
 __attribute__((optimize("fp-contract=off")))
 int pagedlm_rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H, int KVH, int D,
@@ -357,6 +358,7 @@ int pagedlm_rope_write_kv(float* qkv, const float* cos, const float* sin, int T,
         x[i + half] = e + f;
       }
     }
+    if (k_cache == nullptr) continue;  // rotate only: the caller writes K/V itself
     std::memcpy(k_cache + slots[t] * kvd, r + H * D, sizeof(float) * kvd);
     std::memcpy(v_cache + slots[t] * kvd, r + (H + KVH) * D, sizeof(float) * kvd);
   }

@@ -22,11 +22,11 @@ struct Linear {
 struct Layer {
   const float *input_norm, *post_norm;  // [hidden]
   Linear qkv, o, gate_up, down;
-  float *k_cache, *v_cache;  // [blocks, BS, KVH, D] fp32
+  void *k_cache, *v_cache;  // [blocks, BS, KVH, D] fp32, or [blocks, BS, KVH, D + 4] int8 entries (kv_kind)
 };
 
 struct Model {
-  int num_layers, hidden, H, KVH, D, inter, BS;
+  int num_layers, hidden, H, KVH, D, inter, BS, kv_kind;  // kv_kind: KV_F32 or KV_INT8
   float eps;
   const Layer* layers;
   const float* final_norm;  // [hidden]
@@ -114,11 +114,26 @@ void silu_mul(const float* g, const float* u, float* out, int n) {
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+// One K or V row [KVH, D] into int8 cache entries (D values, then the fp32 scale), as kvcache/quant.py
+// quantizes: scale = max(max|x| / 127, 1e-12), q = round-half-even(x / scale) clamped to +-127.
+void write_int8_entries(const float* x, int KVH, int D, int8_t* dst) {
+  for (int h = 0; h < KVH; ++h) {
+    const float* xh = x + h * D;
+    int8_t* e = dst + int64_t(h) * (D + 4);
+    float amax = 0.f;
+    for (int i = 0; i < D; ++i) amax = std::max(amax, std::fabs(xh[i]));
+    const float scale = std::max(amax / 127.f, 1e-12f);
+    for (int i = 0; i < D; ++i) e[i] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(xh[i] / scale))));
+    std::memcpy(e + D, &scale, 4);
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV
+// x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. K/V are written
+// to (and attention reads) fp32 caches or int8 ones (then quantized per token and head as kvcache/quant.py does). cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV
 // cache group shared by all layers). Returns 0, or the first failing kernel's code.
 int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, const float* sin,
                          const int64_t* slots, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
@@ -128,14 +143,26 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
   if (nthreads < 1) nthreads = omp_get_max_threads();
   std::vector<float> h(size_t(M) * hid), t(size_t(M) * hid), qkv(size_t(M) * qkvd), q(size_t(M) * qd),
       att(size_t(M) * qd), gu(size_t(M) * 2 * md.inter), act(size_t(M) * md.inter);
-  Args a{md.H, md.KVH, D, md.BS, max_blocks, 0, 1, KV_F32, 1.f / std::sqrt(float(D)), block_tables, seq_lens,
+  if (md.kv_kind != KV_F32 && md.kv_kind != KV_INT8) return 3;
+  Args a{md.H, md.KVH, D, md.BS, max_blocks, 0, 1, md.kv_kind, 1.f / std::sqrt(float(D)), block_tables, seq_lens,
          query_start_loc};
   for (int li = 0; li < md.num_layers; ++li) {
     const Layer& L = md.layers[li];
     rms_norm(x, L.input_norm, h.data(), M, hid, md.eps);
     int rc = linear(L.qkv, h.data(), qkv.data(), M, nthreads);
     if (rc) return rc;
-    pagedlm_rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, L.k_cache, L.v_cache, 1);
+    if (md.kv_kind == KV_F32) {
+      pagedlm_rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, static_cast<float*>(L.k_cache),
+                            static_cast<float*>(L.v_cache), 1);
+    } else {
+      pagedlm_rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
+      const int64_t entry_row = int64_t(md.KVH) * (D + 4);
+      for (int m = 0; m < M; ++m) {
+        const float* row = &qkv[size_t(m) * qkvd];
+        write_int8_entries(row + qd, md.KVH, D, static_cast<int8_t*>(L.k_cache) + slots[m] * entry_row);
+        write_int8_entries(row + qd + kvd, md.KVH, D, static_cast<int8_t*>(L.v_cache) + slots[m] * entry_row);
+      }
+    }
     for (int m = 0; m < M; ++m) std::memcpy(&q[size_t(m) * qd], &qkv[size_t(m) * qkvd], sizeof(float) * qd);
     rc = dispatch<float>(q.data(), L.k_cache, L.v_cache, att.data(), a, num_seqs, nthreads);
     if (rc) return 10 + rc;
