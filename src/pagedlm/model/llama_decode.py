@@ -19,11 +19,12 @@ from torch import nn
 from pagedlm import cbuild
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.model.layers import Linear
+from pagedlm.model.quant import KERNEL_MAX_ROWS, Int4Linear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
-MAX_TOKENS = 16  # the quantized kernels' small-batch limit (quant.KERNEL_MAX_ROWS); dense GEMMs win above it
+MAX_TOKENS = KERNEL_MAX_ROWS  # the quantized kernels' small-batch limit; dense GEMMs win above it
 LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED = 0, 1, 2, 3
 KV_F32, KV_INT8 = 0, 2  # the attention kernel's KVKind
 
@@ -41,8 +42,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("H", ctypes.c_int), ("KVH", ctypes.c_int),
                 ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("kv_kind", ctypes.c_int),
-                ("eps", ctypes.c_float),
-                ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
+                ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,8 +63,6 @@ def load_decode_kernel() -> ctypes.CDLL | None:
 
 def _describe(linear: nn.Module) -> _Linear | None:
     """The kernel's view of a linear layer, or None for a layout it does not read."""
-    from pagedlm.model.quant import Int4Linear, Int8Linear
-
     if isinstance(linear, Linear):
         w = linear.weight
         if not linear.transposed or w.dtype != torch.float32:

@@ -6,11 +6,11 @@
   32-value block to int8 with one fp32 scale (as llama.cpp pairs Q4_1 with Q8_1), so the kernel reduces blocks
   with integer dot products; every path, kernel or dense fallback, computes y = Q8(x) @ W^T.
 
-Products with few rows (decode) run in csrc/quant_linear.cpp, which dequantizes in registers (one or two rows)
-or tile by tile into L1 (up to KERNEL_MAX_ROWS rows) and so streams a quarter (int8) or about a sixth (int4) of
-the fp32 bytes; products with more rows (prefill, big batches) dequantize the whole weight once per call and run
-torch's dense GEMM, which is compute-bound there anyway. The tied
-embedding / LM head table is kept once, in int8 per row, for both methods (as llama.cpp keeps the output
+Products with few rows (decode, up to KERNEL_MAX_ROWS) run in csrc/quant_linear.cpp, which reads the quantized
+weights directly (int8 packed in tiles of 4 rows, see `pack_int8`; int4 with integer dot products) and so streams
+a quarter (int8) or about a sixth (int4) of the fp32 bytes; products with more rows (prefill, big batches)
+dequantize the whole weight once per call and run torch's dense GEMM, which is compute-bound there anyway. The
+tied embedding / LM head table is kept once, in int8 per row, for both methods (as llama.cpp keeps the output
 matrix at higher precision than Q4): looked up row by row, multiplied through the int8 kernel.
 """
 from __future__ import annotations

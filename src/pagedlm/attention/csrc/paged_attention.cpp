@@ -338,9 +338,9 @@ int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* 
 }
 
 // Fused decode helper: rotates the q and k heads of each token's fused qkv row in place (rotate-half RoPE with
-// that token's cos/sin rows [D/2]) and writes its k and v heads to the fp32 cache at slots[t] (k_cache null:
-// rotates only). Same arithmetic
-// as HF's `x * cos + rotate_half(x) * sin` (separate multiplies and adds, no FMA contraction).
+// that token's cos/sin rows [D/2]) and writes its k and v heads to the fp32 cache at slots[t] (with a null
+// k_cache it only rotates). Same arithmetic as HF's `x * cos + rotate_half(x) * sin` (separate multiplies and
+// adds, no FMA contraction).
 __attribute__((optimize("fp-contract=off")))
 int pagedlm_rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H, int KVH, int D,
                           const int64_t* slots, float* k_cache, float* v_cache, int nthreads) {

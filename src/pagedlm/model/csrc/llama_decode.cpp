@@ -133,17 +133,18 @@ void write_int8_entries(const float* x, int KVH, int D, int8_t* dst) {
 extern "C" {
 
 // x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. K/V are written
-// to (and attention reads) fp32 caches or int8 ones (then quantized per token and head as kvcache/quant.py does). cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV
-// cache group shared by all layers). Returns 0, or the first failing kernel's code.
+// to (and attention reads) fp32 caches or int8 ones (quantized per token and head as kvcache/quant.py does).
+// cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV cache group
+// shared by all layers). Returns 0, or the first failing kernel's code.
 int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, const float* sin,
                          const int64_t* slots, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                          const int32_t* query_start_loc, int num_seqs, int nthreads) {
   const Model& md = *model;
   const int hid = md.hidden, D = md.D, qd = md.H * D, kvd = md.KVH * D, qkvd = qd + 2 * kvd;
+  if (md.kv_kind != KV_F32 && md.kv_kind != KV_INT8) return 3;
   if (nthreads < 1) nthreads = omp_get_max_threads();
   std::vector<float> h(size_t(M) * hid), t(size_t(M) * hid), qkv(size_t(M) * qkvd), q(size_t(M) * qd),
       att(size_t(M) * qd), gu(size_t(M) * 2 * md.inter), act(size_t(M) * md.inter);
-  if (md.kv_kind != KV_F32 && md.kv_kind != KV_INT8) return 3;
   Args a{md.H, md.KVH, D, md.BS, max_blocks, 0, 1, md.kv_kind, 1.f / std::sqrt(float(D)), block_tables, seq_lens,
          query_start_loc};
   for (int li = 0; li < md.num_layers; ++li) {

@@ -58,7 +58,6 @@ inline float hsum(__m256 v) {
 inline __m256 load_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 #endif
 
 // Rows n0 .. n0+nt of the int8 product for every row of x (nt <= NT).
