@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.model.llama_decode import MAX_TOKENS, LlamaDecodeKernel, load_decode_kernel
+from pagedlm.config import KERNEL_MAX_ROWS as MAX_TOKENS
+from pagedlm.model.llama_decode import LlamaDecodeKernel, load_decode_kernel
 
 pytestmark = pytest.mark.skipif(load_decode_kernel() is None, reason="fused decode kernel unavailable")
 
@@ -40,7 +41,7 @@ def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, kv_cache
     tokens (prefill chunks mixed with decode tokens); the torch run prefills whole prompts."""
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
     kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, quantization=quantization,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, kernel_max_rows=MAX_TOKENS)
     fused_llm = LLM(str(tiny_model_dir), max_num_batched_tokens=MAX_TOKENS, **kw)
     fused = _generate(fused_llm, prompts)
     assert count_runs and max(count_runs) <= MAX_TOKENS and len(set(count_runs)) > 2

@@ -72,8 +72,9 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(model_dir: Path, out: Path) -> Path:
-    """Convert an HF LLaMA dir to an F32 GGUF the way llama.cpp's convert_hf_to_gguf.py does."""
+def write_llama_gguf(model_dir: Path, out: Path, quant: str | None = None) -> Path:
+    """Convert an HF LLaMA dir to a GGUF the way llama.cpp's convert_hf_to_gguf.py does: F32, or with the linear
+    layers' weights in block format `quant` (e.g. "Q4_1")."""
     cfg = load_hf_config(model_dir)
     state = load_file(model_dir / "model.safetensors")
     w = gguf.GGUFWriter(str(out), "llama")
@@ -94,7 +95,11 @@ def write_llama_gguf(model_dir: Path, out: Path) -> Path:
             a = _llama_cpp_permute(a, cfg["num_attention_heads"])
         elif ".k_proj." in name:
             a = _llama_cpp_permute(a, cfg["num_key_value_heads"])
-        w.add_tensor(_gguf_name(name), a)
+        if quant and name.endswith("proj.weight"):
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name), a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

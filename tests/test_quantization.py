@@ -204,3 +204,109 @@ def test_perplexity_bounds_on_smollm2(smollm2_path):
     assert ppl["kv-int8"] <= ppl["base"] * 1.01, ppl
     assert ppl["kv-fp8"] <= ppl["base"] * 1.02, ppl
     assert ppl["w-int8"] <= ppl["base"] * 1.05 and ppl["w-int4"] <= ppl["base"] * 1.05, ppl
+
+
+# ---- the default path: a GGUF's own int4 blocks, quantized kernels for small steps, a dense GEMM for big ones ---
+
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1"])
+def tiny_q4_gguf(request, tiny_model_dir, tmp_path_factory):
+    """The tiny LLaMA as a GGUF with Q4_0 / Q4_1 linear layers; its tokenizer placed where the loader caches a
+    GGUF's converted tokenizer (the file itself carries none)."""
+    import json
+
+    from test_loader import write_llama_gguf
+    from transformers import AutoTokenizer
+    path = write_llama_gguf(tiny_model_dir, tmp_path_factory.mktemp("q4") / f"tiny-{request.param}.gguf",
+                            quant=request.param)
+    cached = path.with_name(path.name + ".tokenizer")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(cached)
+    st = path.stat()
+    (cached / "pagedlm_source.json").write_text(json.dumps({"source": path.name, "size": st.st_size,
+                                                             "mtime_ns": st.st_mtime_ns}))
+    return path
+
+
+def _linear_weights(model) -> dict[str, torch.Tensor]:
+    """Every quantized linear layer's weight, dequantized, by parameter name."""
+    return {f"{name}.weight": m.dequantize() for name, m in model.named_modules()
+            if isinstance(m, quant.Int4Linear)}
+
+
+def test_default_runs_the_checkpoints_int4_blocks(tiny_q4_gguf, monkeypatch):
+    """dtype="auto" on a Q4_0/Q4_1 GGUF: int4 weights that are exactly the checkpoint's values (loaded as stored,
+    no requantization), fp32 activations; the same weights as quantizing the dequantized checkpoint again."""
+    monkeypatch.setattr(quant, "quantize_int4", None)  # natively loaded: quantizing anything would fail
+    llm = LLM(str(tiny_q4_gguf), num_kv_blocks=32, kernel_max_rows=16)
+    monkeypatch.undo()
+    plan, model = llm.engine.plan, llm.engine.runner.model
+    assert plan.quantization == "int4" and plan.dtype == torch.float32 and not model.native_weights
+    native = _linear_weights(model)
+    from pagedlm.model.loader import iter_weights
+    ref = dict(iter_weights(tiny_q4_gguf, torch.float32))  # dequantized by gguf-py, q/k rows un-permuted
+    assert len(native) == 2 * 4
+    for name, w in native.items():
+        if name.endswith("qkv_proj.weight"):
+            parts = [ref[f"model.{name.replace('qkv_proj', p)}"] for p in ("q_proj", "k_proj", "v_proj")]
+        elif name.endswith("gate_up_proj.weight"):
+            parts = [ref[f"model.{name.replace('gate_up_proj', p)}"] for p in ("gate_proj", "up_proj")]
+        else:
+            parts = [ref[f"model.{name}"]]
+        assert torch.equal(w, torch.cat(parts)), name
+    requantized = LLM(str(tiny_q4_gguf), dtype="float32", quantization="int4", num_kv_blocks=32, kernel_max_rows=16)
+    assert all(torch.equal(w, _linear_weights(requantized.engine.runner.model)[n]) for n, w in native.items())
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in requantized.generate(prompts, params, use_tqdm=False)])
+
+
+def test_plan_per_cpu_and_setting(tiny_model_dir, tiny_q4_gguf, monkeypatch):
+    """What `dtype="auto"` resolves to on a CPU with native bf16 and on an AVX2-only one (simulated), and that
+    explicit settings keep their meaning."""
+    from pagedlm.config import EngineConfig
+    from pagedlm.cpu import CpuFeatures
+    from pagedlm.model import plan as plan_mod
+
+    def plan(cpu_flags, path, **kw):
+        monkeypatch.setattr(plan_mod, "cpu_features", lambda: CpuFeatures(frozenset(cpu_flags)))
+        return plan_mod.plan_execution(EngineConfig(model=str(path), kernel_max_rows=8, **kw), path)
+
+    zen4, avx2 = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, {"avx2", "fma"}
+    p = plan(zen4, tiny_q4_gguf)
+    assert (p.quantization, p.dtype, p.dense_dtype, p.kernel_max_rows) == ("int4", torch.float32, torch.bfloat16, 8)
+    assert "avx512_bf16" in p.describe() and "natively" in p.describe()
+    p = plan(avx2, tiny_q4_gguf)
+    assert (p.quantization, p.dtype, p.dense_dtype) == ("int4", torch.float32, torch.float32)
+    p = plan(zen4, tiny_q4_gguf, dtype="float32")  # explicit fp32: the full-precision path
+    assert (p.quantization, p.dtype) == (None, torch.float32)
+    p = plan(zen4, tiny_q4_gguf, dtype="float32", quantization="int8")
+    assert (p.quantization, p.dtype, p.dense_dtype) == ("int8", torch.float32, torch.float32)
+    p = plan(zen4, tiny_model_dir)  # safetensors: nothing to run natively
+    assert p.quantization is None
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dense", [torch.float32, torch.bfloat16])
+def test_quant_linear_dense_copy_for_big_steps(method, dense, monkeypatch):
+    """Up to kernel_max_rows rows the quantized kernel runs; above, a GEMM over the dense copy: in fp32 the same
+    product as the kernel (Q8 activations for int4), in bf16 the bf16 product."""
+    if quant.load_quant_kernel() is None:
+        pytest.skip("quantized kernels unavailable")
+    g = torch.Generator().manual_seed(3)
+    layer = quant.make_quant_linear(torch.randn(96, 64, generator=g) * 0.05, method, 32)
+    layer.kernel_max_rows = 4
+    layer.set_dense(dense)
+    calls = []
+    kernel = type(layer)._kernel
+    monkeypatch.setattr(type(layer), "_kernel", lambda self, *a: (calls.append(a[1].shape[0]), kernel(self, *a)))
+    w = layer.dequantize()
+    for rows in (1, 4, 5, 40):
+        x = torch.randn(rows, 64, generator=g)
+        out = layer(x)
+        if rows <= 4 or dense == torch.float32:
+            ref, tol = F.linear(layer.dense_input(x), w), 1e-5
+        else:
+            ref, tol = F.linear(x.bfloat16(), w.bfloat16()).float(), 2e-2
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert calls == [1, 4]
+    assert layer.dense.dtype == dense

@@ -485,10 +485,11 @@ def test_async_engine_queue_bound_and_step_failure(async_engine):
 @pytest.mark.slow
 def test_real_model_http_matches_llm(smollm2_path):
     """SmolLM2-135M-Instruct: greedy completions and chat over HTTP equal LLM.generate / LLM.chat, and the
-    streamed chat text equals the non-streamed one."""
-    srv = ServerProcess("--model", str(smollm2_path), "--num-kv-blocks", "128", "--served-model-name", "smollm2")
+    streamed chat text equals the non-streamed one. fp32 pinned: the answer must not depend on the CPU's paths."""
+    srv = ServerProcess("--model", str(smollm2_path), "--num-kv-blocks", "128", "--served-model-name", "smollm2",
+                        "--dtype", "float32")
     try:
-        llm = LLM(str(smollm2_path), num_kv_blocks=128)
+        llm = LLM(str(smollm2_path), num_kv_blocks=128, dtype="float32")
         srv.wait_ready()
         c = srv.client()
         prompts = ["The capital of France is", "def fibonacci(n):"]

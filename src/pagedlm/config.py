@@ -30,19 +30,9 @@ def default_dtype() -> torch.dtype:
     """bf16 where the hardware runs it natively (CUDA, CPUs with AVX512-BF16/AMX), else fp32."""
     if torch.cuda.is_available():
         return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    from pagedlm.cpu import cpu_features
 
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    return torch.bfloat16 if cpu_features().native_bf16 else torch.float32
 
 
 @dataclass
@@ -147,6 +137,7 @@ class ModelConfig:
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see model/quant.py
+KERNEL_MAX_ROWS = 16  # the most rows the quantized kernels and the fused decoder stack take
 
 
 @dataclass
@@ -173,6 +164,9 @@ class EngineConfig:
     quantization: str | None = None  # weight-only: "int8" (per channel) | "int4" (group-wise)
     quantization_group_size: int = 32
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8_e4m3"
+    # Quantized weights: steps of at most this many rows run the quantized kernels (and the fused decoder stack),
+    # larger ones a dense GEMM. None: measured at start-up (model/probe.py, cached per CPU).
+    kernel_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -194,6 +188,8 @@ class EngineConfig:
                              f"got {self.quantization_group_size}.")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
+        if self.kernel_max_rows is not None and not 0 <= self.kernel_max_rows <= KERNEL_MAX_ROWS:
+            raise ValueError(f"kernel_max_rows must be in [0, {KERNEL_MAX_ROWS}], got {self.kernel_max_rows}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
 

@@ -8,12 +8,13 @@ from typing import Iterable
 
 import torch
 
-from pagedlm.config import EngineConfig, parse_bytes, parse_dtype
+from pagedlm.config import EngineConfig, parse_bytes
 from pagedlm.engine.model_runner import Chunk, ModelRunner
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.kvcache.memory import MemoryReport
+from pagedlm.model.plan import plan_execution
 from pagedlm.model.registry import resolve_model
 from pagedlm.model.tokenizer import load_tokenizer
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -45,11 +46,13 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.dtype = parse_dtype(config.dtype)
         path = resolve_model(config.model)
         self.model_path = path
+        self.plan = plan_execution(config, path)
+        self.dtype = self.plan.dtype
+        logger.info("%s", self.plan.describe())
         self.tokenizer = load_tokenizer(path)
-        self.runner = ModelRunner(config, path, self.dtype)
+        self.runner = ModelRunner(config, path, self.plan)
         self.model_config = self.runner.model_config
         spec = self.runner.kv_spec
 

@@ -13,6 +13,7 @@ from pagedlm.attention import AttentionMetadata, get_attention_backend
 from pagedlm.config import EngineConfig
 from pagedlm.kvcache.kv_cache import KVCache, KVCacheSpec
 from pagedlm.model import load_model
+from pagedlm.model.plan import ExecutionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +29,12 @@ class Chunk:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, plan: ExecutionPlan) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = dtype
-        self.model, self.model_config = load_model(model_path, dtype, self.device, config.quantization,
-                                                   config.quantization_group_size)
+        self.dtype = dtype = plan.dtype
+        self.model, self.model_config = load_model(model_path, dtype, self.device, plan.quantization, plan.group_size,
+                                                   plan.dense_dtype, plan.kernel_max_rows)
         self.attn_fn = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
         self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, config.kv_cache_dtype)

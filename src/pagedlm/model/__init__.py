@@ -6,13 +6,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedlm.config import ModelConfig
+from pagedlm.config import KERNEL_MAX_ROWS, ModelConfig
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
-               group_size: int = 32) -> tuple[nn.Module, ModelConfig]:
+               group_size: int = 32, dense_dtype: torch.dtype | None = None,
+               kernel_max_rows: int = KERNEL_MAX_ROWS) -> tuple[nn.Module, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
-    quantize its linear layers (`quantization`: None | "int8" | "int4", see model/quant.py)."""
+    quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
+    rows through a dense copy in `dense_dtype`, see model/quant.py and model/plan.py)."""
     from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.llama import LlamaForCausalLM
     from pagedlm.model.loader import iter_weights, load_hf_config
@@ -26,8 +28,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
             model = model_cls(cfg)
     finally:
         torch.set_default_dtype(prev)
-    model.load_weights(iter_weights(path, dtype))
+    from pagedlm.model.plan import NATIVE_INT4_TYPES
+
+    native = NATIVE_INT4_TYPES if quantization == "int4" and group_size == 32 else ()
+    model.load_weights(iter_weights(path, dtype, native))
     if quantization:
         from pagedlm.model.quant import quantize_model
-        quantize_model(model, quantization, group_size)
+        quantize_model(model, quantization, group_size, dense_dtype, kernel_max_rows)
     return model.eval(), cfg

@@ -118,7 +118,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     FUSED = LlamaForCausalLM.FUSED
     load_weights = LlamaForCausalLM.load_weights
-    _copy = staticmethod(LlamaForCausalLM._copy)
+    _copy = LlamaForCausalLM._copy
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -136,6 +136,7 @@ class Gemma3ForCausalLM(nn.Module):
             for w in self.layer_sliding_windows)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.native_weights: dict = {}  # checkpoint int4 blocks by parameter name (see LlamaForCausalLM._copy)
 
     def process_weights_after_loading(self) -> None:
         """Let each Linear repack its weight for speed where layers.Linear supports it (the tied head stays)."""

@@ -56,8 +56,9 @@ def prefer_transposed(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `x @ W` with W as [in, out] beats `F.linear` (see Linear); measured on CPUs only."""
     if device.type != "cpu":
         return False
-    from pagedlm.config import _cpu_has_native_bf16
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _cpu_has_native_bf16())
+    from pagedlm.cpu import cpu_features
+
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features().native_bf16)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pagedlm.attention.cpu_kernel import paged_attention_cpu, rope_write_kv
 from pagedlm.config import ModelConfig
 from pagedlm.model.layers import Linear, RMSNorm, RotaryEmbedding, prefer_transposed
 from pagedlm.model.llama_decode import LlamaDecodeKernel
+from pagedlm.model.quant import Int4Blocks
 
 
 class LlamaAttention(nn.Module):
@@ -84,6 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
+        self.native_weights: dict[str, Int4Blocks] = {}  # checkpoint int4 blocks by parameter name (_copy)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata], attn_fn,
@@ -141,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
                 group = pending.setdefault(target, {})
                 group[idx] = tensor
                 if len(group) == (3 if fused == "qkv_proj" else 2):
-                    self._copy(params, target, torch.cat([group[i] for i in sorted(group)], dim=0))
+                    parts = [group[i] for i in sorted(group)]
+                    self._copy(params, target,
+                               Int4Blocks.cat(parts) if isinstance(parts[0], Int4Blocks) else torch.cat(parts, dim=0))
                     loaded.add(target)
                     del pending[target]
                 continue
@@ -155,9 +159,13 @@ class LlamaForCausalLM(nn.Module):
         if hasattr(self, "process_weights_after_loading"):  # models borrowing this loader may not define it
             self.process_weights_after_loading()
 
-    @staticmethod
-    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    def _copy(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | Int4Blocks) -> None:
+        """Copy a checkpoint tensor into its parameter; int4 blocks kept as stored are set aside in
+        `native_weights` for quantize_model instead."""
         p = params[name]
-        if p.shape != tensor.shape:
+        if tuple(p.shape) != tuple(tensor.shape):
             raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}.")
-        p.data.copy_(tensor)
+        if isinstance(tensor, Int4Blocks):
+            self.native_weights[name] = tensor
+        else:
+            p.data.copy_(tensor)

@@ -3,7 +3,8 @@
 A single-stream decode step runs about 40 small torch ops per layer; with quantized weights their dispatch costs
 as much as the matmuls. This path hands the residual stream, the layers' weights and the batch layout to one
 C++ function instead. It is taken only where it gives the same results as the torch path (CPU, fp32 activations,
-an fp32 or int8 KV cache, the compiled attention backend, at most `MAX_TOKENS` new tokens) and skipped otherwise.
+an fp32 or int8 KV cache, the compiled attention backend, at most `max_tokens` new tokens: the quantized layers'
+`kernel_max_rows`, above which their dense GEMMs win) and skipped otherwise.
 """
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from torch import nn
 from pagedlm import cbuild
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.model.layers import Linear
-from pagedlm.model.quant import KERNEL_MAX_ROWS, Int4Linear, Int8Linear
+from pagedlm.config import KERNEL_MAX_ROWS
+from pagedlm.model.quant import Int4Linear, Int8Linear, QuantLinear
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
-MAX_TOKENS = KERNEL_MAX_ROWS  # the quantized kernels' small-batch limit; dense GEMMs win above it
 LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED = 0, 1, 2, 3
 KV_F32, KV_INT8 = 0, 2  # the attention kernel's KVKind
 
@@ -96,6 +97,8 @@ class LlamaDecodeKernel:
     def __init__(self, lib: ctypes.CDLL, model: nn.Module, weights: list[tuple[_Linear, ...]]) -> None:
         cfg = model.cfg
         self.lib, self.model, self.cfg = lib, model, cfg
+        self.max_tokens = min((m.kernel_max_rows for m in model.modules() if isinstance(m, QuantLinear)),
+                              default=KERNEL_MAX_ROWS)
         self._weights = weights
         self._layers = (_Layer * cfg.num_layers)()
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(model.layers, weights)):
@@ -153,7 +156,7 @@ class LlamaDecodeKernel:
         """Run the hidden states `x` [tokens, hidden] (fp32, contiguous) through every layer and the final norm,
         in place."""
         meta = metas[0]
-        if (x.shape[0] > MAX_TOKENS or x.dtype != torch.float32 or not x.is_contiguous()
+        if (x.shape[0] > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous()
                 or any(m is not meta for m in metas) or not self._bind_caches(kv_caches)):
             return False
         tables = meta.block_tables

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from pagedlm.model.quant import Int4Blocks
 from pagedlm.model.registry import ModelLoadError
 
 __all__ = ["iter_weights", "load_hf_config", "open_gguf"]
@@ -184,17 +185,19 @@ def _normalize(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def iter_weights(path: Path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path, dtype: torch.dtype = torch.float32,
+                 native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
     """Yield (HF parameter name, tensor in `dtype` with HF shape) for every weight in the model.
 
     `lm_head.weight` is absent when embeddings are tied. GGUF tensors are dequantized and
-    Q/K rows are un-permuted exactly as transformers does it, so results are bit-identical.
+    Q/K rows are un-permuted exactly as transformers does it, so results are bit-identical; linear weights
+    whose GGUF type is in `native` (Q4_0, Q4_1) come as `Int4Blocks`, as stored.
     """
     path = Path(path)
     if path.is_dir():
         yield from _iter_safetensors(path, dtype)
     else:
-        yield from _iter_gguf(path, dtype)
+        yield from _iter_gguf(path, dtype, native)
 
 
 def _iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -227,7 +230,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _iter_gguf(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     reader = open_gguf(path)
     cfg = _gguf_config(path, reader)
     arch = "gemma3" if cfg["model_type"] == "gemma3_text" else "llama"
@@ -236,6 +239,12 @@ def _iter_gguf(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tens
     for t in reader.tensors:
         name = _hf_name(t.name, arch)
         if name is None:
+            continue
+        if t.tensor_type.name in native and name.endswith("proj.weight"):
+            blocks = Int4Blocks.from_gguf(t.data, t.tensor_type.name)
+            if (kind := t.name.split(".")[-2]) in heads:
+                blocks = blocks.rows(_unpermute(np.arange(blocks.shape[0]), heads[kind]))
+            yield name, blocks
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
         if (kind := t.name.split(".")[-2]) in heads:

@@ -6,12 +6,14 @@
   32-value block to int8 with one fp32 scale (as llama.cpp pairs Q4_1 with Q8_1), so the kernel reduces blocks
   with integer dot products; every path, kernel or dense fallback, computes y = Q8(x) @ W^T.
 
-Products with few rows (decode, up to KERNEL_MAX_ROWS) run in csrc/quant_linear.cpp, which reads the quantized
-weights directly (int8 packed in tiles of 4 rows, see `pack_int8`; int4 with integer dot products) and so streams
-a quarter (int8) or about a sixth (int4) of the fp32 bytes; products with more rows (prefill, big batches)
-dequantize the whole weight once per call and run torch's dense GEMM, which is compute-bound there anyway. The
-tied embedding / LM head table is kept once, in int8 per row, for both methods (as llama.cpp keeps the output
-matrix at higher precision than Q4): looked up row by row, multiplied through the int8 kernel.
+Products with few rows (decode, up to `kernel_max_rows`, at most KERNEL_MAX_ROWS) run in csrc/quant_linear.cpp,
+which reads the quantized weights directly (int8 packed in tiles of 4 rows, see `pack_int8`; int4 with integer dot
+products) and so streams a quarter (int8) or about a sixth (int4) of the fp32 bytes. Products with more rows
+(prefill, big batches) are compute-bound: they run a dense GEMM over a copy of the dequantized weight kept beside the
+quantized one (`set_dense`: bf16 where the CPU has native bf16, else fp32 with the same Q8 activations as the
+kernel), or, without that copy, dequantize the whole weight per call. The tied embedding / LM head table is kept
+once, in int8 per row, for both methods (as llama.cpp keeps the output matrix at higher precision than Q4): looked up
+row by row, multiplied through the int8 kernel.
 """
 from __future__ import annotations
 
@@ -19,21 +21,22 @@ import ctypes
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedlm import cbuild
-from pagedlm.config import QUANTIZATION_METHODS
+from pagedlm.config import KERNEL_MAX_ROWS, QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_linear.cpp"
 METHODS = QUANTIZATION_METHODS
-# Above this many rows the dense path (dequantize, then GEMM) wins on a 2-core AVX2 CPU (benchmarks/quant_matmul.py).
-KERNEL_MAX_ROWS = 16
 
 
 @functools.lru_cache(maxsize=1)
@@ -100,6 +103,42 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return packed.contiguous(), scale.contiguous(), mins.contiguous()
 
 
+@dataclass
+class Int4Blocks:
+    """An int4 weight in the layout `quantize_int4` produces (groups of 32): packed nibbles [N, K/2] uint8, scale
+    and minimum [N, K/32] fp16, weight = q * scale + min. GGUF's Q4_1 blocks are exactly this (d, m, 16 bytes of
+    nibbles, values 0..15 low, 16..31 high) and Q4_0's are too with min = -8 * scale, so a GGUF's Q4_0 / Q4_1
+    weights are loaded as they are stored (`from_gguf`) rather than dequantized and quantized again."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    mins: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], self.qweight.shape[1] * 2
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, kind: str) -> "Int4Blocks":
+        """`raw`: a Q4_0 / Q4_1 tensor's bytes, [rows, blocks_per_row * block_bytes] uint8."""
+        rows = raw.shape[0]
+        head = {"Q4_0": 2, "Q4_1": 4}[kind]
+        blocks = np.ascontiguousarray(raw).reshape(rows, -1, head + 16)
+        scale = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0])
+        mins = (torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0]) if kind == "Q4_1"
+                else scale * -8.0)
+        qs = torch.from_numpy(blocks[:, :, head:].copy()).reshape(rows, -1)
+        return cls(qs.contiguous(), scale.contiguous(), mins.contiguous())
+
+    def rows(self, perm: np.ndarray) -> "Int4Blocks":
+        idx = torch.from_numpy(perm)
+        return Int4Blocks(self.qweight[idx].contiguous(), self.scale[idx].contiguous(), self.mins[idx].contiguous())
+
+    @staticmethod
+    def cat(parts: list["Int4Blocks"]) -> "Int4Blocks":
+        return Int4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qweight", "scale", "mins")))
+
+
 def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
     """x [.., K] (K a multiple of 32) with each 32-value block rounded to int8 steps of max|block| / 127: the
     values the int4 kernel multiplies (same rounding: half to even of x / d)."""
@@ -119,20 +158,40 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tenso
 class QuantLinear(nn.Module):
     """Drop-in for layers.Linear ([*, in] -> [*, out]) over a quantized weight; see the module docstring."""
 
+    kernel_max_rows = KERNEL_MAX_ROWS
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.dense: torch.Tensor | None = None  # see set_dense
+        self.dense_transposed = False
+
+    def set_dense(self, dtype: torch.dtype | None) -> None:
+        """Keep (or with None drop) a dense copy of the dequantized weight in `dtype` for products with more than
+        `kernel_max_rows` rows, in the layout layers.Linear would use."""
+        from pagedlm.model.layers import prefer_transposed
+
+        self.dense = None
+        if dtype is None:
+            return
+        w = self.dequantize().to(dtype)
+        self.dense_transposed = prefer_transposed(dtype, w.device)
+        self.dense = w.t().contiguous() if self.dense_transposed else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, self.in_features)
         lib = load_quant_kernel()
-        if lib is None or x2.shape[0] > KERNEL_MAX_ROWS or x2.device.type != "cpu":
-            y = F.linear(self.dense_input(x2.float()), self.dequantize())
-        else:
+        if lib is not None and x2.shape[0] <= self.kernel_max_rows and x2.device.type == "cpu":
             x2 = x2.float().contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             self._kernel(lib, x2, y)
+        elif self.dense is not None:
+            w = self.dense
+            xin = self.dense_input(x2.float()) if w.dtype == torch.float32 else x2.to(w.dtype)
+            y = xin @ w if self.dense_transposed else F.linear(xin, w)
+        else:
+            y = F.linear(self.dense_input(x2.float()), self.dequantize())
         return y.to(dtype).reshape(*shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -179,13 +238,20 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    def __init__(self, weight: torch.Tensor, group_size: int) -> None:
+    """From a float weight [out, in] (quantized here) or from `Int4Blocks` (kept as they are)."""
+
+    def __init__(self, weight: torch.Tensor | Int4Blocks, group_size: int) -> None:
         super().__init__(weight.shape[1], weight.shape[0])
         self.group_size = group_size
-        packed, scale, mins = quantize_int4(weight, group_size)
-        self.register_buffer("qweight", packed)
-        self.register_buffer("scale", scale)
-        self.register_buffer("mins", mins)
+        if isinstance(weight, Int4Blocks):
+            if group_size != 32:
+                raise ValueError(f"int4 blocks have groups of 32, not {group_size}")
+            blocks = weight
+        else:
+            blocks = Int4Blocks(*quantize_int4(weight, group_size))
+        self.register_buffer("qweight", blocks.qweight)
+        self.register_buffer("scale", blocks.scale)
+        self.register_buffer("mins", blocks.mins)
 
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
         return quantize_activations_q8(x)
@@ -219,18 +285,23 @@ class Int8Embedding(nn.Module):
         return (self.table.rows(ids).float() * self.table.scale[ids, None]).to(self.dtype)
 
 
-def make_quant_linear(weight: torch.Tensor, method: str, group_size: int) -> QuantLinear:
-    """`weight` is [out, in]."""
+def make_quant_linear(weight: torch.Tensor | Int4Blocks, method: str, group_size: int) -> QuantLinear:
+    """`weight` is [out, in] (or int4 blocks, for int4)."""
     if method == "int8":
+        if isinstance(weight, Int4Blocks):
+            raise ValueError("int4 blocks cannot be quantized to int8")
         return Int8Linear(weight)
     if method == "int4":
         return Int4Linear(weight, group_size)
     raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> None:
+def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dtype: torch.dtype | None = None,
+                   kernel_max_rows: int = KERNEL_MAX_ROWS) -> int:
     """Replace, in place, every layers.Linear of a loaded `model` ([out, in] or transposed) by its quantized
-    twin, and the embedding table by an int8 one (which a tied LM head then shares)."""
+    twin, and the embedding table by an int8 one (which a tied LM head then shares). Products with more than
+    `kernel_max_rows` rows use a dense copy in `dense_dtype` (None: dequantize per call). Returns the bytes of the
+    dense copies."""
     from pagedlm.model.layers import Linear
 
     if method not in METHODS:
@@ -240,8 +311,20 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> None:
     model.embed_tokens = Int8Embedding(table, embed.weight.dtype)
     if model.cfg.tie_word_embeddings:
         model.lm_head = table
-    for parent in list(model.modules()):
+    native = getattr(model, "native_weights", {})  # int4 blocks loaded as stored, by parameter name
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
-                w = child.weight.data.t() if child.transposed else child.weight.data
+                w = native.pop(f"{prefix}.{name}.weight".lstrip("."), None)
+                if w is None:
+                    w = child.weight.data.t() if child.transposed else child.weight.data
                 setattr(parent, name, make_quant_linear(w, method, group_size))
+    if native:
+        raise ValueError(f"int4 blocks for weights that are not linear layers: {sorted(native)[:4]}")
+    dense_bytes = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.kernel_max_rows = kernel_max_rows
+            m.set_dense(dense_dtype)
+            dense_bytes += 0 if m.dense is None else m.dense.numel() * m.dense.element_size()
+    return dense_bytes

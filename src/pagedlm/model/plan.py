@@ -1,0 +1,97 @@
+"""How a checkpoint runs on this machine: the activation dtype, the weight format of the linear layers, and which
+matmul path serves a step of a given size. Decided once at start-up from the CPU's features, the checkpoint and the
+user's settings; `ExecutionPlan.describe()` says what was chosen and why.
+
+The default (`dtype="auto"`, no `quantization`) on a CPU:
+- a GGUF whose linear weights are all Q4_0 / Q4_1 runs them as int4 (model/quant.py stores exactly these blocks:
+  groups of 32, fp16 scale and minimum), with fp32 activations, so decode steps take the fused C++ decoder stack;
+- anything else runs in bf16 where the CPU has native bf16 (AVX512-BF16 or AMX), else in fp32, as before.
+Quantized layers keep a dense copy of their weights (bf16 where the CPU has native bf16 and the dtype was left to
+`auto`, else fp32) for steps with more rows than `kernel_max_rows`, where a GEMM beats the quantized kernels; the
+crossover is measured by model/probe.py (cached per CPU) unless `kernel_max_rows` is set.
+An explicit `dtype` keeps its meaning: `dtype="float32"` without `quantization` is the full-precision path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedlm.config import EngineConfig, parse_dtype
+from pagedlm.cpu import cpu_features
+
+# GGUF block formats that model/quant.py's int4 layout holds exactly (group size 32).
+NATIVE_INT4_TYPES = ("Q4_0", "Q4_1")
+
+
+@dataclass
+class ExecutionPlan:
+    dtype: torch.dtype  # activations (and the KV cache unless kv_cache_dtype says otherwise)
+    quantization: str | None  # weight format of the linear layers: None | "int8" | "int4"
+    group_size: int
+    dense_dtype: torch.dtype | None  # the quantized layers' dense copy for big steps (None: not quantized)
+    kernel_max_rows: int  # steps of at most this many rows run the quantized kernels / the fused decoder stack
+    reasons: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        weights = {None: "dense", "int8": "int8 per channel",
+                   "int4": f"int4 (groups of {self.group_size})"}[self.quantization]
+        s = f"execution: activations {_name(self.dtype)}, weights {weights}"
+        if self.quantization:
+            s += (f"; steps of <= {self.kernel_max_rows} rows run the quantized kernels, larger ones a "
+                  f"{_name(self.dense_dtype)} GEMM")
+        return s + "; " + "; ".join(self.reasons)
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def gguf_linear_types(path: Path) -> set[str]:
+    """The GGUF block types of a checkpoint's per-layer linear weights (empty for HF directories)."""
+    path = Path(path)
+    if path.is_dir():
+        return set()
+    from pagedlm.model.loader import open_gguf
+
+    return {t.tensor_type.name for t in open_gguf(path).tensors
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+
+
+def plan_execution(config: EngineConfig, path: Path) -> ExecutionPlan:
+    """Resolve `dtype="auto"` and the weight format for the checkpoint at `path` on `config.device`."""
+    cpu = cpu_features()
+    on_cpu = torch.device(config.device).type == "cpu"
+    reasons: list[str] = [f"CPU flags: {cpu.describe()}"] if on_cpu else []
+    quantization, group_size = config.quantization, config.quantization_group_size
+    auto = config.dtype == "auto"
+    if auto and quantization is None and on_cpu:
+        types = gguf_linear_types(path)
+        if types and types <= set(NATIVE_INT4_TYPES):
+            quantization, group_size = "int4", 32
+            reasons.append(f"the checkpoint's {'/'.join(sorted(types))} blocks run natively as int4")
+        elif types:
+            reasons.append(f"GGUF blocks {'/'.join(sorted(types))} are dequantized (native: "
+                           f"{'/'.join(NATIVE_INT4_TYPES)})")
+    if quantization and on_cpu and auto:
+        dtype = torch.float32  # the fused decoder stack and the quantized kernels take fp32 activations
+    else:
+        dtype = parse_dtype(config.dtype)
+        if auto:
+            reasons.append("bf16: the CPU has native bf16" if dtype == torch.bfloat16 and on_cpu
+                           else f"{_name(dtype)} by default on {config.device}")
+    if not quantization:
+        return ExecutionPlan(dtype, None, group_size, None, 0, reasons)
+    dense = torch.bfloat16 if (dtype == torch.bfloat16 or (auto and cpu.native_bf16)) else torch.float32
+    if not on_cpu:
+        return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons)
+    if config.kernel_max_rows is not None:
+        rows = config.kernel_max_rows
+        reasons.append(f"kernel_max_rows {rows} as configured")
+    else:
+        from pagedlm.model.probe import measure_kernel_max_rows
+
+        rows, why = measure_kernel_max_rows(quantization, group_size, dense)
+        reasons.append(why)
+    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons)

@@ -1,0 +1,82 @@
+"""A short start-up measurement: up to how many rows the quantized kernels beat a dense GEMM on this CPU.
+
+Decode streams every weight from memory once per step, so the probe times both paths with cold weights (a buffer
+larger than the last-level cache is read between calls). The answer is cached per CPU, torch version and setting in
+the kernel cache directory, so only the first start on a machine pays for it (about a second).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedlm import cbuild
+from pagedlm.cpu import cpu_features
+
+logger = logging.getLogger(__name__)
+
+ROWS = (1, 2, 4, 8, 16)  # candidates; 16 is the quantized kernels' design limit (KERNEL_MAX_ROWS)
+SHAPE = (1024, 3072)  # in, out: a mid-size MLP projection
+REPEATS = 7
+FLUSH_BYTES = 96 * 2**20
+
+
+def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dtype) -> tuple[int, str]:
+    """(rows, a sentence saying how they were found)."""
+    key = json.dumps([sorted(cpu_features().flags), torch.__version__, method, group_size, str(dense_dtype),
+                      SHAPE, ROWS, torch.get_num_threads()])
+    path = cbuild.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        rows = int(json.loads(path.read_text())["kernel_max_rows"])
+        return rows, f"kernel_max_rows {rows} (probe cached in {path.name})"
+    except (OSError, ValueError, KeyError):
+        pass
+    t0 = time.perf_counter()
+    timings = _time_paths(method, group_size, dense_dtype)
+    rows = 1
+    for r in ROWS:
+        kernel, dense = timings[r]
+        if kernel > dense:
+            break
+        rows = r
+    detail = ", ".join(f"{r}: {k * 1e6:.0f}/{d * 1e6:.0f} us" for r, (k, d) in timings.items())
+    logger.info("probe (%.1f s): quantized kernel / dense %s GEMM by rows: %s -> kernel_max_rows %d",
+                time.perf_counter() - t0, str(dense_dtype).removeprefix("torch."), detail, rows)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"kernel_max_rows": rows, "timings_ms": {r: t for r, t in timings.items()}}))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return rows, f"kernel_max_rows {rows} (measured: kernel/dense {detail})"
+
+
+def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+    from pagedlm.model.quant import make_quant_linear
+
+    k, n = SHAPE
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    quant = make_quant_linear(w, method, group_size)
+    quant.kernel_max_rows = max(ROWS)
+    dense = w.to(dense_dtype)
+    flush = torch.ones(FLUSH_BYTES // 4)
+    out: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=gen)
+            runs = {"kernel": lambda: quant(x), "dense": lambda: F.linear(x.to(dense_dtype), dense)}
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for _ in range(REPEATS):
+                for name, fn in runs.items():
+                    flush.sum()  # evict the weights
+                    t = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t)
+            out[rows] = (min(times["kernel"]), min(times["dense"]))  # the least disturbed run of each
+    return out
