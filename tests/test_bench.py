@@ -35,6 +35,36 @@ def test_offline_benchmarks_tiny(tiny_model_dir):
     assert backends[0].generate(prompts, 7) == backends[1].generate(prompts, 7) == 14
 
 
+def test_benchmarks_never_time_a_cached_prompt(tiny_model_dir, monkeypatch):
+    """Every timed call gets prompts no backend has seen before (pagedlm's prefix cache would skip their prefill),
+    the same prompts for every backend of a repetition; prefill rows time only the first token."""
+    from pagedlm.bench.backends import make_backend
+    from pagedlm.bench.offline import run_latency, run_prefill, run_throughput
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompts, max_tokens):
+            calls.append((self.name, [tuple(p) for p in prompts], max_tokens))
+            return len(prompts) * max_tokens
+
+    backends = [Recorder("a"), Recorder("b")]
+    run_throughput(backends, 500, [2], input_len=20, output_len=3, repeats=3)
+    run_latency(backends, 500, input_len=20, output_len=3, repeats=3)
+    pre = run_prefill(backends, 500, [40, 80], repeats=2)
+    timed = [c for c in calls if c[2] != 4]  # warm-ups generate 4 tokens
+    seen = {name: [p for n, ps, _ in timed if n == name for p in ps] for name in ("a", "b")}
+    assert len(seen["a"]) == len(set(seen["a"])) == 3 * 2 + 3 * 2 + 2 * 2
+    assert seen["a"] == seen["b"]  # the same prompts for every backend
+    assert [(r.backend, r.prompt_len) for r in pre] == [("a", 40), ("b", 40), ("a", 80), ("b", 80)]
+    assert all(mt == 1 for _, _, mt in calls[-8:]) and all(r.tok_s > 0 for r in pre)
+    llm = make_backend("pagedlm", str(tiny_model_dir), "float32", {"num_kv_blocks": 64})
+    run_latency([llm], 500, input_len=20, output_len=3, repeats=2)
+    assert llm.llm.engine.block_manager.prefix_hits == 0
+
+
 def test_cli_throughput_json(tiny_model_dir, tmp_path):
     from pagedlm.cli import main
     out = tmp_path / "t.json"

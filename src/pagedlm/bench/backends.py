@@ -67,7 +67,7 @@ class HFBackend:
 class LlamaCppBackend:
     name = "llama.cpp"
 
-    def __init__(self, path: Path, n_ctx: int = 4096) -> None:
+    def __init__(self, path: Path, n_ctx: int = 0) -> None:  # 0: the model's own context length
         import llama_cpp  # optional extra
         if Path(path).is_dir():
             raise ValueError("the llama.cpp backend needs a .gguf model")

@@ -30,6 +30,9 @@ def add_bench_parser(sub, engine_args: Callable[[argparse.ArgumentParser], None]
     q.set_defaults(fn=lambda a: _offline("cmd_throughput", a, engine_kwargs))
 
     q = offline("latency", "single-stream latency, backends side by side", 128, 5)
+    q.add_argument("--prefill-lens", default=None,
+                   help="also time the prefill of new prompts of these lengths, e.g. 512,2048,8000")
+    q.add_argument("--prefill-repeats", type=int, default=3)
     q.set_defaults(fn=lambda a: _offline("cmd_latency", a, engine_kwargs))
 
     q = bsub.add_parser("serve", help="load generator for an OpenAI-compatible server")

@@ -1,14 +1,17 @@
-"""`pagedlm bench throughput` (offline batch) and `pagedlm bench latency` (single stream).
+"""`pagedlm bench throughput` (offline batch) and `pagedlm bench latency` (single stream, and prefill rates).
 
 Every backend gets the same prompts (random token ids of equal length) and generates exactly the same number of
-tokens greedily (EOS ignored). Backends run alternately, repetition by repetition, so that a noisy machine
-slows them alike; the tables report medians and the ratio to the first backend.
+tokens greedily (EOS ignored). Each repetition draws new prompts, so no backend is timed on a prompt it has seen
+(pagedlm's prefix cache would otherwise skip the prefill from the second repetition on). Backends run alternately,
+repetition by repetition, so that a noisy machine slows them alike; the tables report medians and the ratio to the
+first backend.
 """
 from __future__ import annotations
 
 import logging
 import platform
 import time
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -57,17 +60,25 @@ def _timed(backend: Backend, prompts: list[list[int]], max_tokens: int) -> tuple
     return time.perf_counter() - t0, n
 
 
+def _fresh_prompts(vocab_size: int, num: int, input_len: int, seed: int, repeat: int,
+                   kind: str) -> list[list[int]]:
+    """The prompts of one repetition of one benchmark `kind`: the same for every backend, new for every
+    repetition and benchmark."""
+    return make_prompts(vocab_size, num, input_len, zlib.crc32(repr((seed, repeat, kind, input_len)).encode()))
+
+
 def run_throughput(backends: list[Backend], vocab_size: int, batch_sizes: list[int], input_len: int,
                    output_len: int, repeats: int, seed: int = 0) -> list[ThroughputRow]:
-    prompts = make_prompts(vocab_size, max(batch_sizes), input_len, seed)
+    warm = make_prompts(vocab_size, 2, input_len, seed)
     for b in backends:  # warm-up: first-call costs (kernel build, allocator, caches) are not measured
-        b.generate(prompts[:2], 4)
+        b.generate(warm, 4)
     rows = []
     for bs in batch_sizes:
         rates: dict[str, list[float]] = {b.name: [] for b in backends}
-        for _ in range(repeats):
+        for r in range(repeats):
+            prompts = _fresh_prompts(vocab_size, bs, input_len, seed, r, "throughput")
             for b in backends:
-                dt, n = _timed(b, prompts[:bs], output_len)
+                dt, n = _timed(b, prompts, output_len)
                 rates[b.name].append(n / dt)
                 logger.info("%s batch %d: %.1f tok/s", b.name, bs, n / dt)
         first = median(rates[backends[0].name])
@@ -79,15 +90,15 @@ def run_throughput(backends: list[Backend], vocab_size: int, batch_sizes: list[i
 
 def run_latency(backends: list[Backend], vocab_size: int, input_len: int, output_len: int, repeats: int,
                 seed: int = 0) -> list[LatencyRow]:
-    prompt = make_prompts(vocab_size, 1, input_len, seed)
     for b in backends:
-        b.generate(prompt, 4)
+        b.generate(make_prompts(vocab_size, 1, input_len, seed), 4)
     e2e: dict[str, list[float]] = {b.name: [] for b in backends}
     ttft: dict[str, list[float]] = {b.name: [] for b in backends}
-    for _ in range(repeats):
+    for r in range(repeats):
+        first, whole = _fresh_prompts(vocab_size, 2, input_len, seed, r, "latency")
         for b in backends:
-            ttft[b.name].append(_timed(b, prompt, 1)[0])
-            e2e[b.name].append(_timed(b, prompt, output_len)[0])
+            ttft[b.name].append(_timed(b, [first], 1)[0])
+            e2e[b.name].append(_timed(b, [whole], output_len)[0])
     rows = []
     for b in backends:
         t, f = median(e2e[b.name]), median(ttft[b.name])
@@ -97,6 +108,37 @@ def run_latency(backends: list[Backend], vocab_size: int, input_len: int, output
     return rows
 
 
+@dataclass
+class PrefillRow:
+    backend: str
+    prompt_len: int
+    tok_s: float  # prompt tokens / time to the first token, median
+    ttft_s: float
+    ratio: float | None = None
+
+
+def run_prefill(backends: list[Backend], vocab_size: int, lengths: list[int], repeats: int,
+                seed: int = 0) -> list[PrefillRow]:
+    """Time to the first token of one new prompt per length and repetition (nothing cached)."""
+    rows = []
+    for n in lengths:
+        times: dict[str, list[float]] = {b.name: [] for b in backends}
+        for r in range(repeats):
+            prompt = _fresh_prompts(vocab_size, 1, n, seed, r, "prefill")
+            for b in backends:
+                times[b.name].append(_timed(b, prompt, 1)[0])
+        first = None
+        for b in backends:
+            t = median(times[b.name])
+            row = PrefillRow(b.name, n, n / t, t)
+            first = first or row.tok_s
+            row.ratio = row.tok_s / first
+            rows.append(row)
+    return rows
+
+
+PREFILL_COLUMNS = [("backend", "backend", ""), ("prompt_len", "prompt tokens", "d"), ("tok_s", "prefill tok/s", ".1f"),
+                   ("ttft_s", "TTFT s", ".3f"), ("ratio", "ratio", ".2f")]
 THROUGHPUT_COLUMNS = [("backend", "backend", ""), ("batch", "batch", "d"), ("output_tok_s", "output tok/s", ".1f"),
                       ("min_tok_s", "min", ".1f"), ("max_tok_s", "max", ".1f"), ("ratio", "ratio", ".2f")]
 LATENCY_COLUMNS = [("backend", "backend", ""), ("tok_s", "tok/s", ".1f"), ("e2e_s", "e2e s", ".3f"),
@@ -149,12 +191,18 @@ def cmd_latency(args, engine_kwargs: dict) -> int:
     kw = engine_kwargs(args)
     model, dtype = kw.pop("model"), kw.pop("dtype")
     backends = load_backends(args.backends.split(","), model, dtype, kw)
-    rows = run_latency(backends, _vocab_size(backends, model), args.input_len, args.output_len, args.repeats,
-                       args.seed)
+    vocab = _vocab_size(backends, model)
+    rows = run_latency(backends, vocab, args.input_len, args.output_len, args.repeats, args.seed)
     print(format_table([asdict(r) for r in rows], LATENCY_COLUMNS))
+    prefill = []
+    if args.prefill_lens:
+        prefill = run_prefill(backends, vocab, [int(x) for x in args.prefill_lens.split(",")],
+                              args.prefill_repeats, args.seed)
+        print(format_table([asdict(r) for r in prefill], PREFILL_COLUMNS))
     write_json(args.output_json, {"benchmark": "latency", "model": model, "dtype": dtype,
                                   "input_len": args.input_len, "output_len": args.output_len,
-                                  "repeats": args.repeats, "env": environment(), "rows": [asdict(r) for r in rows]})
+                                  "repeats": args.repeats, "env": environment(), "rows": [asdict(r) for r in rows],
+                                  "prefill": [asdict(r) for r in prefill]})
     return 0
 
 

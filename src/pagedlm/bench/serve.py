@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -157,6 +158,8 @@ def format_summary(s: dict) -> str:
 
 
 def cmd_serve_bench(args) -> int:
+    for name in ("httpx", "httpcore"):  # one INFO line per request otherwise: the report is what is printed
+        logging.getLogger(name).setLevel(logging.WARNING)
     prompts = make_prompts(args.vocab_size, args.num_prompts, args.input_len, args.seed)
     results, duration = asyncio.run(run_load(args.base_url, args.served_model, prompts, args.output_len,
                                              args.request_rate, args.arrival, args.max_concurrency, args.seed,

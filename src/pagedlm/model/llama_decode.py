@@ -19,8 +19,8 @@ from torch import nn
 
 from pagedlm import cbuild
 from pagedlm.attention.metadata import AttentionMetadata
-from pagedlm.model.layers import Linear
 from pagedlm.config import KERNEL_MAX_ROWS
+from pagedlm.model.layers import Linear
 from pagedlm.model.quant import Int4Linear, Int8Linear, QuantLinear
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import nn
