@@ -16,7 +16,7 @@ from pagedlm import LLM, SamplingParams
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=160, help="prompt tokens before the profiled decode steps")
     ap.add_argument("--steps", type=int, default=5)

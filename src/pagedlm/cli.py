@@ -31,6 +31,9 @@ def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
                    help="weight-only quantization of the linear layers")
     p.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size (multiple of 32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--kernel-max-rows", type=int, default=None,
+                   help="quantized weights: steps of at most this many rows run the quantized kernels, larger ones "
+                        "a dense GEMM (default: measured once per CPU)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -41,7 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, kernel_max_rows=args.kernel_max_rows)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
