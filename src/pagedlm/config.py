@@ -173,6 +173,10 @@ class EngineConfig:
     quantization: str | None = None  # weight-only: "int8" (per channel) | "int4" (group-wise)
     quantization_group_size: int = 32
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8_e4m3"
+    # per-request limits (a request beyond them is refused with ValueError before anything is allocated)
+    max_logprobs: int = 20  # logprobs / prompt_logprobs (vLLM's default)
+    max_stop_sequences: int = 32  # stop strings, and stop token ids, each
+    max_stop_length: int = 256  # characters per stop string
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -196,6 +200,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        for name in ("max_logprobs", "max_stop_sequences", "max_stop_length"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
