@@ -7,7 +7,13 @@ import logging
 import sys
 from pathlib import Path
 
-from pagedlm.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from pagedlm.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
+
+LIMIT_FLAGS = {  # per-request limits: EngineConfig fields, flags of the same name
+    "max_logprobs": "largest logprobs / prompt_logprobs / top_logprobs a request may ask for",
+    "max_stop_sequences": "most stop strings (and, separately, stop token ids) per request",
+    "max_stop_length": "longest stop string, in characters",
+}
 
 
 def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
@@ -31,6 +37,9 @@ def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
                    help="weight-only quantization of the linear layers")
     p.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size (multiple of 32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    for name, doc in LIMIT_FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=EngineConfig.__dataclass_fields__[name].default,
+                       help=f"{doc} (default %(default)s)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -41,7 +50,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, **{name: getattr(args, name) for name in LIMIT_FLAGS})
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

@@ -189,6 +189,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def num_open_requests(self) -> int:
+        """Requests accepted and not yet finished (read from any thread)."""
+        return len(self._streams)
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
