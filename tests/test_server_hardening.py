@@ -247,8 +247,7 @@ def test_stalled_readers_hold_server_memory(tiny_model_dir):
 @pytest.fixture(scope="module")
 def process(tiny_model_dir):
     srv = ServerProcess("--model", str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
-                        "--num-kv-blocks", "1024", "--max-num-seqs", "4", "--shutdown-timeout", "1",
-                        "--log-interval", "0")
+                        "--num-kv-blocks", "1024", "--shutdown-timeout", "1", "--log-interval", "0")
     try:
         yield srv.wait_ready()
     finally:
@@ -256,10 +255,10 @@ def process(tiny_model_dir):
 
 
 def test_sigterm_ends_open_streams_with_an_error_and_done(process):
-    """SIGTERM with --shutdown-timeout 1: a stream that cannot finish in time (16 x 480 tokens, 4 sequences at a
-    time) gets an error event and [DONE]; the process exits."""
+    """SIGTERM with --shutdown-timeout 1: a stream that cannot finish in time (16 x 480 tokens with top-20
+    logprobs, several seconds) gets an error event and [DONE]; the process exits."""
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 480, "temperature": 0, "stream": True,
-            "n": 16, **NO_EOS}
+            "n": 16, "logprobs": 20, **NO_EOS}
     lines = []
     with httpx.stream("POST", f"{process.base_url}/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
