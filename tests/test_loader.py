@@ -160,6 +160,22 @@ def test_resolve_paths(tiny_model_dir: Path, tiny_gguf: Path) -> None:
     assert resolve_model(str(tiny_gguf.parent)) == tiny_gguf
 
 
+def test_gguf_alignment_zero_is_a_clear_error(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "align0.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("general.alignment", 0)
+    w.add_tensor("x", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="align0.gguf.*alignment must be a power of two"):
+        resolve_model(str(path))
+
+
 @pytest.mark.parametrize("cut", ["magic", "empty", "header", "data", "last_byte"])
 def test_resolve_corrupt_gguf(cut: str, tiny_gguf: Path, tmp_path: Path) -> None:
     data = tiny_gguf.read_bytes()

@@ -423,7 +423,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 def test_async_engine_generate_and_early_close(async_engine, tiny_llm):
     async def main():
         outs = [o async for o in async_engine.generate(PROMPTS[0], GREEDY, "a")]
-        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 17)) and outs[-1].finished
+        lens = [len(o.outputs[0].token_ids) for o in outs]  # outputs not read in time are merged into the newest
+        assert lens == sorted(set(lens)) and lens[-1] == 16 and outs[-1].finished
         with pytest.raises(ValueError):
             async for _ in async_engine.generate("word " * 600, GREEDY, "too-long"):
                 pass

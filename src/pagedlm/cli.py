@@ -7,7 +7,13 @@ import logging
 import sys
 from pathlib import Path
 
-from pagedlm.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from pagedlm.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
+
+LIMIT_FLAGS = {  # per-request limits: EngineConfig fields, flags of the same name
+    "max_logprobs": "largest logprobs / prompt_logprobs / top_logprobs a request may ask for",
+    "max_stop_sequences": "most stop strings (and, separately, stop token ids) per request",
+    "max_stop_length": "longest stop string, in characters",
+}
 
 
 def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
@@ -34,6 +40,9 @@ def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
     p.add_argument("--kernel-max-rows", type=int, default=None,
                    help="quantized weights: steps of at most this many rows run the quantized kernels, larger ones "
                         "a dense GEMM (default: measured once per CPU)")
+    for name, doc in LIMIT_FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=EngineConfig.__dataclass_fields__[name].default,
+                       help=f"{doc} (default %(default)s)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -44,7 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-                kv_cache_dtype=args.kv_cache_dtype, kernel_max_rows=args.kernel_max_rows)
+                kv_cache_dtype=args.kv_cache_dtype, kernel_max_rows=args.kernel_max_rows,
+                **{name: getattr(args, name) for name in LIMIT_FLAGS})
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

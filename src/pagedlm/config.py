@@ -167,6 +167,10 @@ class EngineConfig:
     # Quantized weights: steps of at most this many rows run the quantized kernels (and the fused decoder stack),
     # larger ones a dense GEMM. None: measured at start-up (model/probe.py, cached per CPU).
     kernel_max_rows: int | None = None
+    # per-request limits (a request beyond them is refused with ValueError before anything is allocated)
+    max_logprobs: int = 20  # logprobs / prompt_logprobs (vLLM's default)
+    max_stop_sequences: int = 32  # stop strings, and stop token ids, each
+    max_stop_length: int = 256  # characters per stop string
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -192,6 +196,9 @@ class EngineConfig:
             raise ValueError(f"kernel_max_rows must be in [0, {KERNEL_MAX_ROWS}], got {self.kernel_max_rows}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        for name in ("max_logprobs", "max_stop_sequences", "max_stop_length"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

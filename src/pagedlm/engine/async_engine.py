@@ -51,11 +51,17 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float
+    cache_salt: str | None = None
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _FailAll:
+    message: str
 
 
 _STOP = object()
@@ -66,6 +72,8 @@ class RequestStream:
 
     Yields cumulative `RequestOutput`s and stops after the finished one; raises `RequestFailedError` /
     `EngineDeadError` if the engine fails it. `abort()` (idempotent) frees the request at once.
+    Outputs are cumulative, so only the newest one is kept (as vLLM merges pending outputs): a consumer that
+    falls behind skips to the latest state, and a stream nobody reads holds one output, not one per step.
     """
 
     def __init__(self, owner: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -73,8 +81,10 @@ class RequestStream:
         self.finished = False
         self._owner = owner
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._head: RequestOutput | BaseException | None = None  # taken from the queue by wait_output
+        self._pending: RequestOutput | BaseException | None = None  # the newest output not yet taken
+        self._ready = asyncio.Event()
+        # monotonic time since which an output waits unread (None: nothing waits); read by the engine thread
+        self.unread_since: float | None = None
         self._accepted: asyncio.Future = loop.create_future()
         self._last_output_time: float | None = None  # engine thread only
 
@@ -91,41 +101,31 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished and not self._ready():
+        await self.wait_output()
+        if self._pending is None:
             raise StopAsyncIteration
-        if self._head is not None:
-            item, self._head = self._head, None
-        else:
-            item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
+        item, self._pending, self.unread_since = self._pending, None, None
         if item.finished:
             self.finished = True
         return item
 
-    async def next_latest(self) -> RequestOutput:
-        """Like `__anext__`, but skips to the newest output already queued (outputs are cumulative), so a
-        consumer that fell behind catches up in one go."""
-        out = await self.__anext__()
-        while not self.finished and self._ready():
-            out = await self.__anext__()
-        return out
+    next_latest = __anext__  # every output is the latest one: pending outputs are merged
 
     async def wait_output(self) -> None:
-        """Wait until the next output is ready without consuming it; raises the failure if that is what came."""
-        if self._head is None and not self.finished:
-            self._head = await self._queue.get()
-        if isinstance(self._head, BaseException):
+        """Wait until the next output is ready without consuming it (returns at once when the stream ended);
+        raises the failure if that is what came."""
+        while self._pending is None and not self.finished:
+            self._ready.clear()
+            await self._ready.wait()
+        if isinstance(self._pending, BaseException):
             self.finished = True
-            raise self._head
-
-    def _ready(self) -> bool:
-        return self._head is not None or not self._queue.empty()
+            error, self._pending = self._pending, None
+            raise error
 
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
+            self._ready.set()
             self._owner._submit(_Abort(self.request_id))
 
     # --- called on the loop thread, scheduled by the engine thread ---
@@ -139,7 +139,12 @@ class RequestStream:
             self._accepted.set_exception(error)
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(self._pending, BaseException):
+            return  # a failure is final
+        self._pending = item
+        if self.unread_since is None:
+            self.unread_since = time.monotonic()
+        self._ready.set()
 
 
 class AsyncLLMEngine:
@@ -147,14 +152,21 @@ class AsyncLLMEngine:
 
     max_waiting: requests the scheduler may hold waiting before `add_request` raises QueueFullError.
     log_interval: seconds between throughput log lines while active (0 disables them).
+    stall_timeout: a request whose newest output has waited unread this many seconds (a client that stopped
+    reading its stream) is failed and its blocks freed (0 disables).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 512, log_interval: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 512, log_interval: float = 10.0,
+                 stall_timeout: float = 0.0) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}.")
+        if stall_timeout < 0:
+            raise ValueError(f"stall_timeout must be >= 0, got {stall_timeout}.")
         self.engine = engine
         self.max_waiting = max_waiting
         self.log_interval = log_interval
+        self.stall_timeout = stall_timeout
+        self.num_stalled = 0  # requests failed because nobody read their outputs
         self.stats: EngineStats = engine.get_stats()  # snapshot, refreshed by the engine thread
         self.num_rejected = 0  # requests refused because the waiting queue was full
         self.num_failed = 0  # requests failed by an engine error
@@ -177,6 +189,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def num_open_requests(self) -> int:
+        """Requests accepted and not yet finished (read from any thread)."""
+        return len(self._streams)
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
@@ -186,14 +203,14 @@ class AsyncLLMEngine:
 
     # --- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None) -> RequestStream:
+               arrival_time: float | None = None, cache_salt: str | None = None) -> RequestStream:
         """Hand a request to the engine thread without waiting; `await stream.accepted()` for the verdict."""
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         if self._dead is not None:
-            stream._accept(EngineDeadError(f"The engine loop has stopped: {self._dead}"))
+            stream._accept(self._dead_error())
         else:
             self._submit(_Add(stream, prompt, params, priority,
-                              time.monotonic() if arrival_time is None else arrival_time))
+                              time.monotonic() if arrival_time is None else arrival_time, cache_salt))
         return stream
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -216,6 +233,10 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if unknown or finished); its blocks are freed before the next step."""
         self._submit(_Abort(request_id))
+
+    def fail_all(self, message: str) -> None:
+        """Fail every open request with RequestFailedError(message) (e.g. at the end of a graceful shutdown)."""
+        self._submit(_FailAll(message))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; open requests fail with EngineDeadError."""
@@ -241,11 +262,14 @@ class AsyncLLMEngine:
                     except Exception as e:  # noqa: BLE001 - a bad command must not end the loop
                         logger.exception("Applying %r failed", cmd)
                         if isinstance(cmd, _Add):
-                            self._fail(cmd.stream.request_id, RequestFailedError(repr(e)), record)
-                            self._call(cmd.stream, cmd.stream._accept, RequestFailedError(repr(e)))
+                            err = _failed(cmd.stream.request_id, e)
+                            self._fail(cmd.stream.request_id, err, record)
+                            self._call(cmd.stream, cmd.stream._accept, err)
                 progressed = False
                 if self.engine.has_unfinished_requests():
                     failures, progressed = self._step(record, failures)
+                if self.stall_timeout > 0:
+                    self._fail_stalled(record)
                 record.stats = self.stats = self.engine.get_stats()
                 # Work that cannot be scheduled (nothing runs, nothing came out): poll instead of spinning.
                 stalled = not progressed and self.stats.num_running == 0
@@ -256,8 +280,7 @@ class AsyncLLMEngine:
             logger.exception("The engine loop died")
             self._dead = e
         finally:
-            err = self._dead if isinstance(self._dead, EngineDeadError) else EngineDeadError(
-                f"The engine loop has stopped: {self._dead!r}")
+            err = self._dead_error()
             for stream in list(self._streams.values()):
                 self._deliver([(stream, err)])
             self._streams.clear()
@@ -269,10 +292,27 @@ class AsyncLLMEngine:
                 if isinstance(cmd, _Add):
                     self._call(cmd.stream, cmd.stream._accept, err)
 
+    def _dead_error(self) -> EngineDeadError:
+        if isinstance(self._dead, EngineDeadError):
+            return self._dead
+        return EngineDeadError(f"The engine loop has stopped ({type(self._dead).__name__}); see the server log.")
+
+    def _fail_stalled(self, record: StepRecord) -> None:
+        now = time.monotonic()
+        for rid, stream in list(self._streams.items()):
+            since = stream.unread_since
+            if since is not None and now - since > self.stall_timeout:
+                logger.warning("Request %s: nobody read its output for %.0f s; aborting it", rid, now - since)
+                self.num_stalled += 1
+                self._fail(rid, RequestFailedError(f"Request {rid} was aborted: its output was not read for "
+                                                   f"{self.stall_timeout:g} s."), record)
+
     def _wait_for_commands(self, stalled: bool) -> list[object]:
         cmds = []
         if stalled or not self.engine.has_unfinished_requests():
             timeout = 0.05 if stalled else None
+            if self.stall_timeout > 0 and self._streams:
+                timeout = min(timeout or self.stall_timeout, self.stall_timeout)
             if self._active_since_log and self.log_interval > 0:
                 next_log = max(self._log_state[0] + self.log_interval - time.monotonic(), 0.0)
                 timeout = next_log if timeout is None else min(timeout, next_log)
@@ -287,6 +327,11 @@ class AsyncLLMEngine:
                 return cmds
 
     def _apply(self, cmd: object, record: StepRecord) -> None:
+        if isinstance(cmd, _FailAll):
+            for rid in list(self._streams):
+                self.num_failed += 1
+                self._fail(rid, RequestFailedError(cmd.message), record)
+            return
         if isinstance(cmd, _Abort):
             self._streams.pop(cmd.request_id, None)
             out = self.engine.abort_output(cmd.request_id)
@@ -301,7 +346,8 @@ class AsyncLLMEngine:
             error = QueueFullError(f"The waiting queue is full ({self.max_waiting} requests); retry later.")
         else:
             try:
-                self.engine.add_request(stream.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority)
+                self.engine.add_request(stream.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority,
+                                        cmd.cache_salt)
                 self._streams[stream.request_id] = stream
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
                 error = e
@@ -319,8 +365,7 @@ class AsyncLLMEngine:
             ids = running if running and failures == 0 else list(self._streams)
             for rid in ids:
                 self.num_failed += 1
-                self._fail(rid, RequestFailedError(f"The engine failed while running this request: {e!r}"),
-                           record)
+                self._fail(rid, _failed(rid, e), record)
             return failures + 1, True
         self._active_since_log = True
         now = time.monotonic()
@@ -331,6 +376,10 @@ class AsyncLLMEngine:
                 self._streams.pop(out.request_id, None)
                 record.finished.append(out)
             if stream is None:
+                continue
+            if out.error is not None:  # the engine failed this request alone
+                self.num_failed += 1
+                items.append((stream, RequestFailedError(f"The engine failed: {out.error}; see the server log.")))
                 continue
             m = out.metrics
             if stream._last_output_time is None:
@@ -391,6 +440,12 @@ class AsyncLLMEngine:
                     s.num_running, s.num_swapped, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions)
         self._log_state = (now, s.prompt_tokens, s.generation_tokens)
         self._active_since_log = self.engine.has_unfinished_requests()
+
+
+def _failed(request_id: str, error: BaseException) -> RequestFailedError:
+    """The client-facing failure: the class and the request id (the details are in the log)."""
+    return RequestFailedError(f"The engine failed ({type(error).__name__}) while running request {request_id}; "
+                              "see the server log.")
 
 
 def _put_all(batch: list[tuple[RequestStream, object]]) -> None:

@@ -89,6 +89,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._requests: dict[str, Request] = {}
+        self._failed: dict[str, RequestOutput] = {}  # requests failed in the current step
         logger.info("%s", self.memory_report.format())
 
     @classmethod
@@ -105,6 +106,7 @@ class LLMEngine:
         """Validate and queue a request. Raises ValueError (nothing queued) on bad input."""
         params = params or SamplingParams()
         params.validate()
+        self._check_limits(params)
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if isinstance(prompt, str):
@@ -139,6 +141,19 @@ class LLMEngine:
         req.seqs.append(self._new_seq(req, 0))
         self._requests[request_id] = req
         self.scheduler.add_request(req)
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        cfg = self.config
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > cfg.max_logprobs:
+                raise ValueError(f"{name} {k} exceeds this engine's max_logprobs ({cfg.max_logprobs}).")
+        for name in ("stop", "stop_token_ids"):
+            if len(getattr(params, name)) > cfg.max_stop_sequences:
+                raise ValueError(f"{name} holds {len(getattr(params, name))} entries; at most "
+                                 f"{cfg.max_stop_sequences} are allowed (max_stop_sequences).")
+        if any(len(stop) > cfg.max_stop_length for stop in params.stop):
+            raise ValueError(f"A stop string is longer than max_stop_length ({cfg.max_stop_length} characters).")
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
         params = req.params
@@ -196,20 +211,36 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
 
+        self._failed = {}
         self._record_prompt_logprobs(rows, logits)
         touched = self._sample(rows, logits)
         return self._finish_step(touched)
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """End one request of the step with an error (its blocks freed); the other requests go on."""
+        if req.request_id in self._failed:
+            return
+        logger.error("Request %s failed (%s: %s); the rest of the batch goes on", req.request_id,
+                     type(error).__name__, error, exc_info=error)
+        self.scheduler.abort_request(req.request_id)
+        self._requests.pop(req.request_id, None)
+        out = self._request_output(req, True)
+        out.error = f"{type(error).__name__} while running request {req.request_id}"
+        self._failed[req.request_id] = out
 
     def _record_prompt_logprobs(self, rows, logits: torch.Tensor) -> None:
         for s, i, kind, first, end in rows:
             if kind != "prompt":
                 continue
             req = s.request
-            if not req.prompt_logprobs:
-                req.prompt_logprobs.append(None)
-            targets = req.prompt_token_ids[first + 1:end + 1]
-            entries = prompt_logprobs(logits[i:i + end - first], targets, req.params.prompt_logprobs)
-            req.prompt_logprobs.extend(self._decode_logprobs(e) for e in entries)
+            try:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)
+                targets = req.prompt_token_ids[first + 1:end + 1]
+                entries = prompt_logprobs(logits[i:i + end - first], targets, req.params.prompt_logprobs)
+                req.prompt_logprobs.extend(self._decode_logprobs(e) for e in entries)
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self._fail(req, e)
 
     def _sample(self, rows, logits: torch.Tensor) -> dict[str, Request]:
         sample_rows: list[SamplingRow] = []
@@ -217,47 +248,84 @@ class LLMEngine:
         index: list[int] = []
         beams: dict[str, list[tuple[Sequence, int]]] = {}
         for s, i, kind, _, _ in rows:
-            if kind != "sample":
+            if kind != "sample" or s.request.request_id in self._failed:
                 continue
             req = s.request
             if req.beam is not None:
                 beams.setdefault(req.request_id, []).append((s.seq, i))
                 continue
-            seqs = [s.seq]
-            if not req.forked:
-                req.forked = True
-                for k in range(1, req.params.n):
-                    child = self._new_seq(req, k)
-                    child.num_computed_tokens = s.seq.num_computed_tokens
-                    child.status = SequenceStatus.RUNNING
-                    self.block_manager.fork(s.seq, child)
-                    req.seqs.append(child)
-                    seqs.append(child)
+            try:
+                seqs = [s.seq]
+                if not req.forked:
+                    req.forked = True
+                    for k in range(1, req.params.n):
+                        child = self._new_seq(req, k)
+                        child.num_computed_tokens = s.seq.num_computed_tokens
+                        child.status = SequenceStatus.RUNNING
+                        self.block_manager.fork(s.seq, child)
+                        req.seqs.append(child)
+                        seqs.append(child)
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self._fail(req, e)
+                continue
             for seq in seqs:
                 sample_rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator))
                 targets.append((req, seq))
                 index.append(i)
         touched: dict[str, Request] = {}
         for rid, beam_rows in beams.items():
-            self._beam_step(self._requests[rid], beam_rows, logits)
-            touched[rid] = self._requests[rid]
+            req = self._requests[rid]
+            try:
+                self._beam_step(req, beam_rows, logits)
+                touched[rid] = req
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self._fail(req, e)
         if not sample_rows:
             return touched
-        out = self.sampler(logits[index], sample_rows)
+        tokens, chosen_logprobs, top_logprobs = self._sample_rows(logits[index], sample_rows, targets)
         now = time.monotonic()
         for k, (req, seq) in enumerate(targets):
-            token = out.token_ids[k]
-            seq.output_token_ids.append(token)
-            seq.cumulative_logprob += out.logprobs[k]
-            if out.top_logprobs[k] is not None:
-                seq.logprobs.append(self._decode_logprobs(out.top_logprobs[k]))
-            self.generation_tokens_total += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            self._check_stop(req, seq, token)
-            touched[req.request_id] = req
+            if req.request_id in self._failed:
+                continue
+            try:
+                token = tokens[k]
+                seq.output_token_ids.append(token)
+                seq.cumulative_logprob += chosen_logprobs[k]
+                if top_logprobs[k] is not None:
+                    seq.logprobs.append(self._decode_logprobs(top_logprobs[k]))
+                self.generation_tokens_total += 1
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                req.metrics.last_token_time = now
+                self._check_stop(req, seq, token)
+                touched[req.request_id] = req
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self._fail(req, e)
         return touched
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow],
+                     targets: list[tuple[Request, Sequence]]) -> tuple[list, list, list]:
+        """The sampler over the whole batch; if it raises, again per request, so that only the requests it
+        fails for fail (their rows come back as None)."""
+        try:
+            out = self.sampler(logits, rows)
+            return out.token_ids, out.logprobs, out.top_logprobs
+        except Exception:  # noqa: BLE001 - find the culprit below
+            logger.warning("Batched sampling failed; sampling request by request", exc_info=True)
+        tokens, logprobs, top = [None] * len(rows), [None] * len(rows), [None] * len(rows)
+        groups: dict[str, list[int]] = {}
+        for k, (req, _) in enumerate(targets):
+            groups.setdefault(req.request_id, []).append(k)
+        for ks in groups.values():
+            req = targets[ks[0]][0]
+            try:
+                out = self.sampler(logits[ks], [rows[k] for k in ks])
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self._fail(req, e)
+                continue
+            for j, k in enumerate(ks):
+                tokens[k], logprobs[k], top[k] = out.token_ids[j], out.logprobs[j], out.top_logprobs[j]
+        return tokens, logprobs, top
 
     def _beam_step(self, req: Request, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
         """Advance a beam search by one token: the chosen continuations reuse their parent's sequence, or
@@ -339,11 +407,17 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         for req in touched.values():
+            if req.request_id in self._failed:
+                continue
             done = req.finished
             if done:
                 req.metrics.finished_time = now
                 self._requests.pop(req.request_id, None)
             outputs.append(self._request_output(req, done))
+        for out in self._failed.values():
+            out.metrics.finished_time = now
+            outputs.append(out)
+        self._failed = {}
         self.scheduler.remove_finished()
         return outputs
 

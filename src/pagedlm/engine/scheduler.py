@@ -82,7 +82,7 @@ class Scheduler:
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs) for r in self.running)
+        return sum(r.num_seqs_reserved for r in self.running)
 
     def _order(self, reqs) -> list[Request]:
         if self.config.scheduling_policy == "priority":
@@ -130,7 +130,7 @@ class Scheduler:
 
         # 2. Swapped-out requests come back before new ones start.
         for req in self._order(self.swapped):
-            if budget <= 0 or self.num_running_seqs + len(req.live_seqs) > self.config.max_num_seqs:
+            if budget <= 0 or self.num_running_seqs + req.num_seqs_reserved > self.config.max_num_seqs:
                 break
             seqs, nums, new_budget = self._chunk(req, budget)
             if not seqs or len(seqs) < len(req.live_seqs) or not bm.can_swap_in(req.live_seqs, nums):
@@ -152,7 +152,7 @@ class Scheduler:
             self.waiting = deque(self._order(self.waiting))
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if self.num_running_seqs + len(req.live_seqs) > self.config.max_num_seqs:
+            if self.num_running_seqs + req.num_seqs_reserved > self.config.max_num_seqs:
                 break
             hits = {s.seq_id: [] if req.wants_prompt_logprobs else bm.find_cached_prefix(s) for s in req.live_seqs}
             skip = {sid: len(blocks) * bm.block_size for sid, blocks in hits.items()}

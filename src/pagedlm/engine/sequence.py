@@ -114,6 +114,14 @@ class Request:
         return all(s.status.finished for s in self.seqs)
 
     @property
+    def num_seqs_reserved(self) -> int:
+        """Sequences this request may run at once: `n` (or beam_width) until it has forked, so that admitting
+        it never lets the batch (and the logits of one step) grow past max_num_seqs."""
+        if self.beam is not None:
+            return max(self.params.beam_width, len(self.live_seqs))
+        return len(self.live_seqs) if self.forked else self.params.n
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return (self.params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < len(self.prompt_token_ids))

@@ -245,7 +245,9 @@ def _walk_gguf(buf) -> None:
         key = string()
         v = value(take("I"))
         if key == b"general.alignment":
-            alignment = int(v)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ModelLoadError(f"general.alignment must be a power of two, got {v!r}")
+            alignment = v
     data_end = 0
     for _ in range(n_tensors):
         string()

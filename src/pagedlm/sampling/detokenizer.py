@@ -76,11 +76,15 @@ def find_stop(text: str, delta_len: int, stops: list[str], include_stop: bool) -
 
 def held_back(text: str, stops: list[str]) -> int:
     """How many trailing chars of `text` a stream must withhold: the longest suffix that is a proper
-    prefix of some stop string (it may still grow into a stop and be cut)."""
+    prefix of some stop string (it may still grow into a stop and be cut). Looks only at the last
+    len(stop) - 1 chars of `text` for each stop."""
     best = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
+        tail = text[max(len(text) - len(stop) + 1, 0):] if len(stop) > 1 else ""
+        i = tail.find(stop[0]) if tail else -1
+        while i != -1 and len(tail) - i > best:  # candidate starts, longest suffix first
+            if stop.startswith(tail[i:]):
+                best = len(tail) - i
                 break
+            i = tail.find(stop[0], i + 1)
     return best

@@ -1,7 +1,12 @@
 """Per-request sampling parameters, validated before anything is queued."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: gen_len ** length_penalty stays finite for any max_model_len
 
 
 @dataclass
@@ -51,46 +56,49 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
+        """Raises ValueError unless every field is in its documented range (see README, *Limits and security*):
+        extremes that overflow float32 (temperature 1e300, top_p 1e-300, ...) are refused here, not in a step."""
         def bad(name: str, msg: str) -> ValueError:
             return ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", "must be non-negative")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not (lo < v if lo_open else lo <= v) or v > hi:
+                raise bad(name, f"must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+
+        def integer(name: str, lo: int, hi: int | None = None) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                raise bad(name, f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
+
+        integer("n", 1)
+        number("temperature", 0.0, MAX_TEMPERATURE)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be -1 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", "must be > 0")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+        number("min_p", 0.0, 1.0)
+        number("repetition_penalty", *REPETITION_PENALTY_RANGE)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        if self.max_tokens is not None:
+            integer("max_tokens", 1)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
-        ):
-            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                integer(name, 0)
+        width = self.beam_width if self.use_beam_search and isinstance(self.beam_width, int) else self.n
+        if self.seed is not None:  # sample i draws from seed + i; torch takes seeds in [-2^63, 2^64)
+            integer("seed", -2**63, 2**64 - width)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        number("length_penalty", -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
         if self.use_beam_search:
-            if not isinstance(self.beam_width, int) or self.beam_width < 1:
-                raise bad("beam_width", "must be an integer >= 1")
+            integer("beam_width", 1)
             if self.n > self.beam_width:
                 raise bad("n", f"must be <= beam_width ({self.beam_width}) with beam search")
             if self.max_tokens is None:

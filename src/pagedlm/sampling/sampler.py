@@ -51,10 +51,11 @@ def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> t
 
 
 def _position_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[PositionLogprobs]:
-    """For each row of `logprobs` [N, V]: {chosen token (its true 1-based rank), then the top-ks[i] tokens}."""
+    """For each row of `logprobs` [N, V]: {chosen token, then the top-ks[i] tokens}. A rank is 1 + the number of
+    tokens with a strictly higher logprob, so tied tokens share a rank (a greedy choice among ties is rank 1)."""
     chosen_lp = logprobs.gather(1, chosen[:, None])
     ranks = (logprobs > chosen_lp).sum(-1).add_(1).tolist()
-    kmax = max(ks, default=0)
+    kmax = min(max(ks, default=0), logprobs.shape[1])
     if kmax:
         top_lp, top_ids = (t.tolist() for t in logprobs.topk(kmax, dim=-1))
     else:
@@ -62,7 +63,10 @@ def _position_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[in
     out = []
     for i, (tok, lp, rank, k) in enumerate(zip(chosen.tolist(), chosen_lp[:, 0].tolist(), ranks, ks)):
         entry = {tok: Logprob(lp, rank)}
-        entry.update((t, Logprob(v, r + 1)) for r, (t, v) in enumerate(zip(top_ids[i][:k], top_lp[i][:k])))
+        values = top_lp[i][:k]
+        for r, (t, v) in enumerate(zip(top_ids[i][:k], values)):
+            if t != tok:
+                entry[t] = Logprob(v, values.index(v) + 1)  # topk is sorted: the first equal value gives the rank
         out.append(entry)
     return out
 
@@ -155,6 +159,7 @@ class Sampler:
             sp = srt.softmax(-1)
             ahead = sp.cumsum(-1).sub_(sp)  # mass strictly ahead of each token: the top token always stays
             remove |= (ahead >= tp) & (tp < 1.0)
+            remove[:, 0] = False  # the top token stays, however small top_p is in float32
             x = x.masked_fill(torch.empty_like(remove).scatter_(1, order, remove), ninf)
         elif use_k:  # no sort: threshold at each row's k-th largest logit (ties at the k-th all stay)
             kmax = int(ks[ks < vocab].max())

@@ -12,12 +12,14 @@ headers and in the body's `model`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from pagedlm import __version__
 from pagedlm.engine.async_engine import (
@@ -40,6 +43,7 @@ from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.router import Decision, NoCandidateError
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
+from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedlm.server import protocol as P
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.protocol import APIError
@@ -49,21 +53,40 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 RETRY_AFTER_S = 1
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # union members in pydantic error paths
 
 
-def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | None = None,
-              max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None) -> FastAPI:
-    """The app serving each engine under its name (the first is the default for requests without `model`);
-    `api_key` (if set) is required as a bearer token everywhere except PUBLIC_PATHS."""
+def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str] | None = None,
+              max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None, *,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
+              allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False) -> FastAPI:
+    """The app serving each engine under its name (the first is the default for requests without `model`).
+
+    api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
+    max_prompts_per_request: bound on prompts x n (or beam_width) of one request.
+    allowed_origins: origins given CORS access (default none: browsers cannot read responses).
+    allowed_hosts: if not None, Host headers other than loopback names and these are refused (DNS rebinding);
+    "*" allows any.
+    prefix_cache_per_key: salt the prefix cache with the API key, so tenants never share cached blocks.
+    """
     if not engines:
         raise ValueError("build_app needs at least one engine")
+    if max_prompts_per_request < 1:
+        raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
+    keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or () if k]
     app = FastAPI(title="pagedlm", version=__version__)
     metrics = ServerMetrics(engines, routing=route is not None)
-    front = _Frontend({name: _Server(engine, name) for name, engine in engines.items()}, metrics, route)
+    servers = {name: _Server(engine, name, max_prompts_per_request, prefix_cache_per_key)
+               for name, engine in engines.items()}
+    front = _Frontend(servers, metrics, route)
     app.state.server = front
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
+    app.add_middleware(_Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts)
+    if allowed_origins:  # outermost: preflight requests carry no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
@@ -78,12 +101,15 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | None = None,
         return _error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception) -> Response:
-        logger.exception("Unhandled error")
-        return _error_response(APIError(500, f"Internal server error: {e!r}", type="server_error"))
+    async def _internal_error(request: Request, e: Exception) -> Response:
+        logger.exception("Unhandled error in %s %s", request.method, request.url.path)
+        return _error_response(APIError(500, f"Internal server error ({type(e).__name__}); see the server log.",
+                                        type="server_error"))
 
     @app.get("/health")
     async def health() -> Response:
+        if front.draining:
+            raise _shutting_down()
         dead = [name for name, srv in front.servers.items() if not srv.engine.is_running]
         if dead:
             raise APIError(503, f"The engine loop has stopped ({', '.join(dead)}).", type="server_error")
@@ -116,12 +142,12 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | None = None,
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         req = await _parse(request, P.TokenizeRequest)
-        return front.server(req.model).tokenize(req)
+        return await asyncio.to_thread(front.server(req.model).tokenize, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = await _parse(request, P.DetokenizeRequest)
-        return front.server(req.model).detokenize(req)
+        return await asyncio.to_thread(front.server(req.model).detokenize, req)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(model: str | None = None) -> Response:
@@ -135,6 +161,11 @@ class _Unavailable(APIError):
     reached the client; a routed request tries another model."""
 
 
+def _shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down.", type="server_error", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 # --- model resolution and routing -----------------------------------------------------------------------------
 class _Frontend:
     """Resolves each request's model and, for the route name, routes it (with fallback)."""
@@ -143,6 +174,19 @@ class _Frontend:
         self.servers, self.metrics, self.route = servers, metrics, route
         self.default = next(iter(servers.values()))
         self.created = int(time.time())
+        self.draining = False  # set by a graceful shutdown: new generation requests get 503
+
+    def begin_shutdown(self) -> None:
+        self.draining = True
+
+    def fail_open_requests(self, message: str) -> None:
+        """End every open request with an error (streams get an error event and [DONE])."""
+        for srv in self.servers.values():
+            srv.engine.fail_all(message)
+
+    @property
+    def num_open_requests(self) -> int:
+        return sum(srv.engine.num_open_requests for srv in self.servers.values())
 
     def server(self, model: str | None) -> _Server:
         if not model:
@@ -170,6 +214,8 @@ class _Frontend:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
+        if self.draining:
+            raise _shutting_down()
         req = await _parse(request, P.CompletionRequest)
         if not self.is_routed(req.model):
             srv = self.server(req.model)
@@ -182,6 +228,8 @@ class _Frontend:
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
+        if self.draining:
+            raise _shutting_down()
         req = await _parse(request, P.ChatCompletionRequest)
         if not self.is_routed(req.model):
             srv = self.server(req.model)
@@ -264,10 +312,28 @@ class _Server:
     `routed` requests also wait, when streaming, for the first outputs before the response starts, so that a
     failure then is still `_Unavailable`."""
 
-    def __init__(self, engine: AsyncLLMEngine, name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, name: str, max_prompts_per_request: int = 256,
+                 prefix_cache_per_key: bool = False) -> None:
         self.engine, self.name = engine, name
         self.tok = engine.tokenizer
         self.created = int(time.time())
+        self.max_prompts_per_request = max_prompts_per_request
+        self.prefix_cache_per_key = prefix_cache_per_key
+
+    def _cache_salt(self, request: Request, req: P.SamplingRequest) -> str | None:
+        """The client's `cache_salt`, prefixed (with --prefix-cache-per-key) by a hash of its API key."""
+        key = getattr(request.state, "api_key", None) if self.prefix_cache_per_key else None
+        if key is None:
+            return req.cache_salt
+        tenant = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return tenant if req.cache_salt is None else f"{tenant}:{req.cache_salt}"
+
+    def _check_fan_out(self, num_prompts: int, req: P.SamplingRequest) -> None:
+        width = (req.beam_width or req.n) if req.use_beam_search else req.n
+        if num_prompts * width > self.max_prompts_per_request:
+            raise APIError(400, f"The request asks for {num_prompts} prompts x {width} sequences; at most "
+                                f"{self.max_prompts_per_request} are allowed per request (max_prompts_per_request).",
+                           param="n" if num_prompts == 1 else "prompt")
 
     def model_card(self) -> P.ModelCard:
         return P.ModelCard(id=self.name, created=self.created, root=str(self.engine.engine.model_path),
@@ -276,12 +342,13 @@ class _Server:
     # --- completions ---
     async def completions(self, request: Request, req: P.CompletionRequest, arrival: float,
                           routed: bool = False) -> Response:
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req)
         k = req.logprobs
         params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=k if req.echo else None)
         self._check_fits([len(p.token_ids) for p in prompts], params)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival)
+        streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival,
+                                     self._cache_salt(request, req))
         if req.stream:
             if routed:
                 await _first_outputs(request, streams)
@@ -291,14 +358,17 @@ class _Server:
                    for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
         return _json(P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage(finals)))
 
-    def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[_Prompt]:
+    async def _completion_prompts(self, req: P.CompletionRequest) -> list[_Prompt]:
+        prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "The prompt is empty.", param="prompt")
         if len(prompt) > self.engine.max_waiting:
             raise APIError(400, f"A request may hold at most {self.engine.max_waiting} prompts.", param="prompt")
-        out = [_Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt]
+        self._check_fan_out(len(prompt), req)
+        out = await asyncio.to_thread(
+            lambda: [_Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
         for p in out:
             self._check_prompt(p.token_ids)
         return out
@@ -397,13 +467,14 @@ class _Server:
     # --- chat ---
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
                                routed: bool = False) -> Response:
-        ids = self._chat_prompt(req.messages, req.add_generation_prompt)
+        self._check_fan_out(1, req)
+        ids = await asyncio.to_thread(self._chat_prompt, req.messages, req.add_generation_prompt)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k)
         self._check_fits([len(ids)], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, [ids], params, req.priority, arrival)
+        streams = await self._submit(rid, [ids], params, req.priority, arrival, self._cache_salt(request, req))
         if req.stream:
             if routed:
                 await _first_outputs(request, streams)
@@ -477,10 +548,10 @@ class _Server:
 
     # --- submission ---
     async def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-                      arrival: float) -> list[RequestStream]:
+                      arrival: float, cache_salt: str | None = None) -> list[RequestStream]:
         """Queue every prompt or none: on any refusal the accepted ones are aborted and the error raised."""
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        streams = [self.engine.submit(i, p, params, priority, arrival) for i, p in zip(ids, prompts)]
+        streams = [self.engine.submit(i, p, params, priority, arrival, cache_salt) for i, p in zip(ids, prompts)]
         try:
             results = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)
         except BaseException:
@@ -505,6 +576,7 @@ class _Server:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Give exactly one of `prompt` or `messages`.")
         if req.messages is not None:
+            P.check_contents(req.messages)
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             try:
                 text = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
@@ -574,7 +646,7 @@ def _usage(outputs: list[RequestOutput | None]) -> P.UsageInfo:
 async def _parse(request: Request, model: type[T]) -> T:
     body = await request.body()
     try:
-        return model.model_validate_json(body)
+        return await asyncio.to_thread(model.model_validate_json, body)
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(x) for x in err.get("loc", ())]
@@ -679,8 +751,39 @@ def _event_error(e: APIError) -> str:
 
 
 def _sse(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                             background=BackgroundTask(_abort_all, streams))
+    return _EventStream(events, streams)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that ends (closing the connection) once an output of its streams has waited unread
+    longer than the engine's stall timeout: a client that stopped reading then holds nothing."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                         background=BackgroundTask(_abort_all, streams))
+        self.streams = streams
+        self.timeout = streams[0]._owner.stall_timeout
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if self.timeout <= 0:
+            return await super().__call__(scope, receive, send)
+
+        def stalled() -> bool:
+            now = time.monotonic()
+            return any(s.unread_since is not None and now - s.unread_since > self.timeout for s in self.streams)
+
+        async def receive_or_stall() -> dict:  # Starlette ends the response when this says "disconnect"
+            msg = asyncio.ensure_future(receive())
+            while not msg.done():
+                await asyncio.wait({msg}, timeout=min(self.timeout, 1.0))
+                if not msg.done() and stalled():
+                    msg.cancel()
+                    logger.warning("Closing a stream whose client stopped reading (%s)", self.streams[0].request_id)
+                    _abort_all(self.streams)
+                    return {"type": "http.disconnect"}
+            return msg.result()
+
+        await super().__call__(scope, receive_or_stall, send)
 
 
 def _error_response(e: APIError) -> Response:
@@ -688,20 +791,34 @@ def _error_response(e: APIError) -> Response:
 
 
 class _Guard:
-    """ASGI middleware: bearer-token check (401) and request-body size limit (413), before any parsing."""
+    """ASGI middleware, before any parsing: Host header (400, DNS rebinding), bearer token (401), JSON
+    Content-Type (415: no "simple" cross-site form posts) and request-body size (413)."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app: Any, api_keys: list[str], max_body_bytes: int,
+                 allowed_hosts: frozenset[str] | None = None) -> None:
+        self.app, self.api_keys, self.max_body_bytes = app, api_keys, max_body_bytes
+        self.allowed_hosts = allowed_hosts
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"] not in PUBLIC_PATHS:
-            if not hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode()):
+        if self.allowed_hosts is not None and not _host_allowed(headers.get("host", ""), self.allowed_hosts):
+            return await _error_response(APIError(400, "Invalid Host header (see --allowed-hosts).",
+                                                  code="invalid_host"))(scope, receive, send)
+        if self.api_keys and scope["path"] not in PUBLIC_PATHS:
+            key = self._key(headers.get("authorization", ""))
+            if key is None:
                 return await _error_response(APIError(401, "Invalid or missing API key (send `Authorization: "
                                                            "Bearer <key>`).", code="invalid_api_key",
                                                       headers={"WWW-Authenticate": "Bearer"}))(scope, receive, send)
+            scope.setdefault("state", {})["api_key"] = key
+        if scope["method"] == "POST":
+            media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                return await _error_response(APIError(415, "The request body must be JSON (Content-Type: "
+                                                           "application/json).", code="unsupported_media_type"))(
+                    scope, receive, send)
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
@@ -731,6 +848,36 @@ class _Guard:
             if not rejected:
                 raise
 
+    def _key(self, authorization: str) -> str | None:
+        """The configured key the header carries (scheme `Bearer`, any case), else None."""
+        scheme, _, token = authorization.strip().partition(" ")
+        token = token.strip().encode()
+        found = None
+        for key in self.api_keys:  # compare with every key: the time taken does not tell which matched
+            if hmac.compare_digest(token, key.encode()):
+                found = key
+        return found if scheme.lower() == "bearer" else None
+
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
         await _error_response(APIError(413, f"The request body exceeds {self.max_body_bytes} bytes.",
                                        code="request_too_large"))(scope, receive, send)
+
+
+def _host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """`host` (a Host header: name, IPv4 or [IPv6], with an optional port) is in `allowed` or is a loopback
+    address; "*" in `allowed` admits any."""
+    if "*" in allowed:
+        return True
+    host = host.strip().lower()
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    if not host:
+        return False
+    if host in allowed:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback  # 127.0.0.0/8, ::1: loopback names are always allowed
+    except ValueError:
+        return False

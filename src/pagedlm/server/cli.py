@@ -6,6 +6,7 @@ one server; with more than one, requests for `--router-name` (`auto`) are routed
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import socket
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedlm.config import parse_bytes
+from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -26,7 +28,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
     engine_args_fn(p, multi_model=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is logged)")
-    p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer <key>` (or set ${API_KEY_ENV})")
+    p.add_argument("--api-key", action="append", default=None,
+                   help=f"require `Authorization: Bearer <key>` (repeatable: one key per tenant; or set ${API_KEY_ENV},"
+                        " comma-separated)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model; one model)")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="requests allowed to wait for a slot; beyond it requests get 503 + Retry-After")
@@ -34,6 +38,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
                    help="largest request body, e.g. 8MiB (larger: 413)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput lines (0: off)")
     p.add_argument("--disable-access-log", action="store_true")
+    s = p.add_argument_group("limits and security (see README, *Limits and security*)")
+    s.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                   help="most prompts x n (or beam_width) in one request; beyond: 400 (default %(default)s)")
+    s.add_argument("--stream-stall-timeout", type=float, default=60.0,
+                   help="abort a request whose output nobody read for this many seconds, freeing its KV blocks "
+                        "(0: never; default %(default)s)")
+    s.add_argument("--allowed-origins", default="",
+                   help="comma-separated origins allowed by CORS (default none: browsers cannot use the API)")
+    s.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names accepted besides loopback ones (checked when bound to "
+                        "loopback, or whenever given; '*': any)")
+    s.add_argument("--prefix-cache-per-key", action="store_true",
+                   help="separate prefix caches per API key (tenants never share cached blocks)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may finish before they are ended with an error")
     r = p.add_argument_group("several models and routing")
     r.add_argument("--config", default=None,
                    help="YAML file of these options (keys: option names without --); command-line flags win")
@@ -65,11 +84,14 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
     from pagedlm.server.routing import AutoRoute
+    from pagedlm.server.shutdown import GracefulServer
 
     if args.config:
         apply_config(args, parser, args.config)
-    if args.max_waiting < 1 or args.max_body_bytes < 1:
-        raise ValueError("--max-waiting and --max-body-bytes must be >= 1.")
+    if args.max_waiting < 1 or args.max_body_bytes < 1 or args.max_prompts_per_request < 1:
+        raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
+    if args.stream_stall_timeout < 0 or args.shutdown_timeout < 0:
+        raise ValueError("--stream-stall-timeout and --shutdown-timeout must be >= 0.")
     models = model_specs(args)
     router = build_router(args, [name for name, _ in models])
     sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
@@ -80,22 +102,28 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
             kwargs = engine_kwargs_fn(argparse.Namespace(**{**vars(args), "model": target}))
             logger.info("Loading %s (%s)", name, target)
             engine = LLMEngine.from_args(**kwargs)  # logs the KV memory report
-            engines[name] = AsyncLLMEngine(engine, max_waiting=args.max_waiting, log_interval=args.log_interval)
+            engines[name] = AsyncLLMEngine(engine, max_waiting=args.max_waiting, log_interval=args.log_interval,
+                                           stall_timeout=args.stream_stall_timeout)
         if router is not None:
             route = AutoRoute(router, engines, args.router_name)
             route.warm_up()
-        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-        app = build_app(engines, api_key, args.max_body_bytes, route)
+        api_keys = args.api_key or [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+        if args.prefix_cache_per_key and not api_keys:
+            logger.warning("--prefix-cache-per-key does nothing without API keys")
+        app = build_app(engines, api_keys, args.max_body_bytes, route,
+                        max_prompts_per_request=args.max_prompts_per_request,
+                        allowed_origins=_names(args.allowed_origins), allowed_hosts=allowed_hosts(args),
+                        prefix_cache_per_key=args.prefix_cache_per_key)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", served, url, url,
-                    ", API key required" if api_key else "")
+                    ", API key required" if api_keys else "")
         if route is not None:
             logger.info("Routing `%s` with %s", route.name, describe_router(router))
         config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
-        uvicorn.Server(config).run(sockets=[sock])
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=30)
+        GracefulServer(config, app.state.server, args.shutdown_timeout).run(sockets=[sock])
     finally:
         if route is not None:
             route.shutdown()
@@ -103,6 +131,22 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
             engine.shutdown()
         sock.close()
     return 0
+
+
+def _names(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """The Host names to accept besides loopback ones, or None (no check): bound to a loopback address, the
+    check is on (DNS rebinding); bound elsewhere, only when --allowed-hosts is given."""
+    if args.allowed_hosts is not None:
+        return _names(args.allowed_hosts)
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    return [] if loopback else None
 
 
 def model_specs(args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -63,6 +70,8 @@ class _EngineCollector(Collector):
         yield family(C, "pagedlm:requests_rejected", "Requests refused because the waiting queue was full.",
                      lambda e, s: e.num_rejected)
         yield family(C, "pagedlm:requests_failed", "Requests failed by an engine error.", lambda e, s: e.num_failed)
+        yield family(C, "pagedlm:requests_stalled", "Requests aborted because their client stopped reading.",
+                     lambda e, s: e.num_stalled)
 
 
 class _ModelHistograms:
@@ -110,6 +119,7 @@ class ServerMetrics:
         disable_created_metrics()  # no `_created` series (process-wide), as vLLM does
         self.registry = reg = CollectorRegistry()
         reg.register(_EngineCollector(engines))
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes etc.: host memory of the server process
         lbl = ["model_name"]
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:

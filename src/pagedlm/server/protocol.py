@@ -14,7 +14,6 @@ from pagedlm.sampling.params import SamplingParams
 
 _INT64 = 2**63 - 1
 MAX_N = 128
-MAX_LOGPROBS = 20
 
 
 class APIError(Exception):
@@ -73,6 +72,7 @@ class SamplingRequest(Request):
     beam_width: int | None = Field(None, ge=1, le=MAX_N)
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # a separate prefix cache (vLLM)
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -110,7 +110,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     best_of: int | None = None
     suffix: str | None = None
 
@@ -138,18 +138,25 @@ class ChatMessage(Request):
         return self.content or ""
 
 
+def check_contents(messages: list[ChatMessage]) -> None:
+    for i, m in enumerate(messages):
+        if m.content is None:
+            raise APIError(400, f"messages[{i}] has no content.", param="messages")
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     add_generation_prompt: bool = True
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_contents(self.messages)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
