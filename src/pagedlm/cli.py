@@ -78,20 +78,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace) -> int:
 
-    from pagedlm.config import ModelConfig, parse_bytes, parse_dtype
+    from pagedlm.config import EngineConfig, ModelConfig, parse_bytes
     from pagedlm.kvcache.kv_cache import KVCacheSpec
     from pagedlm.kvcache.memory import MemoryReport
     from pagedlm.model.loader import load_hf_config
+    from pagedlm.model.plan import plan_execution
     from pagedlm.model.registry import DEFAULT_MODEL, resolve_model
 
     target = args.model or DEFAULT_MODEL
     path = Path(target)
     if path.is_file() and path.suffix == ".json":
-        hf = json.loads(path.read_text())
+        hf, checkpoint = json.loads(path.read_text()), None
     else:
-        hf = load_hf_config(resolve_model(target))
+        checkpoint = resolve_model(target)
+        hf = load_hf_config(checkpoint)
     cfg = ModelConfig.from_hf(hf)
-    dtype = parse_dtype(args.dtype)
+    dtype = plan_execution(EngineConfig(model=target, dtype=args.dtype), checkpoint, measure=False).dtype
     spec = KVCacheSpec.for_model(cfg, args.block_size, dtype, args.kv_cache_dtype)
     budget = parse_bytes(args.kv_cache_memory or "2GiB")
     max_len = args.max_model_len or cfg.max_position_embeddings

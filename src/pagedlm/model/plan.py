@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pagedlm.config import EngineConfig, parse_dtype
+from pagedlm.config import KERNEL_MAX_ROWS, EngineConfig, parse_dtype
 from pagedlm.cpu import cpu_features
 
 # GGUF block formats that model/quant.py's int4 layout holds exactly (group size 32).
@@ -59,14 +59,15 @@ def gguf_linear_types(path: Path) -> set[str]:
             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
 
 
-def plan_execution(config: EngineConfig, path: Path) -> ExecutionPlan:
-    """Resolve `dtype="auto"` and the weight format for the checkpoint at `path` on `config.device`."""
+def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True) -> ExecutionPlan:
+    """Resolve `dtype="auto"` and the weight format for the checkpoint at `path` (None: a bare config) on
+    `config.device`. Without `measure`, kernel_max_rows is not probed (the dtype and format are the same)."""
     cpu = cpu_features()
     on_cpu = torch.device(config.device).type == "cpu"
     reasons: list[str] = [f"CPU flags: {cpu.describe()}"] if on_cpu else []
     quantization, group_size = config.quantization, config.quantization_group_size
     auto = config.dtype == "auto"
-    if auto and quantization is None and on_cpu:
+    if auto and quantization is None and on_cpu and path is not None:
         types = gguf_linear_types(path)
         if types and types <= set(NATIVE_INT4_TYPES):
             quantization, group_size = "int4", 32
@@ -86,8 +87,8 @@ def plan_execution(config: EngineConfig, path: Path) -> ExecutionPlan:
     dense = torch.bfloat16 if (dtype == torch.bfloat16 or (auto and cpu.native_bf16)) else torch.float32
     if not on_cpu:
         return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons)
-    if config.kernel_max_rows is not None:
-        rows = config.kernel_max_rows
+    if config.kernel_max_rows is not None or not measure:
+        rows = KERNEL_MAX_ROWS if config.kernel_max_rows is None else config.kernel_max_rows
         reasons.append(f"kernel_max_rows {rows} as configured")
     else:
         from pagedlm.model.probe import measure_kernel_max_rows
