@@ -2,15 +2,13 @@
 repeats, decode and prefill chunks, fp32 and bf16, OpenMP over (sequence, kv head, query tile, key range).
 
 It is plain C++ behind a C ABI, compiled on first use with the system's g++ (about a second, no torch headers,
-no ninja) into `$PAGEDLM_CACHE/kernels/` and called through ctypes. `load_kernel()` returns None (and says why
+no ninja) into the kernel cache (cbuild.py) and called through ctypes. `load_kernel()` returns None (and says why
 in the log) where that fails; callers then fall back to the sdpa path.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
@@ -18,8 +16,6 @@ import torch
 from pagedlm import cbuild
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.kvcache.quant import entry_dim, is_quantized
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
@@ -30,22 +26,14 @@ _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e
 @functools.lru_cache(maxsize=1)
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None where it cannot be built or loaded (reason logged)."""
-    if os.environ.get("PAGEDLM_DISABLE_CPU_KERNEL"):
-        logger.info("CPU attention kernel disabled by PAGEDLM_DISABLE_CPU_KERNEL.")
+    lib = cbuild.load_optional(SOURCE, "CPU attention kernel", "attention runs on the sdpa path")
+    if lib is None:
         return None
-    try:
-        lib = cbuild.load(SOURCE)
-        fn = lib.pagedlm_paged_attention
-        fn.restype = ctypes.c_int
-        p, i = ctypes.c_void_p, ctypes.c_int
-        lib.pagedlm_rope_write_kv.restype = i
-        lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, i]
-        fn.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-                       + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
-        return lib
-    except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
-        logger.warning("CPU attention kernel unavailable (%s: %s).", type(e).__name__, str(e).splitlines()[0])
-        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.pagedlm_paged_attention.argtypes = [i, i, p, p, p, p, p, i, p, p, i, i, i, i, i, ctypes.c_float, i, i]
+    lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, i]
+    lib.pagedlm_paged_attention.restype = lib.pagedlm_rope_write_kv.restype = i
+    return lib
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

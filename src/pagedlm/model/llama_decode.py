@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
@@ -20,8 +18,6 @@ from pagedlm import cbuild
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.model.layers import Linear
 from pagedlm.model.quant import KERNEL_MAX_ROWS, Int4Linear, Int8Linear
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 MAX_TOKENS = KERNEL_MAX_ROWS  # the quantized kernels' small-batch limit; dense GEMMs win above it
@@ -47,13 +43,9 @@ class _Model(ctypes.Structure):
 
 @functools.lru_cache(maxsize=1)
 def load_decode_kernel() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDLM_DISABLE_CPU_KERNEL") or os.environ.get("PAGEDLM_DISABLE_FUSED_DECODE"):
-        return None
-    try:
-        lib = cbuild.load(SOURCE)
-    except Exception as e:  # noqa: BLE001 - any failure means: run the layers in torch
-        logger.warning("Fused decode kernel unavailable (%s: %s); decoding layer by layer in torch.",
-                       type(e).__name__, str(e).splitlines()[0])
+    lib = cbuild.load_optional(SOURCE, "Fused decode kernel", "decoding layer by layer in torch",
+                               disable=("PAGEDLM_DISABLE_FUSED_DECODE",))
+    if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, p, p, i, p, p, i, i]

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 #include <omp.h>
+#include "../../csrc/pagedlm.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -364,6 +365,4 @@ int pagedlm_rope_write_kv(float* qkv, const float* cos, const float* sin, int T,
   }
   return 0;
 }
-
-int pagedlm_abi_version() { return 3; }
 }
