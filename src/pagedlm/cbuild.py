@@ -25,7 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 3  # csrc/pagedlm.h's PAGEDLM_ABI_VERSION
+ABI_VERSION = 4  # csrc/pagedlm.h's PAGEDLM_ABI_VERSION
 
 # Status codes of the kernels' entry points (csrc/pagedlm.h).
 UNSUPPORTED, BAD_BATCH, BAD_BLOCK, BAD_SLOT = -1, -2, -3, -4

@@ -3,7 +3,8 @@ repeats, decode and prefill chunks, fp32 and bf16, OpenMP over (sequence, kv hea
 
 It is plain C++ behind a C ABI, compiled on first use with the system's g++ (about a second, no torch headers,
 no ninja) into the kernel cache (cbuild.py) and called through ctypes. `load_kernel()` returns None (and says why
-in the log) where that fails; callers then fall back to the sdpa path.
+in the log) where that fails; callers then fall back to the sdpa path. The kernels range-check the batch before
+touching the cache: a block id or slot outside it raises ValueError, with nothing read out of range or written.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def load_kernel() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.pagedlm_paged_attention.argtypes = [i, i, p, p, p, p, p, i, p, p, i, i, i, i, i, ctypes.c_float, i, i]
-    lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, i]
+    lib.pagedlm_paged_attention.argtypes = [i, i, p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
+    lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, ctypes.c_int64, i]
     lib.pagedlm_paged_attention.restype = lib.pagedlm_rope_write_kv.restype = i
     return lib
 
@@ -39,8 +40,8 @@ def load_kernel() -> ctypes.CDLL | None:
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel handles this call (else callers use the sdpa path)."""
     heads, kv_heads, dim = q.shape[1], k_cache.shape[2], q.shape[2]
-    cache_ok = k_cache.dtype == q.dtype or (is_quantized(k_cache.dtype)
-                                            and k_cache.shape[3] == entry_dim(dim, k_cache.dtype))
+    cache_ok = (k_cache.dtype == q.dtype or is_quantized(k_cache.dtype)) and k_cache.shape[3] == entry_dim(
+        dim, k_cache.dtype)
     return (q.device.type == "cpu" and q.dtype in _DTYPES and cache_ok and dim in HEAD_DIMS
             and heads % kv_heads == 0 and heads <= 64)
 
@@ -55,16 +56,18 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q = q.contiguous()
     out = torch.empty_like(q)
     tables, seq_lens, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
-    assert tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32 and tables.is_contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    if not (tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32
+            and tables.is_contiguous() and seq_lens.is_contiguous() and qsl.is_contiguous()
+            and seq_lens.shape[0] == qsl.shape[0] - 1 == meta.num_seqs == tables.shape[0]
+            and k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()):
+        raise ValueError("paged attention kernel: block tables, seq_lens and query_start_loc must be contiguous "
+                         "int32 for num_seqs sequences, and the K and V caches contiguous and of the same shape")
     rc = lib.pagedlm_paged_attention(
         _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        out.data_ptr(),
-        tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs,
-        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale),
+        out.data_ptr(), tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs,
+        q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], k_cache.shape[0], float(scale),
         int(sliding_window or 0), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"paged attention kernel failed (code {rc})")
+    cbuild.check(rc, f"paged attention kernel ({k_cache.shape[0]} KV blocks)")
     return out
 
 
@@ -72,13 +75,18 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """Rotate q and k of a fused fp32 `qkv` [tokens, (H + 2 KVH) * D] in place (cos/sin: [tokens, 1, D/2]) and
     write k, v into an fp32 paged cache, in one kernel call. Returns False (and does nothing) where the compiled
-    kernel or these layouts are unavailable; the caller then takes the torch path."""
+    kernel or these layouts are unavailable; the caller then takes the torch path. A slot outside the cache raises
+    ValueError, with nothing changed."""
     lib = load_kernel()
     if (lib is None or qkv.device.type != "cpu" or qkv.dtype != torch.float32 or k_cache.dtype != torch.float32
             or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
-                    and v_cache.is_contiguous()) or cos.dtype != torch.float32 or slot_mapping.dtype != torch.int64):
+                    and v_cache.is_contiguous() and slot_mapping.is_contiguous()) or cos.dtype != torch.float32
+            or sin.dtype != torch.float32 or slot_mapping.dtype != torch.int64 or v_cache.shape != k_cache.shape
+            or slot_mapping.shape != qkv.shape[:1] or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[-1]
+            or k_cache.shape[-2] != num_kv_heads):
         return False
-    lib.pagedlm_rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
-                              k_cache.shape[-1], slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                              torch.get_num_threads())
+    rc = lib.pagedlm_rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], num_heads,
+                                   num_kv_heads, k_cache.shape[-1], slot_mapping.data_ptr(), k_cache.data_ptr(),
+                                   v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1], torch.get_num_threads())
+    cbuild.check(rc, f"RoPE + KV write kernel ({k_cache.shape[0] * k_cache.shape[1]} slots)")
     return True

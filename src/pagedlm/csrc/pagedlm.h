@@ -3,7 +3,7 @@
 // return (cbuild.check turns them into Python exceptions).
 #pragma once
 
-#define PAGEDLM_ABI_VERSION 3
+#define PAGEDLM_ABI_VERSION 4
 
 enum PagedlmStatus {
   PAGEDLM_OK = 0,

@@ -37,7 +37,8 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("H", ctypes.c_int), ("KVH", ctypes.c_int),
-                ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("kv_kind", ctypes.c_int),
+                ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("num_blocks", ctypes.c_int),
+                ("kv_kind", ctypes.c_int),
                 ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
 
 
@@ -79,6 +80,14 @@ def _kv_kind(cache: torch.Tensor, head_dim: int) -> int | None:
     return None
 
 
+def _batch_layout_ok(meta: AttentionMetadata, num_tokens: int) -> bool:
+    """The tensor layouts the kernel reads (their contents it checks itself)."""
+    tables, slots, seq_lens, qsl = meta.block_tables, meta.slot_mapping, meta.seq_lens, meta.query_start_loc
+    return (tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32 and slots.dtype == torch.int64
+            and all(t.is_contiguous() for t in (tables, slots, seq_lens, qsl)) and slots.shape[0] == num_tokens
+            and tables.shape[0] == seq_lens.shape[0] == qsl.shape[0] - 1 == meta.num_seqs)
+
+
 class LlamaDecodeKernel:
     """Binds a loaded (and possibly quantized) LlamaForCausalLM and its KV caches to the compiled stack.
 
@@ -94,7 +103,7 @@ class LlamaDecodeKernel:
             self._layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
                                      layer.post_attention_layernorm.weight.data_ptr(), qkv, o, gate_up, down)
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size, 0, KV_F32, cfg.rms_norm_eps, self._layers,
+                             cfg.intermediate_size, 0, 0, KV_F32, cfg.rms_norm_eps, self._layers,
                              model.norm.weight.data_ptr())
         self._bound_caches: tuple[int, ...] = ()
         self._bound_list: list | None = None
@@ -130,13 +139,15 @@ class LlamaDecodeKernel:
             self._bound_list = kv_caches
             return True
         kinds = {_kv_kind(k, self.cfg.head_dim) for k, _ in kv_caches}
-        if len(kinds) != 1 or None in kinds or not all(
-                k.is_contiguous() and v.is_contiguous() and k.device.type == "cpu" for k, v in kv_caches):
+        shape = kv_caches[0][0].shape
+        if len(kinds) != 1 or None in kinds or len(kv_caches) != self.cfg.num_layers or not all(
+                k.shape == v.shape == shape and k.dtype == v.dtype and k.is_contiguous() and v.is_contiguous()
+                and k.device.type == "cpu" for k, v in kv_caches) or shape[2] != self.cfg.num_kv_heads:
             return False
         self._model.kv_kind = kinds.pop()
         for i, (k, v) in enumerate(kv_caches):
             self._layers[i].k_cache, self._layers[i].v_cache = k.data_ptr(), v.data_ptr()
-        self._model.BS = kv_caches[0][0].shape[1]
+        self._model.BS, self._model.num_blocks = shape[1], shape[0]
         self._bound_caches, self._bound_list = key, kv_caches
         return True
 
@@ -144,15 +155,16 @@ class LlamaDecodeKernel:
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> bool:
         """Run the hidden states `x` [tokens, hidden] (fp32, contiguous) through every layer and the final norm,
         in place."""
-        meta = metas[0]
-        if (x.shape[0] > MAX_TOKENS or x.dtype != torch.float32 or not x.is_contiguous()
-                or any(m is not meta for m in metas) or not self._bind_caches(kv_caches)):
+        meta, n = metas[0], x.shape[0]
+        tables, slots = meta.block_tables, meta.slot_mapping
+        if (n > MAX_TOKENS or x.dtype != torch.float32 or not x.is_contiguous()
+                or any(m is not meta for m in metas) or not self._bind_caches(kv_caches)
+                or not _batch_layout_ok(meta, n) or not (cos.shape[0] == sin.shape[0] == n and cos.is_contiguous()
+                                                         and sin.is_contiguous())):
             return False
-        tables = meta.block_tables
         rc = self.lib.pagedlm_llama_decode(
             ctypes.byref(self._model), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
-            meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], meta.seq_lens.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), tables.shape[1], meta.seq_lens.data_ptr(),
             meta.query_start_loc.data_ptr(), meta.num_seqs, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"fused decode kernel failed (code {rc})")
+        cbuild.check(rc, f"fused decode kernel ({self._model.num_blocks} KV blocks)")
         return True
