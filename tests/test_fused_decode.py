@@ -141,3 +141,22 @@ def test_fused_decode_rejects_ids_outside_the_cache(tiny_model_dir, bad, kv_cach
     for kv, before in zip(caches, saved[0]):
         assert all(torch.equal(c, b) for c, b in zip(kv, before))
 
+
+@pytest.mark.parametrize("bad", ["uncovered", "freed"])
+def test_prepare_refuses_a_new_token_outside_its_blocks(tiny_model_dir, bad):
+    """A new token whose position its block table does not cover (the zero padding would send it to block 0 of
+    another sequence) or whose block was freed: a RuntimeError (also under `python -O`), nothing written."""
+    from pagedlm.kvcache.block_manager import NULL_BLOCK
+
+    runner, chunks = _mixed_batch(tiny_model_dir)
+    if bad == "uncovered":
+        chunks[0].block_tables = [[3]]  # tokens 9..12 need blocks 0 and 1
+        match = "past the end of its block table"
+    else:
+        chunks[1].block_tables = [[5, 1, 40, NULL_BLOCK]]  # token 30 is in block 3
+        match = "in a freed block"
+    saved = [tuple(c.clone() for c in kv) for kv in runner.layer_caches]
+    with pytest.raises(RuntimeError, match=match):
+        runner.execute(chunks, [0])
+    for kv, before in zip(runner.layer_caches, saved):
+        assert all(torch.equal(c, b) for c, b in zip(kv, before))
