@@ -174,13 +174,11 @@ def test_every_kernel_exports_the_abi_version():
         assert lib.pagedlm_abi_version() == cbuild.ABI_VERSION
 
 
-def test_check_maps_status_codes():
-    cbuild.check(0, "k")
-    with pytest.raises(ValueError, match="k: a block table entry"):
-        cbuild.check(cbuild.BAD_BLOCK, "k")
-    with pytest.raises(ValueError, match="k: a slot mapping entry"):
-        cbuild.check(cbuild.BAD_SLOT, "k")
-    with pytest.raises(RuntimeError, match="k: unsupported"):
-        cbuild.check(cbuild.UNSUPPORTED, "k")
-    with pytest.raises(RuntimeError, match="code 2"):
-        cbuild.check(2, "k")
+def test_kernel_error_maps_status_codes():
+    for rc, error, message in [(cbuild.BAD_BATCH, ValueError, "k: inconsistent batch layout"),
+                               (cbuild.BAD_BLOCK, ValueError, "k: a block table entry"),
+                               (cbuild.BAD_SLOT, ValueError, "k: a slot mapping entry"),
+                               (cbuild.UNSUPPORTED, RuntimeError, "k: unsupported"),
+                               (2, RuntimeError, "k: failed with code 2")]:
+        e = cbuild.kernel_error(rc, "k")
+        assert type(e) is error and str(e).startswith(message)

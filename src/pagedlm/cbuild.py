@@ -37,13 +37,11 @@ _STATUS = {
 }
 
 
-def check(rc: int, what: str) -> None:
-    """Raise for a kernel's nonzero status: ValueError for a batch it refused (nothing was read out of range or
-    written), RuntimeError otherwise."""
-    if rc == 0:
-        return
+def kernel_error(rc: int, what: str) -> Exception:
+    """The exception for a kernel's nonzero status: ValueError for a batch it refused (having read nothing out of
+    range and written nothing), RuntimeError otherwise."""
     error = ValueError if rc in (BAD_BATCH, BAD_BLOCK, BAD_SLOT) else RuntimeError
-    raise error(f"{what}: {_STATUS.get(rc, f'failed with code {rc}')}")
+    return error(f"{what}: {_STATUS.get(rc, f'failed with code {rc}')}")
 
 
 def cache_dir() -> Path:

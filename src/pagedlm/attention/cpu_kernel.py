@@ -55,19 +55,22 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return paged_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)
     q = q.contiguous()
     out = torch.empty_like(q)
+    tokens, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
     tables, seq_lens, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
-    if not (tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32
-            and tables.is_contiguous() and seq_lens.is_contiguous() and qsl.is_contiguous()
-            and seq_lens.shape[0] == qsl.shape[0] - 1 == meta.num_seqs == tables.shape[0]
-            and k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()):
+    num_seqs, width = tables.shape
+    if not (tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32 and tables.is_contiguous()
+            and seq_lens.is_contiguous() and qsl.is_contiguous() and seq_lens.numel() == qsl.numel() - 1 == num_seqs
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+            and v_cache.numel() == k_cache.numel()):
         raise ValueError("paged attention kernel: block tables, seq_lens and query_start_loc must be contiguous "
-                         "int32 for num_seqs sequences, and the K and V caches contiguous and of the same shape")
+                         "int32 for the same sequences, and the K and V caches contiguous and alike")
     rc = lib.pagedlm_paged_attention(
         _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        out.data_ptr(), tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs,
-        q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], k_cache.shape[0], float(scale),
-        int(sliding_window or 0), torch.get_num_threads())
-    cbuild.check(rc, f"paged attention kernel ({k_cache.shape[0]} KV blocks)")
+        out.data_ptr(), tables.data_ptr(), width, seq_lens.data_ptr(), qsl.data_ptr(), num_seqs, tokens, heads,
+        kv_heads, dim, block_size, num_blocks, float(scale), int(sliding_window or 0), torch.get_num_threads())
+    if rc:
+        raise cbuild.kernel_error(rc, f"paged attention kernel ({num_blocks} KV blocks)")
     return out
 
 
@@ -79,14 +82,20 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
     ValueError, with nothing changed."""
     lib = load_kernel()
     if (lib is None or qkv.device.type != "cpu" or qkv.dtype != torch.float32 or k_cache.dtype != torch.float32
+            or v_cache.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or slot_mapping.dtype != torch.int64
             or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
-                    and v_cache.is_contiguous() and slot_mapping.is_contiguous()) or cos.dtype != torch.float32
-            or sin.dtype != torch.float32 or slot_mapping.dtype != torch.int64 or v_cache.shape != k_cache.shape
-            or slot_mapping.shape != qkv.shape[:1] or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[-1]
-            or k_cache.shape[-2] != num_kv_heads):
+                    and v_cache.is_contiguous() and slot_mapping.is_contiguous())):
         return False
-    rc = lib.pagedlm_rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], num_heads,
-                                   num_kv_heads, k_cache.shape[-1], slot_mapping.data_ptr(), k_cache.data_ptr(),
-                                   v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1], torch.get_num_threads())
-    cbuild.check(rc, f"RoPE + KV write kernel ({k_cache.shape[0] * k_cache.shape[1]} slots)")
+    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    tokens = slot_mapping.numel()
+    if (kv_heads != num_kv_heads or v_cache.numel() != k_cache.numel()
+            or qkv.numel() != tokens * (num_heads + 2 * kv_heads) * dim
+            or not cos.numel() == sin.numel() == tokens * (dim // 2)):
+        return False
+    rc = lib.pagedlm_rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, num_heads, kv_heads, dim,
+                                   slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   num_blocks * block_size, torch.get_num_threads())
+    if rc:
+        raise cbuild.kernel_error(rc, f"RoPE + KV write kernel ({num_blocks * block_size} slots)")
     return True

@@ -1,6 +1,6 @@
 // Shared by every kernel source: the ABI version the loader checks after dlopen (cbuild.ABI_VERSION, bumped
 // together with it whenever an entry point's signature or meaning changes) and the status codes the entry points
-// return (cbuild.check turns them into Python exceptions).
+// return (cbuild.kernel_error turns them into Python exceptions).
 #pragma once
 
 #define PAGEDLM_ABI_VERSION 4

@@ -166,5 +166,6 @@ class LlamaDecodeKernel:
             ctypes.byref(self._model), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), tables.shape[1], meta.seq_lens.data_ptr(),
             meta.query_start_loc.data_ptr(), meta.num_seqs, torch.get_num_threads())
-        cbuild.check(rc, f"fused decode kernel ({self._model.num_blocks} KV blocks)")
+        if rc:
+            raise cbuild.kernel_error(rc, f"fused decode kernel ({self._model.num_blocks} KV blocks)")
         return True
