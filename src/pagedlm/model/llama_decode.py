@@ -38,8 +38,8 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("H", ctypes.c_int), ("KVH", ctypes.c_int),
                 ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("num_blocks", ctypes.c_int),
-                ("kv_kind", ctypes.c_int),
-                ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
+                ("kv_kind", ctypes.c_int), ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
+                ("final_norm", ctypes.c_void_p)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,12 +80,14 @@ def _kv_kind(cache: torch.Tensor, head_dim: int) -> int | None:
     return None
 
 
-def _batch_layout_ok(meta: AttentionMetadata, num_tokens: int) -> bool:
-    """The tensor layouts the kernel reads (their contents it checks itself)."""
+def _batch_layout_ok(meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, num_tokens: int) -> bool:
+    """The batch tensors have the layout the kernel reads (their contents it checks itself)."""
     tables, slots, seq_lens, qsl = meta.block_tables, meta.slot_mapping, meta.seq_lens, meta.query_start_loc
     return (tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32 and slots.dtype == torch.int64
-            and all(t.is_contiguous() for t in (tables, slots, seq_lens, qsl)) and slots.shape[0] == num_tokens
-            and tables.shape[0] == seq_lens.shape[0] == qsl.shape[0] - 1 == meta.num_seqs)
+            and cos.dtype == sin.dtype == torch.float32
+            and all(t.is_contiguous() for t in (tables, slots, seq_lens, qsl, cos, sin))
+            and slots.numel() == cos.shape[0] == sin.shape[0] == num_tokens
+            and tables.shape[0] == seq_lens.numel() == qsl.numel() - 1)
 
 
 class LlamaDecodeKernel:
@@ -156,16 +158,14 @@ class LlamaDecodeKernel:
         """Run the hidden states `x` [tokens, hidden] (fp32, contiguous) through every layer and the final norm,
         in place."""
         meta, n = metas[0], x.shape[0]
-        tables, slots = meta.block_tables, meta.slot_mapping
-        if (n > MAX_TOKENS or x.dtype != torch.float32 or not x.is_contiguous()
-                or any(m is not meta for m in metas) or not self._bind_caches(kv_caches)
-                or not _batch_layout_ok(meta, n) or not (cos.shape[0] == sin.shape[0] == n and cos.is_contiguous()
-                                                         and sin.is_contiguous())):
+        if (n > MAX_TOKENS or x.dtype != torch.float32 or not x.is_contiguous() or any(m is not meta for m in metas)
+                or not _batch_layout_ok(meta, cos, sin, n) or not self._bind_caches(kv_caches)):
             return False
+        num_seqs, width = meta.block_tables.shape
         rc = self.lib.pagedlm_llama_decode(
-            ctypes.byref(self._model), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
-            slots.data_ptr(), tables.data_ptr(), tables.shape[1], meta.seq_lens.data_ptr(),
-            meta.query_start_loc.data_ptr(), meta.num_seqs, torch.get_num_threads())
+            ctypes.byref(self._model), x.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(), width, meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), num_seqs,
+            torch.get_num_threads())
         if rc:
             raise cbuild.kernel_error(rc, f"fused decode kernel ({self._model.num_blocks} KV blocks)")
         return True
