@@ -208,3 +208,72 @@ def test_fused_rope_write_kv_equals_torch_path():
     torch.testing.assert_close(kc, kc_ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
     assert not rope_write_kv(fused.bfloat16(), cos, sin, h, kvh, kc, vc, slots)  # unsupported: caller falls back
+
+
+# ---- range checks of the compiled kernels --------------------------------------------------------------------
+
+def _kernel_or_skip():
+    from pagedlm.attention.cpu_kernel import load_kernel
+
+    if load_kernel() is None:
+        pytest.skip("CPU kernel unavailable")
+
+
+@pytest.mark.parametrize("bad", ["past_end", "negative", "narrow_table"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_cpu_kernel_rejects_block_ids_outside_the_cache(bad, kv_dtype):
+    """A block id the kernel would read outside [0, num_blocks), or a table row narrower than its sequence: a
+    ValueError from the kernel's check (not the sdpa fallback), the caches untouched."""
+    from pagedlm.attention.cpu_kernel import paged_attention_cpu
+    from pagedlm.kvcache.quant import quantize_kv
+
+    _kernel_or_skip()
+    q, _, _, kc, vc, meta = build_case([40, 9, 33], [1, 9, 2], 4, 2, 32, 16, torch.float32, seed=2)
+    if kv_dtype == torch.int8:
+        kc, vc = quantize_kv(kc, torch.int8), quantize_kv(vc, torch.int8)
+    paged_attention_cpu(q, kc, vc, meta, 0.2)  # the untampered batch runs
+    if bad == "narrow_table":
+        meta.block_tables = meta.block_tables[:, :2].contiguous()  # sequence 0 (40 tokens) needs 3 blocks
+    else:
+        meta.block_tables[2, 1] = kc.shape[0] if bad == "past_end" else -1
+    saved = kc.clone(), vc.clone()
+    match = "narrower than its sequence" if bad == "narrow_table" else "block table entry .* outside the KV cache"
+    with pytest.raises(ValueError, match=f"paged attention kernel .*{match}"):
+        paged_attention_cpu(q, kc, vc, meta, 0.2)
+    assert torch.equal(kc, saved[0]) and torch.equal(vc, saved[1])
+
+
+def test_cpu_kernel_accepts_freed_blocks_outside_the_window():
+    """Only the entries the kernel reads are checked: freed sliding-window blocks (NULL_BLOCK = -1, as the block
+    manager leaves them) before the window are fine."""
+    _kernel_or_skip()
+    q, _, _, kc, vc, meta = build_case([70, 33], [1, 5], 4, 2, 32, 8, torch.float32, seed=4)
+    expected = BACKENDS["reference"](q, kc, vc, meta, 0.2, sliding_window=16)
+    meta.block_tables[0, :6] = -1  # the window starts at 69 - 16 + 1 = 54, in block 6
+    meta.block_tables[1, :1] = -1  # keys 28 - 16 + 1 = 13 .. 32: blocks 1 .. 4
+    out = BACKENDS["cpu"](q, kc, vc, meta, 0.2, sliding_window=16)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    meta.block_tables[0, 6] = -1
+    with pytest.raises(ValueError, match="block table entry"):
+        BACKENDS["cpu"](q, kc, vc, meta, 0.2, sliding_window=16)
+
+
+@pytest.mark.parametrize("bad_slot", [64, 10**9, -1])
+def test_fused_rope_write_kv_rejects_slots_outside_the_cache(bad_slot):
+    """The slots are checked before anything is rotated or written: the caches and qkv stay as they were."""
+    from pagedlm.attention.cpu_kernel import rope_write_kv
+    from pagedlm.model.layers import RotaryEmbedding
+
+    _kernel_or_skip()
+    h, kvh, d, t = 4, 2, 16, 5
+    cos, sin = RotaryEmbedding(d, 64, 10000.0).cos_sin(torch.arange(t), torch.float32)
+    qkv = torch.randn(t, (h + 2 * kvh) * d)
+    kc, vc = torch.randn(4, 16, kvh, d), torch.randn(4, 16, kvh, d)  # 64 slots
+    saved = qkv.clone(), kc.clone(), vc.clone()
+    slots = torch.tensor([3, 17, 63, bad_slot, 40])
+    with pytest.raises(ValueError, match="RoPE \\+ KV write kernel .*slot mapping entry is outside the KV cache"):
+        rope_write_kv(qkv, cos, sin, h, kvh, kc, vc, slots)
+    assert torch.equal(qkv, saved[0]) and torch.equal(kc, saved[1]) and torch.equal(vc, saved[2])
+    slots[3] = 0
+    assert rope_write_kv(qkv, cos, sin, h, kvh, kc, vc, slots)
+    assert not torch.equal(kc, saved[1])

@@ -98,3 +98,66 @@ def test_fused_decode_steps_aside(tiny_model_dir, count_runs):
         llm = LLM(str(tiny_model_dir), num_kv_blocks=32, **{"dtype": "float32", **kw})
         _generate(llm, prompt)
         assert not count_runs, kw
+
+
+def _mixed_batch(tiny_model_dir, kv_cache_dtype="auto"):
+    """A runner with random caches, a mixed batch's tensors and its chunks (as in the test above)."""
+    from pagedlm.engine.model_runner import Chunk
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8, kv_cache_dtype=kv_cache_dtype)
+    runner = llm.engine.runner
+    torch.manual_seed(0)
+    for kv in runner.kv_cache.layer_caches():
+        for c in kv:
+            c.copy_(torch.randint(-100, 100, c.shape).to(c.dtype))
+    chunks = [Chunk(token_ids=[7, 8, 9, 10], start=9, block_tables=[[3, 11]]),
+              Chunk(token_ids=[20], start=30, block_tables=[[5, 1, 40, 2]]),
+              Chunk(token_ids=[21], start=0, block_tables=[[17]])]
+    return runner, chunks
+
+
+@pytest.mark.parametrize("bad", ["block_past_end", "block_negative", "slot_past_end", "slot_negative"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_fused_decode_rejects_ids_outside_the_cache(tiny_model_dir, bad, kv_cache_dtype):
+    """A block id the stack would read or a slot it would write outside the cache: ValueError from the kernel's
+    up-front check, and no layer's cache (nor the hidden states) changed."""
+    runner, chunks = _mixed_batch(tiny_model_dir, kv_cache_dtype)
+    model, caches = runner.model, runner.layer_caches
+    kernel = model.decode_kernel()
+    assert kernel is not None
+    input_ids, positions, metas = runner.prepare(chunks)
+    num_blocks = caches[0][0].shape[0]
+    meta = metas[0]
+    if bad.startswith("block"):
+        meta.block_tables[1, 2] = num_blocks if bad == "block_past_end" else -1
+    else:
+        meta.slot_mapping[2] = num_blocks * 8 if bad == "slot_past_end" else -1
+    x = model.embed_tokens(input_ids).contiguous()
+    rope = model.rotary.cos_sin(positions, x.dtype)
+    saved = [tuple(c.clone() for c in kv) for kv in caches], x.clone()
+    with pytest.raises(ValueError, match=f"fused decode kernel \\({num_blocks} KV blocks\\): a "
+                                         f"{'block table' if bad.startswith('block') else 'slot mapping'} entry"):
+        kernel.run(x, *rope, caches, [meta] * len(caches))
+    assert torch.equal(x, saved[1])
+    for kv, before in zip(caches, saved[0]):
+        assert all(torch.equal(c, b) for c, b in zip(kv, before))
+
+
+@pytest.mark.parametrize("bad", ["uncovered", "freed"])
+def test_prepare_refuses_a_new_token_outside_its_blocks(tiny_model_dir, bad):
+    """A new token whose position its block table does not cover (the zero padding would send it to block 0 of
+    another sequence) or whose block was freed: a RuntimeError (also under `python -O`), nothing written."""
+    from pagedlm.kvcache.block_manager import NULL_BLOCK
+
+    runner, chunks = _mixed_batch(tiny_model_dir)
+    if bad == "uncovered":
+        chunks[0].block_tables = [[3]]  # tokens 9..12 need blocks 0 and 1
+        match = "past the end of its block table"
+    else:
+        chunks[1].block_tables = [[5, 1, 40, NULL_BLOCK]]  # token 30 is in block 3
+        match = "in a freed block"
+    saved = [tuple(c.clone() for c in kv) for kv in runner.layer_caches]
+    with pytest.raises(RuntimeError, match=match):
+        runner.execute(chunks, [0])
+    for kv, before in zip(runner.layer_caches, saved):
+        assert all(torch.equal(c, b) for c, b in zip(kv, before))

@@ -1,24 +1,74 @@
-"""Compile a plain-C++ kernel source (C ABI, no torch headers) with the system's g++ on first use, cached under
-`$PAGEDLM_CACHE/kernels/` keyed by the source (and the local files it #includes), compiler, flags and CPU, and
-load it with ctypes."""
+"""Compile a plain-C++ kernel source (C ABI, no torch headers) with the system's g++ on first use, cache the
+library, and load it with ctypes.
+
+The cache is a per-user directory, `$PAGEDLM_CACHE/kernels/<uid>/`, kept at mode 0700. A library's name holds a
+hash of the source (and the local files it #includes), the compiler's path and identity (the first line of
+`$CXX --version`), the flags, the CPU and ABI_VERSION. A cached library is loaded only if it is a regular file
+owned by the current user that neither group nor others can write; anything else is rebuilt in its place. After
+loading, its `pagedlm_abi_version()` must equal ABI_VERSION.
+"""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import logging
 import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
+ABI_VERSION = 4  # csrc/pagedlm.h's PAGEDLM_ABI_VERSION
+
+# Status codes of the kernels' entry points (csrc/pagedlm.h).
+UNSUPPORTED, BAD_BATCH, BAD_BLOCK, BAD_SLOT = -1, -2, -3, -4
+_STATUS = {
+    UNSUPPORTED: "unsupported head_dim, dtype or layout",
+    BAD_BATCH: "inconsistent batch layout (query_start_loc, seq_lens or a block table narrower than its sequence)",
+    BAD_BLOCK: "a block table entry the kernel would read is outside the KV cache",
+    BAD_SLOT: "a slot mapping entry is outside the KV cache",
+}
+
+
+def kernel_error(rc: int, what: str) -> Exception:
+    """The exception for a kernel's nonzero status: ValueError for a batch it refused (having read nothing out of
+    range and written nothing), RuntimeError otherwise."""
+    error = ValueError if rc in (BAD_BATCH, BAD_BLOCK, BAD_SLOT) else RuntimeError
+    return error(f"{what}: {_STATUS.get(rc, f'failed with code {rc}')}")
 
 
 def cache_dir() -> Path:
     root = os.environ.get("PAGEDLM_CACHE") or Path.home() / ".cache" / "pagedlm"
-    return Path(root) / "kernels"
+    return Path(root) / "kernels" / str(os.getuid())
+
+
+def _private_cache_dir() -> Path:
+    """cache_dir(), created with mode 0700; an existing one must be a directory owned by this user (its mode is
+    set back to 0700)."""
+    d = cache_dir()
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"kernel cache {d} is not a directory owned by this user")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(d, 0o700)
+    return d
+
+
+def _trusted(path: Path) -> bool:
+    """A regular file (not a link) owned by this user that neither group nor others can write."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _cpu_key() -> str:
@@ -46,25 +96,73 @@ def _source_bytes(source: Path, seen: set[Path] | None = None) -> bytes:
     return b"".join(out)
 
 
-def build(source: Path) -> Path:
-    """Compile `source` (if not cached) and return the shared library's path. Raises on failure."""
+def compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    digest = hashlib.sha256(_source_bytes(source) + " ".join([cxx, *FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}_{digest}.so"
-    if out.exists():
+    return cxx
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_identity(cxx: str) -> str:
+    """The first line of `cxx --version` (e.g. "g++ (Debian 12.2.0-14) 12.2.0"), asked once per process."""
+    res = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    if res.returncode != 0 or not res.stdout.strip():
+        raise RuntimeError(f"{cxx} --version failed:\n{res.stderr[-2000:]}")
+    return res.stdout.splitlines()[0]
+
+
+def cache_key(source: Path, cxx: str) -> str:
+    parts = [_source_bytes(source), *(s.encode() for s in (cxx, compiler_identity(cxx), " ".join(FLAGS), _cpu_key(),
+                                                          f"abi {ABI_VERSION}"))]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def build(source: Path) -> Path:
+    """Compile `source` (unless a trusted build is cached) and return the shared library's path. Raises on
+    failure."""
+    cxx = compiler()
+    out = _private_cache_dir() / f"{source.stem}_{cache_key(source, cxx)}.so"
+    if _trusted(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(out):
+        logger.warning("Rebuilding %s: it is not a file owned by this user that only this user can write.", out)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         res = subprocess.run([cxx, *FLAGS, str(source), "-o", str(tmp_out)], capture_output=True, text=True,
                              timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp_out, out)  # atomic: concurrent builders never see a half-written library
+        os.chmod(tmp_out, 0o755)  # whatever the umask: a group-writable build would count as tampered
+        os.replace(tmp_out, out)  # atomic: concurrent builders and loaders never see a half-written library
     return out
 
 
 def load(source: Path) -> ctypes.CDLL:
-    return ctypes.CDLL(str(build(source)))
+    """Build (or find) and load `source`'s library; raises if its ABI version is not ABI_VERSION."""
+    path = build(source)
+    lib = ctypes.CDLL(str(path))
+    try:
+        version_fn = lib.pagedlm_abi_version
+    except AttributeError:
+        raise RuntimeError(f"{path.name} does not export pagedlm_abi_version()") from None
+    version_fn.restype, version_fn.argtypes = ctypes.c_int, []
+    version = version_fn()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path.name} has ABI version {version}, this pagedlm needs {ABI_VERSION}")
+    return lib
+
+
+def load_optional(source: Path, name: str, fallback: str, disable: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`load(source)`, or None where PAGEDLM_DISABLE_CPU_KERNEL or a variable in `disable` is set, or loading
+    fails; the log says why and what runs instead (`fallback`)."""
+    for var in ("PAGEDLM_DISABLE_CPU_KERNEL", *disable):
+        if os.environ.get(var):
+            logger.info("%s disabled by %s; %s.", name, var, fallback)
+            return None
+    try:
+        return load(source)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
+        reason = (str(e).splitlines() or [""])[0]
+        logger.warning("%s unavailable (%s: %s); %s.", name, type(e).__name__, reason, fallback)
+        return None

@@ -2,15 +2,14 @@
 repeats, decode and prefill chunks, fp32 and bf16, OpenMP over (sequence, kv head, query tile, key range).
 
 It is plain C++ behind a C ABI, compiled on first use with the system's g++ (about a second, no torch headers,
-no ninja) into `$PAGEDLM_CACHE/kernels/` and called through ctypes. `load_kernel()` returns None (and says why
-in the log) where that fails; callers then fall back to the sdpa path.
+no ninja) into the kernel cache (cbuild.py) and called through ctypes. `load_kernel()` returns None (and says why
+in the log) where that fails; callers then fall back to the sdpa path. The kernels range-check the batch before
+touching the cache: a block id or slot outside it raises ValueError, with nothing read out of range or written.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
@@ -18,8 +17,6 @@ import torch
 from pagedlm import cbuild
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.kvcache.quant import entry_dim, is_quantized
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
@@ -30,29 +27,21 @@ _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e
 @functools.lru_cache(maxsize=1)
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None where it cannot be built or loaded (reason logged)."""
-    if os.environ.get("PAGEDLM_DISABLE_CPU_KERNEL"):
-        logger.info("CPU attention kernel disabled by PAGEDLM_DISABLE_CPU_KERNEL.")
+    lib = cbuild.load_optional(SOURCE, "CPU attention kernel", "attention runs on the sdpa path")
+    if lib is None:
         return None
-    try:
-        lib = cbuild.load(SOURCE)
-        fn = lib.pagedlm_paged_attention
-        fn.restype = ctypes.c_int
-        p, i = ctypes.c_void_p, ctypes.c_int
-        lib.pagedlm_rope_write_kv.restype = i
-        lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, i]
-        fn.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-                       + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
-        return lib
-    except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
-        logger.warning("CPU attention kernel unavailable (%s: %s).", type(e).__name__, str(e).splitlines()[0])
-        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.pagedlm_paged_attention.argtypes = [i, i, p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
+    lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, ctypes.c_int64, i]
+    lib.pagedlm_paged_attention.restype = lib.pagedlm_rope_write_kv.restype = i
+    return lib
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel handles this call (else callers use the sdpa path)."""
     heads, kv_heads, dim = q.shape[1], k_cache.shape[2], q.shape[2]
-    cache_ok = k_cache.dtype == q.dtype or (is_quantized(k_cache.dtype)
-                                            and k_cache.shape[3] == entry_dim(dim, k_cache.dtype))
+    cache_ok = (k_cache.dtype == q.dtype or is_quantized(k_cache.dtype)) and k_cache.shape[3] == entry_dim(
+        dim, k_cache.dtype)
     return (q.device.type == "cpu" and q.dtype in _DTYPES and cache_ok and dim in HEAD_DIMS
             and heads % kv_heads == 0 and heads <= 64)
 
@@ -66,17 +55,22 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return paged_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)
     q = q.contiguous()
     out = torch.empty_like(q)
+    tokens, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
     tables, seq_lens, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
-    assert tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32 and tables.is_contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    num_seqs, width = tables.shape
+    if not (tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32 and tables.is_contiguous()
+            and seq_lens.is_contiguous() and qsl.is_contiguous() and seq_lens.numel() == qsl.numel() - 1 == num_seqs
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+            and v_cache.numel() == k_cache.numel()):
+        raise ValueError("paged attention kernel: block tables, seq_lens and query_start_loc must be contiguous "
+                         "int32 for the same sequences, and the K and V caches contiguous and alike")
     rc = lib.pagedlm_paged_attention(
         _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        out.data_ptr(),
-        tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs,
-        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale),
-        int(sliding_window or 0), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"paged attention kernel failed (code {rc})")
+        out.data_ptr(), tables.data_ptr(), width, seq_lens.data_ptr(), qsl.data_ptr(), num_seqs, tokens, heads,
+        kv_heads, dim, block_size, num_blocks, float(scale), int(sliding_window or 0), torch.get_num_threads())
+    if rc:
+        raise cbuild.kernel_error(rc, f"paged attention kernel ({num_blocks} KV blocks)")
     return out
 
 
@@ -84,13 +78,24 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """Rotate q and k of a fused fp32 `qkv` [tokens, (H + 2 KVH) * D] in place (cos/sin: [tokens, 1, D/2]) and
     write k, v into an fp32 paged cache, in one kernel call. Returns False (and does nothing) where the compiled
-    kernel or these layouts are unavailable; the caller then takes the torch path."""
+    kernel or these layouts are unavailable; the caller then takes the torch path. A slot outside the cache raises
+    ValueError, with nothing changed."""
     lib = load_kernel()
     if (lib is None or qkv.device.type != "cpu" or qkv.dtype != torch.float32 or k_cache.dtype != torch.float32
+            or v_cache.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or slot_mapping.dtype != torch.int64
             or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
-                    and v_cache.is_contiguous()) or cos.dtype != torch.float32 or slot_mapping.dtype != torch.int64):
+                    and v_cache.is_contiguous() and slot_mapping.is_contiguous())):
         return False
-    lib.pagedlm_rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
-                              k_cache.shape[-1], slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                              torch.get_num_threads())
+    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    tokens = slot_mapping.numel()
+    if (kv_heads != num_kv_heads or v_cache.numel() != k_cache.numel()
+            or qkv.numel() != tokens * (num_heads + 2 * kv_heads) * dim
+            or not cos.numel() == sin.numel() == tokens * (dim // 2)):
+        return False
+    rc = lib.pagedlm_rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, num_heads, kv_heads, dim,
+                                   slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   num_blocks * block_size, torch.get_num_threads())
+    if rc:
+        raise cbuild.kernel_error(rc, f"RoPE + KV write kernel ({num_blocks * block_size} slots)")
     return True

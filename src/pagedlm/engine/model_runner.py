@@ -77,8 +77,11 @@ class ModelRunner:
                                count=int(n_blocks.sum()))
             tables = np.zeros((len(chunks), int(n_blocks.max())), dtype=np.int64)
             tables[np.arange(tables.shape[1]) < n_blocks[:, None]] = flat
+            if total and (blk >= n_blocks[seq_idx]).any():  # else it would write into a padding entry's block
+                raise RuntimeError("a new token's position is past the end of its block table")
             slots = tables[seq_idx, blk] * bs + off
-            assert total == 0 or slots.min() >= 0, "a new token's slot is in a freed block"
+            if total and slots.min() < 0:
+                raise RuntimeError("a new token's slot is in a freed block")
             np.maximum(tables, 0, out=tables)  # freed sliding-window blocks: any valid id, never read
             metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev),
                                            block_tables=torch.from_numpy(tables).to(dev, torch.int32), **shared))

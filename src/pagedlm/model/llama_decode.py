@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
@@ -22,8 +20,6 @@ from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.model.layers import Linear
 from pagedlm.model.quant import Int4Linear, Int8Linear, QuantLinear
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED = 0, 1, 2, 3
@@ -42,19 +38,16 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("H", ctypes.c_int), ("KVH", ctypes.c_int),
-                ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("kv_kind", ctypes.c_int),
-                ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
+                ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("num_blocks", ctypes.c_int),
+                ("kv_kind", ctypes.c_int), ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
+                ("final_norm", ctypes.c_void_p)]
 
 
 @functools.lru_cache(maxsize=1)
 def load_decode_kernel() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDLM_DISABLE_CPU_KERNEL") or os.environ.get("PAGEDLM_DISABLE_FUSED_DECODE"):
-        return None
-    try:
-        lib = cbuild.load(SOURCE)
-    except Exception as e:  # noqa: BLE001 - any failure means: run the layers in torch
-        logger.warning("Fused decode kernel unavailable (%s: %s); decoding layer by layer in torch.",
-                       type(e).__name__, str(e).splitlines()[0])
+    lib = cbuild.load_optional(SOURCE, "Fused decode kernel", "decoding layer by layer in torch",
+                               disable=("PAGEDLM_DISABLE_FUSED_DECODE",))
+    if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, p, p, i, p, p, i, i]
@@ -88,6 +81,16 @@ def _kv_kind(cache: torch.Tensor, head_dim: int) -> int | None:
     return None
 
 
+def _batch_layout_ok(meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, num_tokens: int) -> bool:
+    """The batch tensors have the layout the kernel reads (their contents it checks itself)."""
+    tables, slots, seq_lens, qsl = meta.block_tables, meta.slot_mapping, meta.seq_lens, meta.query_start_loc
+    return (tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32 and slots.dtype == torch.int64
+            and cos.dtype == sin.dtype == torch.float32
+            and all(t.is_contiguous() for t in (tables, slots, seq_lens, qsl, cos, sin))
+            and slots.numel() == cos.shape[0] == sin.shape[0] == num_tokens
+            and tables.shape[0] == seq_lens.numel() == qsl.numel() - 1)
+
+
 class LlamaDecodeKernel:
     """Binds a loaded (and possibly quantized) LlamaForCausalLM and its KV caches to the compiled stack.
 
@@ -105,7 +108,7 @@ class LlamaDecodeKernel:
             self._layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
                                      layer.post_attention_layernorm.weight.data_ptr(), qkv, o, gate_up, down)
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size, 0, KV_F32, cfg.rms_norm_eps, self._layers,
+                             cfg.intermediate_size, 0, 0, KV_F32, cfg.rms_norm_eps, self._layers,
                              model.norm.weight.data_ptr())
         self._bound_caches: tuple[int, ...] = ()
         self._bound_list: list | None = None
@@ -141,13 +144,15 @@ class LlamaDecodeKernel:
             self._bound_list = kv_caches
             return True
         kinds = {_kv_kind(k, self.cfg.head_dim) for k, _ in kv_caches}
-        if len(kinds) != 1 or None in kinds or not all(
-                k.is_contiguous() and v.is_contiguous() and k.device.type == "cpu" for k, v in kv_caches):
+        shape = kv_caches[0][0].shape
+        if len(kinds) != 1 or None in kinds or len(kv_caches) != self.cfg.num_layers or not all(
+                k.shape == v.shape == shape and k.dtype == v.dtype and k.is_contiguous() and v.is_contiguous()
+                and k.device.type == "cpu" for k, v in kv_caches) or shape[2] != self.cfg.num_kv_heads:
             return False
         self._model.kv_kind = kinds.pop()
         for i, (k, v) in enumerate(kv_caches):
             self._layers[i].k_cache, self._layers[i].v_cache = k.data_ptr(), v.data_ptr()
-        self._model.BS = kv_caches[0][0].shape[1]
+        self._model.BS, self._model.num_blocks = shape[1], shape[0]
         self._bound_caches, self._bound_list = key, kv_caches
         return True
 
@@ -155,15 +160,16 @@ class LlamaDecodeKernel:
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> bool:
         """Run the hidden states `x` [tokens, hidden] (fp32, contiguous) through every layer and the final norm,
         in place."""
-        meta = metas[0]
-        if (x.shape[0] > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous()
-                or any(m is not meta for m in metas) or not self._bind_caches(kv_caches)):
+        meta, n = metas[0], x.shape[0]
+        if (n > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous()
+                or any(m is not meta for m in metas) or not _batch_layout_ok(meta, cos, sin, n)
+                or not self._bind_caches(kv_caches)):
             return False
-        tables = meta.block_tables
+        num_seqs, width = meta.block_tables.shape
         rc = self.lib.pagedlm_llama_decode(
-            ctypes.byref(self._model), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
-            meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], meta.seq_lens.data_ptr(),
-            meta.query_start_loc.data_ptr(), meta.num_seqs, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"fused decode kernel failed (code {rc})")
+            ctypes.byref(self._model), x.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(), width, meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), num_seqs,
+            torch.get_num_threads())
+        if rc:
+            raise cbuild.kernel_error(rc, f"fused decode kernel ({self._model.num_blocks} KV blocks)")
         return True

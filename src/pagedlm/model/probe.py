@@ -47,7 +47,7 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
     logger.info("probe (%.1f s): quantized kernel / dense %s GEMM by rows: %s -> kernel_max_rows %d",
                 time.perf_counter() - t0, str(dense_dtype).removeprefix("torch."), detail, rows)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"kernel_max_rows": rows, "timings_ms": {r: t for r, t in timings.items()}}))
         tmp.replace(path)

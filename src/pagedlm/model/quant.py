@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +40,8 @@ METHODS = QUANTIZATION_METHODS
 @functools.lru_cache(maxsize=1)
 def load_quant_kernel() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be built (then every product takes the dense path)."""
-    if os.environ.get("PAGEDLM_DISABLE_CPU_KERNEL"):
-        return None
-    try:
-        lib = cbuild.load(SOURCE)
-    except Exception as e:  # noqa: BLE001 - any failure means: use the dense fallback
-        logger.warning("Quantized linear kernel unavailable (%s: %s); using dequantize + GEMM.",
-                       type(e).__name__, str(e).splitlines()[0])
+    lib = cbuild.load_optional(SOURCE, "Quantized linear kernel", "using dequantize + GEMM")
+    if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_linear_int8.argtypes = [p, p, p, p, i, i, i, i, i]

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 #include <omp.h>
+#include "../../csrc/pagedlm.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -96,6 +97,60 @@ struct Args {
   float scale;
   const int32_t *tables, *seq_lens, *qsl;
 };
+
+// Validates a batch before anything is read: H and KVH fit the kernel, query_start_loc runs from 0 to num_tokens
+// without going down, each sequence holds its query tokens and its table row covers its length, and every table
+// entry the kernel will read (from the first query's window to the last token) is a block of the cache.
+int check_batch(const Args& a, int num_seqs, int num_tokens, int num_blocks) {
+  if (a.H < 1 || a.KVH < 1 || a.H > MAX_ROWS || a.H % a.KVH || a.BS < 1) return PAGEDLM_UNSUPPORTED;
+  if (num_seqs < 0 || a.max_blocks < 0 || a.qsl[0] != 0 || a.qsl[num_seqs] != num_tokens) return PAGEDLM_BAD_BATCH;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int qlen = a.qsl[i + 1] - a.qsl[i], slen = a.seq_lens[i];
+    if (qlen < 0 || slen < qlen) return PAGEDLM_BAD_BATCH;
+    if (qlen == 0) continue;
+    const int last = (slen - 1) / a.BS;
+    if (last >= a.max_blocks) return PAGEDLM_BAD_BATCH;
+    const int lo = a.window > 0 ? std::max(0, slen - qlen - a.window + 1) : 0;
+    const int32_t* table = a.tables + int64_t(i) * a.max_blocks;
+    for (int b = lo / a.BS; b <= last; ++b)
+      if (table[b] < 0 || table[b] >= num_blocks) return PAGEDLM_BAD_BLOCK;
+  }
+  return PAGEDLM_OK;
+}
+
+// Every slot to be written is one of the cache's num_slots.
+int check_slots(const int64_t* slots, int T, int64_t num_slots) {
+  for (int t = 0; t < T; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return PAGEDLM_BAD_SLOT;
+  return PAGEDLM_OK;
+}
+
+// Rotates the q and k heads of each token's fused qkv row in place (rotate-half RoPE with that token's cos/sin
+// rows [D/2]) and writes its k and v heads to the fp32 cache at slots[t] (with a null k_cache it only rotates).
+// Same arithmetic as HF's `x * cos + rotate_half(x) * sin` (separate multiplies and adds, no FMA contraction).
+// Slots unchecked: see pagedlm_rope_write_kv.
+__attribute__((optimize("fp-contract=off")))
+void rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H, int KVH, int D,
+                   const int64_t* slots, float* k_cache, float* v_cache, int nthreads) {
+  const int half = D / 2, row = (H + 2 * KVH) * D, kvd = KVH * D;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
+  for (int t = 0; t < T; ++t) {
+    float* r = qkv + int64_t(t) * row;
+    const float *c = cos + int64_t(t) * half, *s = sin + int64_t(t) * half;
+    for (int h = 0; h < H + KVH; ++h) {
+      float* x = r + h * D;
+      for (int i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
+        x[i] = a - b;
+        x[i + half] = e + f;
+      }
+    }
+    if (k_cache == nullptr) continue;  // rotate only: the caller writes K/V itself
+    std::memcpy(k_cache + slots[t] * kvd, r + H * D, sizeof(float) * kvd);
+    std::memcpy(v_cache + slots[t] * kvd, r + (H + KVH) * D, sizeof(float) * kvd);
+  }
+}
 
 // One item: rows r = token * H + head. Writes unnormalized acc [rows, D] plus running max m and sum l.
 // A token's K/V for all kv heads are contiguous in the cache ([.., KVH, D]), so they are streamed once.
@@ -312,7 +367,7 @@ int dispatch(const void* q, const void* kc, const void* vc, void* out, const Arg
     case 80: return run(std::integral_constant<int, 80>{});
     case 96: return run(std::integral_constant<int, 96>{});
     case 128: return run(std::integral_constant<int, 128>{});
-    default: return -1;
+    default: return PAGEDLM_UNSUPPORTED;
   }
 }
 
@@ -320,50 +375,31 @@ int dispatch(const void* q, const void* kc, const void* vc, void* out, const Arg
 
 extern "C" {
 
-// q, out: [tokens, H, D]; k_cache, v_cache: [blocks, BS, KVH, D]; block_tables: [num_seqs, max_blocks] int32;
-// seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32. dtype (of q and out): 0 = fp32, 1 = bf16;
-// kv_dtype: a KVKind (int8/fp8 caches are [blocks, BS, KVH, D + 4] bytes). window <= 0: no sliding window.
-// Needs H <= 64 and H % KVH == 0. Returns 0, or -1 for an unsupported head_dim or dtype.
+// q, out: [num_tokens, H, D]; k_cache, v_cache: [num_blocks, BS, KVH, D]; block_tables: [num_seqs, max_blocks]
+// int32; seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32. dtype (of q and out): 0 = fp32,
+// 1 = bf16; kv_dtype: a KVKind (int8/fp8 caches are [num_blocks, BS, KVH, D + 4] bytes). window <= 0: no sliding
+// window. Needs H <= 64 and H % KVH == 0. Returns PAGEDLM_OK, or a PagedlmStatus (having read nothing out of range
+// and written nothing): an unsupported head_dim or dtype, a bad batch layout or block id (check_batch).
 int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
                             void* out,
                             const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
-                            const int32_t* query_start_loc, int num_seqs, int H, int KVH, int D, int BS,
-                            float scale, int window, int nthreads) {
-  if (kv_dtype < KV_F32 || kv_dtype > KV_FP8 || (kv_dtype == KV_F32 && dtype != 0)) return -1;
+                            const int32_t* query_start_loc, int num_seqs, int num_tokens, int H, int KVH, int D,
+                            int BS, int num_blocks, float scale, int window, int nthreads) {
+  if (kv_dtype < KV_F32 || kv_dtype > KV_FP8 || (kv_dtype == KV_F32 && dtype != 0)) return PAGEDLM_UNSUPPORTED;
   Args a{H, KVH, D, BS, max_blocks, window, 1, kv_dtype, scale, block_tables, seq_lens, query_start_loc};
+  if (const int rc = check_batch(a, num_seqs, num_tokens, num_blocks)) return rc;
   if (nthreads < 1) nthreads = omp_get_max_threads();
   if (dtype == 0) return dispatch<float>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
   if (dtype == 1) return dispatch<uint16_t>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
-  return -1;
+  return PAGEDLM_UNSUPPORTED;
 }
 
-// Fused decode helper: rotates the q and k heads of each token's fused qkv row in place (rotate-half RoPE with
-// that token's cos/sin rows [D/2]) and writes its k and v heads to the fp32 cache at slots[t] (with a null
-// k_cache it only rotates). Same arithmetic as HF's `x * cos + rotate_half(x) * sin` (separate multiplies and
-// adds, no FMA contraction).
-__attribute__((optimize("fp-contract=off")))
+// Fused decode helper: rope_write_kv over T tokens into an fp32 cache of num_slots (blocks x BS) token rows.
+// Returns PAGEDLM_BAD_SLOT, having changed nothing, if a slot is outside the cache.
 int pagedlm_rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H, int KVH, int D,
-                          const int64_t* slots, float* k_cache, float* v_cache, int nthreads) {
-  const int half = D / 2, row = (H + 2 * KVH) * D, kvd = KVH * D;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
-  for (int t = 0; t < T; ++t) {
-    float* r = qkv + int64_t(t) * row;
-    const float *c = cos + int64_t(t) * half, *s = sin + int64_t(t) * half;
-    for (int h = 0; h < H + KVH; ++h) {
-      float* x = r + h * D;
-      for (int i = 0; i < half; ++i) {
-        const float x1 = x[i], x2 = x[i + half];
-        const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
-        x[i] = a - b;
-        x[i + half] = e + f;
-      }
-    }
-    if (k_cache == nullptr) continue;  // rotate only: the caller writes K/V itself
-    std::memcpy(k_cache + slots[t] * kvd, r + H * D, sizeof(float) * kvd);
-    std::memcpy(v_cache + slots[t] * kvd, r + (H + KVH) * D, sizeof(float) * kvd);
-  }
-  return 0;
+                          const int64_t* slots, float* k_cache, float* v_cache, int64_t num_slots, int nthreads) {
+  if (const int rc = check_slots(slots, T, num_slots)) return rc;
+  rope_write_kv(qkv, cos, sin, T, H, KVH, D, slots, k_cache, v_cache, nthreads);
+  return PAGEDLM_OK;
 }
-
-int pagedlm_abi_version() { return 3; }
 }

@@ -26,7 +26,7 @@ struct Layer {
 };
 
 struct Model {
-  int num_layers, hidden, H, KVH, D, inter, BS, kv_kind;  // kv_kind: KV_F32 or KV_INT8
+  int num_layers, hidden, H, KVH, D, inter, BS, num_blocks, kv_kind;  // every layer's cache: num_blocks x BS tokens
   float eps;
   const Layer* layers;
   const float* final_norm;  // [hidden]
@@ -135,28 +135,31 @@ extern "C" {
 // x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. K/V are written
 // to (and attention reads) fp32 caches or int8 ones (quantized per token and head as kvcache/quant.py does).
 // cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV cache group
-// shared by all layers). Returns 0, or the first failing kernel's code.
+// shared by all layers). The batch (check_batch) and the slots are validated before anything is computed or
+// written. Returns 0, a PagedlmStatus, or the first failing linear kernel's (positive) code.
 int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, const float* sin,
                          const int64_t* slots, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                          const int32_t* query_start_loc, int num_seqs, int nthreads) {
   const Model& md = *model;
   const int hid = md.hidden, D = md.D, qd = md.H * D, kvd = md.KVH * D, qkvd = qd + 2 * kvd;
-  if (md.kv_kind != KV_F32 && md.kv_kind != KV_INT8) return 3;
+  if (md.kv_kind != KV_F32 && md.kv_kind != KV_INT8) return PAGEDLM_UNSUPPORTED;
+  Args a{md.H, md.KVH, D, md.BS, max_blocks, 0, 1, md.kv_kind, 1.f / std::sqrt(float(D)), block_tables, seq_lens,
+         query_start_loc};
+  if (int rc = check_batch(a, num_seqs, M, md.num_blocks)) return rc;
+  if (int rc = check_slots(slots, M, int64_t(md.num_blocks) * md.BS)) return rc;
   if (nthreads < 1) nthreads = omp_get_max_threads();
   std::vector<float> h(size_t(M) * hid), t(size_t(M) * hid), qkv(size_t(M) * qkvd), q(size_t(M) * qd),
       att(size_t(M) * qd), gu(size_t(M) * 2 * md.inter), act(size_t(M) * md.inter);
-  Args a{md.H, md.KVH, D, md.BS, max_blocks, 0, 1, md.kv_kind, 1.f / std::sqrt(float(D)), block_tables, seq_lens,
-         query_start_loc};
   for (int li = 0; li < md.num_layers; ++li) {
     const Layer& L = md.layers[li];
     rms_norm(x, L.input_norm, h.data(), M, hid, md.eps);
     int rc = linear(L.qkv, h.data(), qkv.data(), M, nthreads);
     if (rc) return rc;
     if (md.kv_kind == KV_F32) {
-      pagedlm_rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, static_cast<float*>(L.k_cache),
-                            static_cast<float*>(L.v_cache), 1);
+      rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, static_cast<float*>(L.k_cache),
+                    static_cast<float*>(L.v_cache), 1);
     } else {
-      pagedlm_rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
+      rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
       const int64_t entry_row = int64_t(md.KVH) * (D + 4);
       for (int m = 0; m < M; ++m) {
         const float* row = &qkv[size_t(m) * qkvd];
@@ -166,7 +169,7 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
     }
     for (int m = 0; m < M; ++m) std::memcpy(&q[size_t(m) * qd], &qkv[size_t(m) * qkvd], sizeof(float) * qd);
     rc = dispatch<float>(q.data(), L.k_cache, L.v_cache, att.data(), a, num_seqs, nthreads);
-    if (rc) return 10 + rc;
+    if (rc) return rc;
     if ((rc = linear(L.o, att.data(), t.data(), M, nthreads))) return rc;
     for (size_t i = 0; i < size_t(M) * hid; ++i) x[i] += t[i];
     rms_norm(x, L.post_norm, h.data(), M, hid, md.eps);

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 #include <omp.h>
+#include "../../csrc/pagedlm.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PAGEDLM_AVX2 1
