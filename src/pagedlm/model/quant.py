@@ -219,6 +219,18 @@ class Int8Embedding(nn.Module):
         return (self.table.rows(ids).float() * self.table.scale[ids, None]).to(self.dtype)
 
 
+class WithBias(nn.Module):
+    """A quantized linear layer plus the (unquantized) bias of the Linear it replaced."""
+
+    def __init__(self, linear: QuantLinear, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.bias = nn.Parameter(bias.data, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.bias
+
+
 def make_quant_linear(weight: torch.Tensor, method: str, group_size: int) -> QuantLinear:
     """`weight` is [out, in]."""
     if method == "int8":
@@ -244,4 +256,5 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
                 w = child.weight.data.t() if child.transposed else child.weight.data
-                setattr(parent, name, make_quant_linear(w, method, group_size))
+                quantized = make_quant_linear(w, method, group_size)
+                setattr(parent, name, quantized if child.bias is None else WithBias(quantized, child.bias))
