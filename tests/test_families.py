@@ -21,7 +21,7 @@ NEW_TOKENS = 16
 PROMPT_LENS = (5, 12, 23, 30)  # all below 32, the original context of the dynamic / longrope models
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
 
 # name -> (transformers config class, model class, config overrides)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
@@ -43,7 +43,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                                 "long_factor": [1.5 + 0.5 * i for i in range(8)]})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
     "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_experts=8, shared_expert_intermediate_size=80, mlp_only_layers=[0], **MOE)),
+                  dict(num_experts=8, shared_expert_intermediate_size=96, mlp_only_layers=[0], **MOE)),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=8, norm_topk_prob=True, **MOE)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, clip_qkv=1.0)),
 }
@@ -128,7 +128,7 @@ def test_configs_match_hf(tmp_path):
     cfg = ModelConfig.from_hf(load_hf_config(tmp_path / "qwen2"))
     assert cfg.qkv_bias and not cfg.o_bias and cfg.layer_sliding_windows == [None, None]
     cfg = ModelConfig.from_hf(load_hf_config(tmp_path / "qwen2-moe"))
-    assert cfg.moe_layers == [False, True] and cfg.shared_expert_intermediate_size == 80 and not cfg.norm_topk_prob
+    assert cfg.moe_layers == [False, True] and cfg.shared_expert_intermediate_size == 96 and not cfg.norm_topk_prob
     cfg = ModelConfig.from_hf(load_hf_config(tmp_path / "mixtral"))
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (8, 2, True)
     contexts = {n: ModelConfig.from_hf(load_hf_config(tmp_path / n)).context_length for n in FAMILIES}

@@ -173,12 +173,12 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         pending: dict[str, dict[int, torch.Tensor]] = {}
         loaded: set[str] = set()
-        for name, tensor in self._expand_experts(weights):
+        for name, tensor in LlamaForCausalLM._expand_experts(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.")
             if ".block_sparse_moe." in name:
-                for old, new in self.RENAMES:
+                for old, new in LlamaForCausalLM.RENAMES:
                     name = name.replace(old, new)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
