@@ -83,6 +83,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / scaling["factor"]
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
