@@ -181,3 +181,22 @@ def test_metrics_expert_counters_add_up(tiny_moe_dirs):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_bench_reports_expert_balance(tiny_moe_dirs, tmp_path, capsys):
+    import json
+
+    from pagedlm.bench.offline import expert_balance
+    from pagedlm.cli import main
+
+    assert expert_balance({}) is None
+    bal = expert_balance({0: [6, 2, 0, 0], 3: [2, 2, 2, 2]})
+    assert (bal["max_over_mean"], bal["worst_layer"], bal["worst_layer_max_over_mean"]) == (2.0, 0, 3.0)
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--model", str(tiny_moe_dirs["mixtral"]), "--dtype", "float32",
+                 "--backends", "pagedlm", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+                 "--repeats", "1", "--num-kv-blocks", "32", "--output-json", str(out)]) == 0
+    assert "expert load (pagedlm, whole run)" in capsys.readouterr().out
+    data = json.loads(out.read_text())["expert_balance"]
+    # warm-up (2 prompts x 4 new tokens) and the run (2 x 3), prompts of 4 tokens: x top-2 x 2 layers
+    assert data["routed_tokens"] == (2 * (4 + 3) + 2 * (4 + 2)) * 2 * 2 and data["max_over_mean"] >= 1.0
