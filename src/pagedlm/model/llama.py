@@ -81,7 +81,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        from pagedlm.model.moe import SparseMoE
+        from pagedlm.model.moe import SparseMoE  # moe.py builds its experts from LlamaMLP
 
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, cfg.layer_sliding_windows[index])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.config import ModelConfig
+from pagedlm.model.llama import LlamaMLP
 
 
 class Router(nn.Module):
@@ -33,8 +34,6 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        from pagedlm.model.llama import LlamaMLP
-
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = Router(cfg.hidden_size, cfg.num_experts)
         self.experts = nn.ModuleList(LlamaMLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
