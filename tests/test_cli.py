@@ -86,3 +86,28 @@ def test_memory_separates_sliding_window_layers(tmp_path, capsys):
     main(["memory", "--model", str(cfg), "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert "sliding window   : 15 layers" in out and "if sliding-window blocks were kept" in out
+
+
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6, "sliding_window": None, "tie_word_embeddings": False,
+}
+
+
+def test_memory_counts_every_expert(tmp_path, capsys):
+    """Mixtral 8x7B: 46.7B parameters (all experts), KV as for its 32 layers x 8 KV heads."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MIXTRAL_8X7B))
+    assert main(["memory", "--model", str(cfg), "--dtype", "bfloat16", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["weight_params"] == 46_702_792_704 and r["weight_bytes"] == 2 * 46_702_792_704
+    assert (r["num_experts"], r["moe_layers"], r["kv_bytes_per_token"]) == (8, 32, 2 * 32 * 8 * 128 * 2)
+    main(["memory", "--model", str(cfg), "--dtype", "bfloat16"])
+    assert "46,702.8M parameters, all 8 experts of 32 MoE layers = 87.0 GiB" in capsys.readouterr().out
+    cfg.write_text(json.dumps({**MIXTRAL_8X7B, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                               "sliding_window": 4096, "num_local_experts": None}))
+    assert main(["memory", "--model", str(cfg), "--dtype", "bfloat16", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["sliding_layers"] == 32 and r["sliding_window"] == 4096 and r["num_experts"] == 0

@@ -96,8 +96,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
     dtype = plan_execution(EngineConfig(model=target, dtype=args.dtype), checkpoint, measure=False).dtype
     spec = KVCacheSpec.for_model(cfg, args.block_size, dtype, args.kv_cache_dtype)
     budget = parse_bytes(args.kv_cache_memory or "2GiB")
-    max_len = args.max_model_len or cfg.max_position_embeddings
-    report = MemoryReport.build(cfg, spec, spec.num_blocks_for(budget), 0, max_len)
+    max_len = args.max_model_len or cfg.context_length
+    report = MemoryReport.build(cfg, spec, spec.num_blocks_for(budget), 0, max_len,
+                                weight_bytes=cfg.num_parameters() * dtype.itemsize)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0
 

@@ -65,6 +65,24 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     embedding_scale: float | None = None
+    # LLaMA-style families (model/llama.py): biases on q/k/v (Qwen2), on o_proj and on the MLP; QK-norm
+    # ("head": an RMSNorm over each head's head_dim, Qwen3; "full": over the whole q and k projections, OLMoE),
+    # OLMoE's clamp of q/k/v to +-clip_qkv.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: str | None = None
+    clip_qkv: float | None = None
+    # Mixture of experts (num_experts 0: dense): each token's MLP output is the weighted sum of its top
+    # num_experts_per_tok experts (softmax over all router logits, renormalized over the chosen ones when
+    # norm_topk_prob), plus a shared expert behind a sigmoid gate where shared_expert_intermediate_size > 0
+    # (Qwen2-MoE). moe_layers[i]: layer i has experts (else the dense MLP of intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: list[bool] | None = None
 
     @property
     def layer_sliding_windows(self) -> list[int | None]:
@@ -72,14 +90,91 @@ class ModelConfig:
         types = self.layer_types or ["full_attention"] * self.num_layers
         return [self.sliding_window if t == "sliding_attention" else None for t in types]
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and any(self.moe_layers or [])
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model serves: max_position_embeddings, stretched by linear, dynamic and YaRN
+        RoPE scaling (as vLLM derives it; llama3 and longrope configs already state the stretched length)."""
+        s = self.rope_scaling or {}
+        kind, factor = s.get("rope_type"), s.get("factor") or 1.0
+        if kind in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * factor)
+        if kind == "yarn":
+            return max(self.max_position_embeddings, int(s["original_max_position_embeddings"] * factor))
+        return self.max_position_embeddings
+
+    def num_parameters(self) -> int:
+        """Parameters of the checkpoint (a tied LM head once, every expert of every MoE layer)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * (q + 2 * kv) + q * h + self.qkv_bias * (q + 2 * kv) + self.o_bias * h
+        attn += {"head": 2 * d, "full": q + kv}.get(self.qk_norm or "", 0)
+        norms = 2 * h
+        if self.model_type == "gemma3_text":
+            attn, norms = attn + 2 * d, 4 * h
+
+        def mlp(inter: int) -> int:
+            return 3 * h * inter + self.mlp_bias * (2 * inter + h)
+
+        moe = self.num_experts * (mlp(self.moe_intermediate_size) + h)
+        if self.shared_expert_intermediate_size:
+            moe += mlp(self.shared_expert_intermediate_size) + h
+        flags = self.moe_layers or [False] * self.num_layers
+        layers = sum(attn + norms + (moe if is_moe else mlp(self.intermediate_size)) for is_moe in flags)
+        return layers + h + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
         if model_type in ("gemma3", "gemma3_text"):
             return cls._from_hf_gemma3(cfg)
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"Unsupported model_type {model_type!r}: pagedlm runs LLaMA-family and Gemma 3 models.")
-        return cls(**cls._common(cfg, model_type))
+        if model_type not in LLAMA_STYLE_TYPES:
+            arch = (cfg.get("architectures") or [None])[0]
+            raise ValueError(f"Unsupported architecture {arch or model_type!r} (model_type {model_type!r}): pagedlm "
+                             f"runs {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        return cls(**cls._common(cfg, model_type), **cls._llama_style(cfg, model_type))
+
+    @staticmethod
+    def _llama_style(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+        """What sets the LLaMA-style families apart, read as transformers' config classes read it."""
+        n = cfg["num_hidden_layers"]
+        rope = cfg.get("rope_parameters") or {}
+        if (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError(f"{model_type}: partial rotary embeddings (partial_rotary_factor < 1) are not supported.")
+        out: dict[str, Any] = dict(hidden_act=cfg.get("hidden_act") or "silu")
+        window = cfg.get("sliding_window") or None
+        types = cfg.get("layer_types")
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window"):
+            window = None
+        if window is not None:
+            if not types:
+                mwl = cfg.get("max_window_layers", n)
+                sliding = {"qwen2": lambda i: i >= mwl, "qwen3": lambda i: i >= mwl,
+                           "qwen2_moe": lambda i: (i + 1) % 2 == 1 and i < mwl}.get(model_type, lambda i: True)
+                types = ["sliding_attention" if sliding(i) else "full_attention" for i in range(n)]
+            out.update(layer_types=list(types), sliding_window=int(window))
+        if model_type in ("qwen2", "qwen2_moe"):
+            out["qkv_bias"] = cfg.get("qkv_bias", True)
+        else:
+            bias = bool(cfg.get("attention_bias", False))
+            out.update(qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
+        if model_type in ("qwen3", "qwen3_moe"):
+            out["qk_norm"] = "head"
+        elif model_type == "olmoe":
+            out.update(qk_norm="full", clip_qkv=cfg.get("clip_qkv"))
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe") and experts:
+            step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+            out.update(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                       moe_intermediate_size=(cfg.get("moe_intermediate_size") if model_type.startswith("qwen")
+                                              else None) or cfg["intermediate_size"],
+                       norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                       shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+                       moe_layers=[i not in dense and (i + 1) % step == 0 for i in range(n)])
+        return out
 
     @staticmethod
     def _common(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -96,8 +191,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0,
+            rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
@@ -133,6 +228,38 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("LLaMA", "Mistral", "Qwen2/2.5", "Qwen3", "Phi-3", "Mixtral", "Qwen2-MoE", "Qwen3-MoE",
+                           "OLMoE", "Gemma 3")
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The RoPE scaling of an HF config (`rope_scaling`, or transformers 5's flat `rope_parameters`) as one dict
+    with `rope_type` and, for the types that need it, `original_max_position_embeddings` (for dynamic NTK: the
+    length beyond which it scales, max_position_embeddings) and `factor`; None for plain RoPE."""
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and ("rope_type" in rope or "type" in rope):
+        scaling = rope
+    if not scaling:
+        return None
+    s = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    kind = "longrope" if kind == "su" else kind  # older Phi-3 configs
+    if kind in (None, "default"):
+        return None
+    max_pos = cfg.get("max_position_embeddings") or 2048
+    s["rope_type"] = kind
+    if kind in ("llama3", "yarn", "longrope"):  # Phi-3 states the pretraining length at the top level
+        s["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings")
+                                                 or s.get("original_max_position_embeddings") or max_pos)
+    elif kind == "dynamic":
+        s["original_max_position_embeddings"] = max_pos
+    if kind in ("yarn", "longrope") and s.get("factor") is None:
+        s["factor"] = max_pos / s["original_max_position_embeddings"]
+    return s
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")

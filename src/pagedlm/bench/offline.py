@@ -145,6 +145,34 @@ LATENCY_COLUMNS = [("backend", "backend", ""), ("tok_s", "tok/s", ".1f"), ("e2e_
                    ("ttft_ms", "TTFT ms", ".1f"), ("tpot_ms", "TPOT ms", ".2f"), ("ratio", "ratio", ".2f")]
 
 
+def expert_balance(counts: dict[int, list[int]]) -> dict | None:
+    """Load balance of a MoE run from the engine's expert counters (layer -> tokens per expert): max / mean tokens
+    per expert over all layers together and in the worst layer. None for a dense model."""
+    if not counts:
+        return None
+
+    def ratio(xs: list[int]) -> float:
+        return max(xs) / (sum(xs) / len(xs)) if sum(xs) else 0.0
+
+    worst = max(counts, key=lambda layer: ratio(counts[layer]))
+    total = [sum(col) for col in zip(*counts.values())]
+    return {"routed_tokens": sum(total), "max_over_mean": ratio(total), "worst_layer": worst,
+            "worst_layer_max_over_mean": ratio(counts[worst]), "per_layer": counts}
+
+
+def report_expert_balance(backends: list[Backend]) -> dict | None:
+    """Print (and return) the expert load balance of the pagedlm backend's run, if its model has experts."""
+    for b in backends:
+        if hasattr(b, "llm") and hasattr(b.llm, "engine"):
+            bal = expert_balance(b.llm.engine.get_stats().moe_expert_tokens)
+            if bal:
+                print(f"expert load ({b.name}, whole run): {bal['routed_tokens']:,} token-expert assignments, "
+                      f"max/mean tokens per expert {bal['max_over_mean']:.2f} over all layers, "
+                      f"{bal['worst_layer_max_over_mean']:.2f} in the worst layer ({bal['worst_layer']})")
+            return bal
+    return None
+
+
 def environment() -> dict:
     return {"torch": torch.__version__, "threads": threads_note(), "machine": platform.machine(),
             "processor": platform.processor(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -179,9 +207,11 @@ def cmd_throughput(args, engine_kwargs: dict) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else [args.num_prompts]
     rows = run_throughput(backends, vocab, sizes, args.input_len, args.output_len, args.repeats, args.seed)
     print(format_table([asdict(r) for r in rows], THROUGHPUT_COLUMNS))
+    balance = report_expert_balance(backends)
     write_json(args.output_json, {"benchmark": "throughput", "model": model, "dtype": dtype,
                                   "input_len": args.input_len, "output_len": args.output_len,
-                                  "repeats": args.repeats, "env": environment(), "rows": [asdict(r) for r in rows]})
+                                  "repeats": args.repeats, "env": environment(), "rows": [asdict(r) for r in rows],
+                                  "expert_balance": balance})
     if args.plot:
         plot_throughput(rows, args.plot)
     return 0
@@ -199,10 +229,11 @@ def cmd_latency(args, engine_kwargs: dict) -> int:
         prefill = run_prefill(backends, vocab, [int(x) for x in args.prefill_lens.split(",")],
                               args.prefill_repeats, args.seed)
         print(format_table([asdict(r) for r in prefill], PREFILL_COLUMNS))
+    balance = report_expert_balance(backends)
     write_json(args.output_json, {"benchmark": "latency", "model": model, "dtype": dtype,
                                   "input_len": args.input_len, "output_len": args.output_len,
                                   "repeats": args.repeats, "env": environment(), "rows": [asdict(r) for r in rows],
-                                  "prefill": [asdict(r) for r in prefill]})
+                                  "prefill": [asdict(r) for r in prefill], "expert_balance": balance})
     return 0
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Iterable
 
 import torch
@@ -41,6 +41,7 @@ class EngineStats:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> tokens per expert
 
 
 class LLMEngine:
@@ -74,10 +75,10 @@ class LLMEngine:
                                           config.enable_prefix_caching, spec.sliding_windows)
         self.scheduler = Scheduler(config, self.block_manager)
 
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
-        if max_len > self.model_config.max_position_embeddings:
+        max_len = config.max_model_len or self.model_config.context_length
+        if max_len > self.model_config.context_length:
             raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
-                             f"{self.model_config.max_position_embeddings}.")
+                             f"{self.model_config.context_length}.")
         capacity = self.block_manager.max_tokens_per_seq(config.max_num_batched_tokens)
         if max_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache capacity (%d tokens); capping it.", max_len, capacity)
@@ -85,7 +86,8 @@ class LLMEngine:
         self.max_model_len = max_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
-        self.memory_report = MemoryReport.build(self.model_config, spec, num_blocks, num_cpu_blocks, max_len)
+        self.memory_report = MemoryReport.build(self.model_config, spec, num_blocks, num_cpu_blocks, max_len,
+                                                weight_bytes=self.runner.weight_bytes())
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._requests: dict[str, Request] = {}
@@ -445,4 +447,5 @@ class LLMEngine:
             num_swapped=len(sch.swapped), kv_cache_usage=bm.usage(), num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_total_blocks, num_preemptions=sch.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits)
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in self.runner.moe_blocks})

@@ -43,6 +43,17 @@ class ModelRunner:
             for layer in group.layers:
                 self.layer_group[layer] = g
         self.kv_cache: KVCache | None = None
+        self.moe_blocks = self.model.moe_blocks() if hasattr(self.model, "moe_blocks") else []
+
+    def weight_bytes(self) -> int:
+        """Bytes of the loaded weights as held for the run (quantized, repacked, each storage counted once)."""
+        seen: dict[int, int] = {}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if t.is_floating_point() or t.dtype in (torch.int8, torch.uint8):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        rope = getattr(self.model, "rotary", None)
+        tables = {t.untyped_storage().data_ptr() for t in (rope.cos, rope.sin)} if rope is not None else set()
+        return sum(n for ptr, n in seen.items() if ptr not in tables)
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.kv_cache = KVCache(self.kv_spec, num_blocks, num_cpu_blocks, self.device)

@@ -47,10 +47,14 @@ class MemoryReport:
     max_model_len: int
     max_concurrency: float  # decoding sequences of max_model_len that fit at once
     max_concurrency_without_freeing: float  # the same if sliding-window blocks were kept
+    weight_params: int = 0  # parameters of the checkpoint (every expert of a MoE model)
+    weight_bytes: int = 0  # the weights as held for the run (or parameters x dtype size where not loaded)
+    num_experts: int = 0
+    moe_layers: int = 0
 
     @classmethod
     def build(cls, cfg: ModelConfig, spec: KVCacheSpec, num_blocks: int, num_cpu_blocks: int,
-              max_model_len: int) -> MemoryReport:
+              max_model_len: int, weight_bytes: int | None = None) -> MemoryReport:
         windows = spec.sliding_windows
         per_layer = 2 * spec.num_kv_heads * spec.entry_dim * spec.element_size
         full_layers = sum(len(g.layers) for g in spec.groups if g.sliding_window is None)
@@ -70,7 +74,11 @@ class MemoryReport:
             num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, kv_cache_bytes=num_blocks * spec.bytes_per_block,
             tokens_capacity=max_tokens_per_seq(windows, spec.block_size, num_blocks, 1),
             max_model_len=max_model_len, max_concurrency=num_blocks / blocks_per_seq,
-            max_concurrency_without_freeing=num_blocks / (len(windows) * -(-max_model_len // spec.block_size)))
+            max_concurrency_without_freeing=num_blocks / (len(windows) * -(-max_model_len // spec.block_size)),
+            weight_params=cfg.num_parameters(),
+            weight_bytes=cfg.num_parameters() * spec.element_size if weight_bytes is None else weight_bytes,
+            num_experts=cfg.num_experts if cfg.is_moe else 0, moe_layers=sum(cfg.moe_layers or [])
+            if cfg.is_moe else 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,8 +87,11 @@ class MemoryReport:
         entry = f"{self.head_dim} head_dim x {self.dtype_bytes} B ({self.dtype})"
         if self.scale_bytes:
             entry = f"({entry} + {self.scale_bytes} B scale)"
+        experts = (f", all {self.num_experts} experts of {self.moe_layers} MoE layers" if self.num_experts else "")
         lines = [
             "KV cache memory report",
+            f"  weights            : {self.weight_params / 1e6:,.1f}M parameters{experts} = "
+            f"{_fmt_bytes(self.weight_bytes)}",
             f"  KV bytes per token : 2 x {self.num_layers} layers x {self.num_kv_heads} kv_heads x "
             f"{entry} = {self.kv_bytes_per_token:,} B ({_fmt_bytes(self.kv_bytes_per_token)})",
         ]

@@ -20,7 +20,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     from pagedlm.model.loader import iter_weights, load_hf_config
 
     cfg = ModelConfig.from_hf(load_hf_config(path))
-    model_cls = Gemma3ForCausalLM if cfg.model_type == "gemma3_text" else LlamaForCausalLM
+    model_cls = Gemma3ForCausalLM if cfg.model_type == "gemma3_text" else LlamaForCausalLM  # + every LLaMA style
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

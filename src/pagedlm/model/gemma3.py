@@ -9,15 +9,8 @@ from torch import nn
 
 from pagedlm.attention import AttentionMetadata, write_kv
 from pagedlm.config import ModelConfig
-from pagedlm.model.layers import Linear, rope_inv_freq
+from pagedlm.model.layers import ACTIVATIONS, Linear, rope_inv_freq
 from pagedlm.model.llama import LlamaForCausalLM
-
-ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
-}
 
 
 class GemmaRMSNorm(nn.Module):

@@ -8,6 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back (as HF does). For float32 inputs the fused
@@ -37,10 +44,11 @@ class Linear(nn.Module):
     native bf16; on AVX2-only CPUs `x @ W` in bf16 is several times slower than `F.linear`, so W stays [out, in].
     """
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.transposed = False
 
     def process_weights_after_loading(self) -> None:
@@ -49,7 +57,10 @@ class Linear(nn.Module):
             self.transposed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight if self.transposed else F.linear(x, self.weight)
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x.reshape(-1, self.in_features),
+                                                                      self.weight).view(*x.shape[:-1], -1)
 
 
 def prefer_transposed(dtype: torch.dtype, device: torch.device) -> bool:
@@ -62,6 +73,7 @@ def prefer_transposed(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """The inverse frequencies of the position-independent RoPE types (default, linear, llama3, yarn)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv_freq
@@ -70,6 +82,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -84,6 +100,73 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"Unsupported rope scaling type {kind!r}.")
 
 
+def _yarn_inv_freq(dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN: interpolated (divided by `factor`) below the low-frequency bound, extrapolated (kept) above the
+    high one, a linear ramp between (bounds from beta_fast / beta_slow rotations over the original length)."""
+    factor, orig = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor YaRN and LongRoPE multiply cos and sin by (1 for the other types)."""
+    s = scaling or {}
+    kind = s.get("rope_type")
+    if kind not in ("yarn", "longrope"):
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = s["factor"]
+    if factor <= 1:
+        return 1.0
+    if kind == "longrope":
+        return math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+    return mscale(factor)
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float,
+                scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, head_dim / 2] of every position. Dynamic NTK and LongRoPE pick their
+    frequencies by sequence length; a position p gets those of length p + 1, i.e. the ones HF transformers uses
+    for the token at p when it is decoded (so HF's token-by-token generation is matched exactly whenever the
+    prompt fits in the original context; a longer prompt is rotated per position, as vLLM does, not all with
+    the frequencies of its full length)."""
+    pos = torch.arange(max_positions, dtype=torch.float32)
+    kind = (scaling or {}).get("rope_type", "default")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if kind == "dynamic":
+        factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+        seq = torch.clamp(pos + 1, min=orig)
+        base = theta * ((factor * seq / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        freqs = pos[:, None] * (1.0 / base[:, None] ** exponents)
+    elif kind == "longrope":
+        short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** exponents)
+        long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta ** exponents)
+        is_long = (pos + 1 > scaling["original_max_position_embeddings"])[:, None]
+        freqs = pos[:, None] * torch.where(is_long, long, short)
+    else:
+        freqs = torch.outer(pos, rope_inv_freq(head_dim, theta, scaling))
+    attn = rope_attention_factor(scaling)
+    return freqs.cos() * attn, freqs.sin() * attn
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the rotate-half layout, with a precomputed cos/sin table.
 
@@ -94,10 +177,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [pos, dim / 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = rope_tables(head_dim, max_positions, theta, scaling)  # [pos, dim / 2]
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, 1, dim / 2] each, ready to broadcast over heads."""

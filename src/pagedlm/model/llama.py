@@ -1,8 +1,10 @@
-"""LLaMA-family decoder (LLaMA, SmolLM, Mistral-style GQA) written for serving: a flat token batch in,
-K/V through the paged cache, logits only where asked for."""
+"""LLaMA-style decoders written for serving: a flat token batch in, K/V through the paged cache, logits only where
+asked for. One model with options covers LLaMA / SmolLM, Mistral (sliding window), Qwen2/2.5 (q/k/v biases),
+Qwen3 (QK-norm), Phi-3 (checkpoints already fused) and the mixture-of-experts families Mixtral, Qwen2-MoE,
+Qwen3-MoE and OLMoE (model/moe.py), as the ModelConfig of the checkpoint says."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -11,25 +13,35 @@ from torch import nn
 from pagedlm.attention import AttentionMetadata, write_kv
 from pagedlm.attention.cpu_kernel import paged_attention_cpu, rope_write_kv
 from pagedlm.config import ModelConfig
-from pagedlm.model.layers import Linear, RMSNorm, RotaryEmbedding, prefer_transposed
+from pagedlm.model.layers import ACTIVATIONS, Linear, RMSNorm, RotaryEmbedding, prefer_transposed
 from pagedlm.model.llama_decode import LlamaDecodeKernel
 from pagedlm.model.quant import Int4Blocks
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm, self.clip_qkv = cfg.qk_norm, cfg.clip_qkv
+        if cfg.qk_norm is not None:
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else self.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else self.kv_size, cfg.rms_norm_eps)
+        self.attn_kwargs = {} if sliding_window is None else {"sliding_window": sliding_window}
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, attn_fn) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.qk_norm is not None:
+            qkv = self._norm_qk(qkv)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         k_cache, v_cache = kv_cache
         if rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping):
             q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)  # rotated in place, k/v written
@@ -39,29 +51,43 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = attn_fn(q, k_cache, v_cache, meta, self.scale)
+        o = attn_fn(q, k_cache, v_cache, meta, self.scale, **self.attn_kwargs)
         return self.o_proj(o.reshape(n, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of q and k before RoPE: per head (Qwen3) or over the whole projection (OLMoE)."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "head":
+            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).reshape(n, self.q_size)
+            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).reshape(n, self.kv_size)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
+        from pagedlm.model.moe import SparseMoE  # moe.py builds its experts from LlamaMLP
+
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, cfg.layer_sliding_windows[index])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe_layers and cfg.moe_layers[index] else LlamaMLP(cfg)
 
     def forward(self, rope, x, kv_cache, meta, attn_fn) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, attn_fn)
@@ -74,14 +100,19 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    # Mixtral's checkpoint names for what the other MoE families (and this model) call mlp.experts.E.*_proj.
+    RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+               (".w2.", ".down_proj."))
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.sliding_window = cfg.sliding_window
+        self.layer_sliding_windows = cfg.layer_sliding_windows
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
@@ -107,6 +138,20 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(x, self.embed_tokens.weight)
         return self.lm_head(x)
 
+    @property
+    def supports_fused_decode(self) -> bool:
+        """The fused stack (llama_decode.py) runs plain LLaMA layers: no biases, QK-norm, clamping, experts,
+        sliding windows or activations other than SiLU."""
+        c = self.cfg
+        return not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.clip_qkv is not None or c.is_moe
+                    or any(w is not None for w in c.layer_sliding_windows) or c.hidden_act != "silu")
+
+    def moe_blocks(self) -> list[tuple[int, nn.Module]]:
+        """(layer index, SparseMoE) of every layer with experts."""
+        from pagedlm.model.moe import SparseMoE
+
+        return [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)]
+
     def decode_kernel(self) -> LlamaDecodeKernel | None:
         """The fused decoder stack for small steps (llama_decode.py), bound on first use: by then the weights
         are in their final layout (repacked, quantized)."""
@@ -130,10 +175,13 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         pending: dict[str, dict[int, torch.Tensor]] = {}
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in LlamaForCausalLM._expand_experts(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.")
+            if ".block_sparse_moe." in name:
+                for old, new in LlamaForCausalLM.RENAMES:
+                    name = name.replace(old, new)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             parts = name.split(".")
@@ -158,6 +206,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"Checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
         if hasattr(self, "process_weights_after_loading"):  # models borrowing this loader may not define it
             self.process_weights_after_loading()
+
+    @staticmethod
+    def _expand_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """transformers 5's fused expert tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])
+        as one tensor per expert, the layout checkpoints are saved in."""
+        for name, tensor in weights:
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                base, _, proj = name.rpartition(".")
+                for e in range(tensor.shape[0]):
+                    yield f"{base}.{e}.{proj}.weight", tensor[e]
+            else:
+                yield name, tensor
 
     def _copy(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | Int4Blocks) -> None:
         """Copy a checkpoint tensor into its parameter; int4 blocks kept as stored are set aside in

@@ -59,7 +59,7 @@ def _describe(linear: nn.Module) -> _Linear | None:
     """The kernel's view of a linear layer, or None for a layout it does not read."""
     if isinstance(linear, Linear):
         w = linear.weight
-        if not linear.transposed or w.dtype != torch.float32:
+        if not linear.transposed or w.dtype != torch.float32 or linear.bias is not None:
             return None
         return _Linear(LIN_F32T, linear.in_features, linear.out_features, 0, w.data_ptr(), None, None)
     if isinstance(linear, Int8Linear):
@@ -119,6 +119,8 @@ class LlamaDecodeKernel:
         from pagedlm.attention.cpu_kernel import HEAD_DIMS
 
         cfg = model.cfg
+        if not getattr(model, "supports_fused_decode", True):  # biases, QK-norm, experts, sliding windows
+            return None
         lib = load_decode_kernel()
         if lib is None or cfg.head_dim not in HEAD_DIMS or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads > 64:
             return None

@@ -42,8 +42,33 @@ _GEMMA3_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_ARCH_BLOCK_NAMES = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES}
-_IGNORED = {"rope_freqs"}
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Experts: llama.cpp stacks them into one [experts, out, in] tensor per projection ("{}": the expert index).
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+}
+_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_ARCH_BLOCK_NAMES = {
+    "llama": {**_BLOCK_NAMES, **_MOE_NAMES},  # LLaMA, Mistral, Mixtral
+    "gemma3": _GEMMA3_BLOCK_NAMES,
+    "qwen2": _BLOCK_NAMES,
+    "qwen3": {**_BLOCK_NAMES, **_QK_NORM_NAMES},
+    "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused as in HF
+    "qwen2moe": {**_BLOCK_NAMES, **_MOE_NAMES, **_SHARED_EXPERT_NAMES},
+    "qwen3moe": {**_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES},
+    "olmoe": {**_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES},
+}
+_GGUF_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen2moe": "qwen2_moe",
+                     "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_IGNORED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 
 
 @functools.lru_cache(maxsize=2)
@@ -77,7 +102,8 @@ def load_hf_config(path: Path) -> dict[str, Any]:
 def _gguf_config(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
     arch = _meta(reader, "general.architecture")
     if arch not in _ARCH_BLOCK_NAMES:
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, gemma3)")
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(_ARCH_BLOCK_NAMES)})")
 
     def a(key: str, default: Any = None) -> Any:
         return _meta(reader, f"{arch}.{key}", default)
@@ -94,13 +120,22 @@ def _gguf_config(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
             rope_scaling["original_max_position_embeddings"] = orig
     elif a("rope.scale_linear") is not None:
         rope_scaling = {"rope_type": "linear", "factor": a("rope.scale_linear")}
+    elif "rope_freqs.weight" in tensors:  # llama.cpp's form of Llama 3.1 scaling: a divisor per frequency
+        rope_scaling = {"rope_type": "freq_factors", "factors": _vector(tensors["rope_freqs.weight"])}
     types = {t.tensor_type for t in reader.tensors}
     q = gguf.GGMLQuantizationType
     torch_dtype = "bfloat16" if q.BF16 in types else "float16" if q.F16 in types else "float32"
     if arch == "gemma3":
         return {**_gemma3_config(a, hidden, n_heads, vocab, reader, tensors), "torch_dtype": torch_dtype}
+    if arch == "phi3" and "rope_factors_long.weight" in tensors:
+        rope_scaling = {"rope_type": "longrope",
+                        "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+                        "long_factor": _vector(tensors["rope_factors_long.weight"]),
+                        "short_factor": _vector(tensors["rope_factors_short.weight"])}
+        if (attn := a("rope.scaling.attn_factor")) is not None:
+            rope_scaling["attention_factor"] = attn
     return {
-        "model_type": "llama",
+        **_llama_style_gguf(arch, a, tensors),
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
         "num_hidden_layers": a("block_count"),
@@ -119,6 +154,37 @@ def _gguf_config(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": torch_dtype,
     }
+
+
+def _vector(t) -> list[float]:
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
+
+
+def _llama_style_gguf(arch: str, a, tensors: dict) -> dict[str, Any]:
+    """The family-specific keys of the LLaMA-style architectures, as HF config keys."""
+    experts = a("expert_count") or 0
+    model_type = _GGUF_MODEL_TYPES.get(arch) or ("mixtral" if experts else "llama")
+    window = a("attention.sliding_window")
+    if model_type == "llama" and window:
+        model_type = "mistral"
+    out: dict[str, Any] = {"model_type": model_type, "sliding_window": window}
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and window:
+        out["use_sliding_window"] = True
+    if model_type in ("qwen2", "qwen2_moe"):
+        out["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    else:
+        out["attention_bias"] = "blk.0.attn_output.bias" in tensors or "blk.0.attn_q.bias" in tensors
+    if model_type == "olmoe":
+        out["clip_qkv"] = a("attention.clamp_kqv")
+    if experts:
+        # llama.cpp renormalizes the chosen weights for Mixtral and Qwen3-MoE unless the file says otherwise
+        norm = a("expert_weights_norm", model_type in ("mixtral", "qwen3_moe"))
+        out.update(num_experts=experts, num_experts_per_tok=a("expert_used_count"), norm_topk_prob=bool(norm),
+                   moe_intermediate_size=a("expert_feed_forward_length") or a("feed_forward_length"),
+                   shared_expert_intermediate_size=a("expert_shared_feed_forward_length") or 0,
+                   mlp_only_layers=[i for i in range(a("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in
+                                    tensors])  # layers without a router are dense
+    return out
 
 
 def _gemma3_config(a, hidden: int, n_heads: int, vocab: int, reader: gguf.GGUFReader,
@@ -212,6 +278,7 @@ def _iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor ("{}" in it for a stack of experts), None for a tensor not loaded as a weight."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
@@ -233,22 +300,29 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     reader = open_gguf(path)
     cfg = _gguf_config(path, reader)
-    arch = "gemma3" if cfg["model_type"] == "gemma3_text" else "llama"
-    # llama.cpp permutes LLaMA's Q/K rows and stores Gemma's (1 + w) norm weights as 1 + w.
+    arch = _meta(reader, "general.architecture")
+    # llama.cpp permutes the Q/K rows of its llama architecture (LLaMA, Mistral, Mixtral) and stores Gemma's
+    # (1 + w) norm weights as 1 + w.
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} if arch == "llama" else {}
     for t in reader.tensors:
         name = _hf_name(t.name, arch)
         if name is None:
             continue
-        if t.tensor_type.name in native and name.endswith("proj.weight"):
+        if t.tensor_type.name in native and name.endswith("proj.weight") and "{}" not in name:
             blocks = Int4Blocks.from_gguf(t.data, t.tensor_type.name)
             if (kind := t.name.split(".")[-2]) in heads:
                 blocks = blocks.rows(_unpermute(np.arange(blocks.shape[0]), heads[kind]))
             yield name, blocks
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        if (kind := t.name.split(".")[-2]) in heads:
+        if (kind := t.name.split(".")[-2]) in heads:  # weights and biases alike
             w = _unpermute(w, heads[kind])
         elif arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1
-        yield name, torch.from_numpy(np.copy(w)).to(dtype)
+        if kind == "ffn_gate_inp_shexp":
+            w = w.reshape(1, -1)
+        if "{}" in name:  # a stack of experts
+            for e in range(w.shape[0]):
+                yield name.format(e), torch.from_numpy(np.copy(w[e])).to(dtype)
+        else:
+            yield name, torch.from_numpy(np.copy(w)).to(dtype)

@@ -278,6 +278,18 @@ class Int8Embedding(nn.Module):
         return (self.table.rows(ids).float() * self.table.scale[ids, None]).to(self.dtype)
 
 
+class WithBias(nn.Module):
+    """A quantized linear layer plus the (unquantized) bias of the Linear it replaced."""
+
+    def __init__(self, linear: QuantLinear, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.bias = nn.Parameter(bias.data, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.bias
+
+
 def make_quant_linear(weight: torch.Tensor | Int4Blocks, method: str, group_size: int) -> QuantLinear:
     """`weight` is [out, in] (or int4 blocks, for int4)."""
     if method == "int8":
@@ -311,7 +323,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dt
                 w = native.pop(f"{prefix}.{name}.weight".lstrip("."), None)
                 if w is None:
                     w = child.weight.data.t() if child.transposed else child.weight.data
-                setattr(parent, name, make_quant_linear(w, method, group_size))
+                quantized = make_quant_linear(w, method, group_size)
+                setattr(parent, name, quantized if child.bias is None else WithBias(quantized, child.bias))
     if native:
         raise ValueError(f"int4 blocks for weights that are not linear layers: {sorted(native)[:4]}")
     dense_bytes = 0

@@ -72,6 +72,13 @@ class _EngineCollector(Collector):
         yield family(C, "pagedlm:requests_failed", "Requests failed by an engine error.", lambda e, s: e.num_failed)
         yield family(C, "pagedlm:requests_stalled", "Requests aborted because their client stopped reading.",
                      lambda e, s: e.num_stalled)
+        moe = C("pagedlm:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer.",
+                labels=["model_name", "layer", "expert"])
+        for model, eng, s in snaps:
+            for layer, counts in s.moe_expert_tokens.items():
+                for expert, n in enumerate(counts):
+                    moe.add_metric([model, str(layer), str(expert)], n)
+        yield moe
 
 
 class _ModelHistograms:
