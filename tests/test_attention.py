@@ -166,6 +166,23 @@ def test_cpu_kernel_matches_reference(seq_lens, query_lens, dtype, heads, kv_hea
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("seq_lens,query_lens", LONG_CASES[:2])
+def test_cpu_kernel_fp32_queries_on_a_bf16_cache(seq_lens, query_lens, monkeypatch):
+    """The default plan of a Q4 GGUF: fp32 activations, bf16 KV. The kernel (not the sdpa fallback) must take it
+    and agree with the oracle reading the same bf16 entries."""
+    from pagedlm.attention import cpu_kernel, torch_sdpa
+
+    if cpu_kernel.load_kernel() is None:
+        pytest.skip("CPU kernel unavailable")
+    q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, 9, 3, 64, 16, torch.float32, seed=11)
+    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    monkeypatch.setattr(torch_sdpa, "paged_attention_sdpa", None)  # a fallback would now fail
+    out = BACKENDS["cpu"](q, kc, vc, meta, 0.125)
+    assert out.dtype == torch.float32
+    ref = BACKENDS["reference"](q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_kernel_split_keys_and_window(threads):
     """Batch-1 decode splits the key range across threads (flash-decoding); with a sliding window too."""

@@ -274,11 +274,14 @@ def test_plan_per_cpu_and_setting(tiny_model_dir, tiny_q4_gguf, monkeypatch):
     zen4, avx2 = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, {"avx2", "fma"}
     p = plan(zen4, tiny_q4_gguf)
     assert (p.quantization, p.dtype, p.dense_dtype, p.kernel_max_rows) == ("int4", torch.float32, torch.bfloat16, 8)
-    assert "avx512_bf16" in p.describe() and "natively" in p.describe()
+    assert p.kv_cache_dtype == "bfloat16"
+    assert "avx512_bf16" in p.describe() and "natively" in p.describe() and "KV cache bfloat16" in p.describe()
     p = plan(avx2, tiny_q4_gguf)
-    assert (p.quantization, p.dtype, p.dense_dtype) == ("int4", torch.float32, torch.float32)
+    assert (p.quantization, p.dtype, p.dense_dtype, p.kv_cache_dtype) == ("int4", torch.float32, torch.float32,
+                                                                          "bfloat16")
+    assert plan(avx2, tiny_q4_gguf, kv_cache_dtype="int8").kv_cache_dtype == "int8"  # an explicit KV dtype stays
     p = plan(zen4, tiny_q4_gguf, dtype="float32")  # explicit fp32: the full-precision path
-    assert (p.quantization, p.dtype) == (None, torch.float32)
+    assert (p.quantization, p.dtype, p.kv_cache_dtype) == (None, torch.float32, "auto")
     p = plan(zen4, tiny_q4_gguf, dtype="float32", quantization="int8")
     assert (p.quantization, p.dtype, p.dense_dtype) == ("int8", torch.float32, torch.float32)
     p = plan(zen4, tiny_model_dir)  # safetensors: nothing to run natively

@@ -93,12 +93,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
         checkpoint = resolve_model(target)
         hf = load_hf_config(checkpoint)
     cfg = ModelConfig.from_hf(hf)
-    dtype = plan_execution(EngineConfig(model=target, dtype=args.dtype), checkpoint, measure=False).dtype
-    spec = KVCacheSpec.for_model(cfg, args.block_size, dtype, args.kv_cache_dtype)
+    plan = plan_execution(EngineConfig(model=target, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype),
+                          checkpoint, measure=False)
+    spec = KVCacheSpec.for_model(cfg, args.block_size, plan.dtype, plan.kv_cache_dtype)
     budget = parse_bytes(args.kv_cache_memory or "2GiB")
     max_len = args.max_model_len or cfg.context_length
     report = MemoryReport.build(cfg, spec, spec.num_blocks_for(budget), 0, max_len,
-                                weight_bytes=cfg.num_parameters() * dtype.itemsize)
+                                weight_bytes=cfg.num_parameters() * plan.dtype.itemsize)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0
 

@@ -262,7 +262,7 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     return s
 
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see model/quant.py
 KERNEL_MAX_ROWS = 16  # the most rows the quantized kernels and the fused decoder stack take
 
@@ -290,7 +290,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "reference" | "auto"
     quantization: str | None = None  # weight-only: "int8" (per channel) | "int4" (group-wise)
     quantization_group_size: int = 32
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8_e4m3"
+    kv_cache_dtype: str = "auto"  # "auto" (the plan picks) | "float32" | "bfloat16" | "int8" | "fp8_e4m3"
     # Quantized weights: steps of at most this many rows run the quantized kernels (and the fused decoder stack),
     # larger ones a dense GEMM. None: measured at start-up (model/probe.py, cached per CPU).
     kernel_max_rows: int | None = None

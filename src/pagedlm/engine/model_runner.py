@@ -37,7 +37,7 @@ class ModelRunner:
                                                    plan.dense_dtype, plan.kernel_max_rows)
         self.attn_fn = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
-        self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, config.kv_cache_dtype)
+        self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, plan.kv_cache_dtype)
         self.layer_group = [0] * self.model_config.num_layers  # layer -> its KV cache group
         for g, group in enumerate(self.kv_spec.groups):
             for layer in group.layers:

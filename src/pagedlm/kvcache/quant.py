@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 SCALE_BYTES = 4
-KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# "float32" / "bfloat16": plain entries of that dtype, whatever the activations' dtype.
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
+                   "fp8_e4m3": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 

@@ -23,7 +23,7 @@ from pagedlm.model.quant import Int4Linear, Int8Linear, QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED = 0, 1, 2, 3
-KV_F32, KV_INT8 = 0, 2  # the attention kernel's KVKind
+KV_F32, KV_BF16, KV_INT8 = 0, 1, 2  # the attention kernel's KVKind
 
 
 class _Linear(ctypes.Structure):
@@ -73,9 +73,11 @@ def _describe(linear: nn.Module) -> _Linear | None:
 
 
 def _kv_kind(cache: torch.Tensor, head_dim: int) -> int | None:
-    """The kernel's code for a layer's KV cache tensor, or None where it cannot write it (fp8, bf16)."""
+    """The kernel's code for a layer's KV cache tensor, or None where it cannot write it (fp8)."""
     if cache.dtype == torch.float32:
         return KV_F32
+    if cache.dtype == torch.bfloat16:
+        return KV_BF16
     if cache.dtype == torch.int8 and cache.shape[-1] == head_dim + 4:
         return KV_INT8
     return None

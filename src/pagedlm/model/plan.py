@@ -4,7 +4,9 @@ user's settings; `ExecutionPlan.describe()` says what was chosen and why.
 
 The default (`dtype="auto"`, no `quantization`) on a CPU:
 - a GGUF whose linear weights are all Q4_0 / Q4_1 runs them as int4 (model/quant.py stores exactly these blocks:
-  groups of 32, fp16 scale and minimum), with fp32 activations, so decode steps take the fused C++ decoder stack;
+  groups of 32, fp16 scale and minimum), with fp32 activations, so decode steps take the fused C++ decoder stack,
+  and a bf16 KV cache (unless `kv_cache_dtype` says otherwise): half the bytes of fp32, so twice the tokens fit
+  and attention, which streams the cache, reads half as much;
 - anything else runs in bf16 where the CPU has native bf16 (AVX512-BF16 or AMX), else in fp32, as before.
 Quantized layers keep a dense copy of their weights (bf16 where the CPU has native bf16 and the dtype was left to
 `auto`, else fp32) for steps with more rows than `kernel_max_rows`, where a GEMM beats the quantized kernels; the
@@ -33,11 +35,13 @@ class ExecutionPlan:
     dense_dtype: torch.dtype | None  # the quantized layers' dense copy for big steps (None: not quantized)
     kernel_max_rows: int  # steps of at most this many rows run the quantized kernels / the fused decoder stack
     reasons: list[str] = field(default_factory=list)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype, resolved ("auto": the activations' dtype)
 
     def describe(self) -> str:
         weights = {None: "dense", "int8": "int8 per channel",
                    "int4": f"int4 (groups of {self.group_size})"}[self.quantization]
-        s = f"execution: activations {_name(self.dtype)}, weights {weights}"
+        kv = _name(self.dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        s = f"execution: activations {_name(self.dtype)}, weights {weights}, KV cache {kv}"
         if self.quantization:
             s += (f"; steps of <= {self.kernel_max_rows} rows run the quantized kernels, larger ones a "
                   f"{_name(self.dense_dtype)} GEMM")
@@ -75,18 +79,22 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
         elif types:
             reasons.append(f"GGUF blocks {'/'.join(sorted(types))} are dequantized (native: "
                            f"{'/'.join(NATIVE_INT4_TYPES)})")
+    kv_cache_dtype = config.kv_cache_dtype
     if quantization and on_cpu and auto:
         dtype = torch.float32  # the fused decoder stack and the quantized kernels take fp32 activations
+        if kv_cache_dtype == "auto" and config.quantization is None:
+            kv_cache_dtype = "bfloat16"
+            reasons.append("bf16 KV cache: half the bytes of fp32")
     else:
         dtype = parse_dtype(config.dtype)
         if auto:
             reasons.append("bf16: the CPU has native bf16" if dtype == torch.bfloat16 and on_cpu
                            else f"{_name(dtype)} by default on {config.device}")
     if not quantization:
-        return ExecutionPlan(dtype, None, group_size, None, 0, reasons)
+        return ExecutionPlan(dtype, None, group_size, None, 0, reasons, kv_cache_dtype)
     dense = torch.bfloat16 if (dtype == torch.bfloat16 or (auto and cpu.native_bf16)) else torch.float32
     if not on_cpu:
-        return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons)
+        return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons, kv_cache_dtype)
     if config.kernel_max_rows is not None or not measure:
         rows = KERNEL_MAX_ROWS if config.kernel_max_rows is None else config.kernel_max_rows
         reasons.append(f"kernel_max_rows {rows} as configured")
@@ -95,4 +103,4 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
 
         rows, why = measure_kernel_max_rows(quantization, group_size, dense)
         reasons.append(why)
-    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons)
+    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype)

@@ -22,7 +22,7 @@ struct Linear {
 struct Layer {
   const float *input_norm, *post_norm;  // [hidden]
   Linear qkv, o, gate_up, down;
-  void *k_cache, *v_cache;  // [blocks, BS, KVH, D] fp32, or [blocks, BS, KVH, D + 4] int8 entries (kv_kind)
+  void *k_cache, *v_cache;  // [blocks, BS, KVH, D] fp32 or bf16, or [blocks, BS, KVH, D + 4] int8 entries (kv_kind)
 };
 
 struct Model {
@@ -133,7 +133,8 @@ void write_int8_entries(const float* x, int KVH, int D, int8_t* dst) {
 extern "C" {
 
 // x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. K/V are written
-// to (and attention reads) fp32 caches or int8 ones (quantized per token and head as kvcache/quant.py does).
+// to (and attention reads) fp32, bf16 (rounded to nearest even, as torch's .to(bfloat16)) or int8 caches
+// (quantized per token and head as kvcache/quant.py does).
 // cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV cache group
 // shared by all layers). The batch (check_batch) and the slots are validated before anything is computed or
 // written. Returns 0, a PagedlmStatus, or the first failing linear kernel's (positive) code.
@@ -142,7 +143,7 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
                          const int32_t* query_start_loc, int num_seqs, int nthreads) {
   const Model& md = *model;
   const int hid = md.hidden, D = md.D, qd = md.H * D, kvd = md.KVH * D, qkvd = qd + 2 * kvd;
-  if (md.kv_kind != KV_F32 && md.kv_kind != KV_INT8) return PAGEDLM_UNSUPPORTED;
+  if (md.kv_kind != KV_F32 && md.kv_kind != KV_BF16 && md.kv_kind != KV_INT8) return PAGEDLM_UNSUPPORTED;
   Args a{md.H, md.KVH, D, md.BS, max_blocks, 0, 1, md.kv_kind, 1.f / std::sqrt(float(D)), block_tables, seq_lens,
          query_start_loc};
   if (int rc = check_batch(a, num_seqs, M, md.num_blocks)) return rc;
@@ -158,6 +159,14 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
     if (md.kv_kind == KV_F32) {
       rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, static_cast<float*>(L.k_cache),
                     static_cast<float*>(L.v_cache), 1);
+    } else if (md.kv_kind == KV_BF16) {
+      rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
+      for (int m = 0; m < M; ++m) {
+        const float* row = &qkv[size_t(m) * qkvd];
+        uint16_t* kd = static_cast<uint16_t*>(L.k_cache) + slots[m] * kvd;
+        uint16_t* vd = static_cast<uint16_t*>(L.v_cache) + slots[m] * kvd;
+        for (int i = 0; i < kvd; ++i) { from_f(row[qd + i], kd + i); from_f(row[qd + kvd + i], vd + i); }
+      }
     } else {
       rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
       const int64_t entry_row = int64_t(md.KVH) * (D + 4);
