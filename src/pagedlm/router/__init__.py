@@ -21,7 +21,7 @@ from pagedlm.router.policies import (
 )
 from pagedlm.router.router import ModelEntry, Router
 
-__all__ = ["SLO", "BudgetExceededError", "BudgetLimits", "Candidate", "ClassifierPolicy", "Decision", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats",
-           "ModelEntry", "NoCandidateError", "RandomPolicy", "RequestFeatures", "Router", "SLAPolicy", "ScorePolicy",
-           "ShareCalibrator", "ShareMonitor", "SpendLedger", "extract_features", "population_stability_index",
-           "threshold_for"]
+__all__ = ["SLO", "BudgetExceededError", "BudgetLimits", "Candidate", "ClassifierPolicy", "Decision",
+           "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats", "ModelEntry", "NoCandidateError", "RandomPolicy",
+           "RequestFeatures", "Router", "SLAPolicy", "ScorePolicy", "ShareCalibrator", "ShareMonitor", "SpendLedger",
+           "extract_features", "population_stability_index", "threshold_for"]

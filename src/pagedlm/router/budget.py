@@ -66,21 +66,24 @@ class SpendLedger:
     def __init__(self, limits: BudgetLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits, self.clock = limits, clock
         self._spent: deque[tuple[float, str | None, float]] = deque()  # (time, tenant, cost)
-        self._holds: dict[int, tuple[str | None, float]] = {}
+        self._holds: dict[int, tuple[str | None, float, float]] = {}  # id -> (tenant, cost, since)
         self._ids = itertools.count(1)
         self._total = 0.0
         self._lock = threading.Lock()
 
     def _expire(self, now: float) -> None:
+        """Forget spend older than the window, and holds never settled within it (a request lost on the way)."""
         while self._spent and self._spent[0][0] <= now - self.limits.window_s:
             self._spent.popleft()
+        for hid in [h for h, (_, _, t) in self._holds.items() if t <= now - self.limits.window_s]:
+            del self._holds[hid]
 
     def _committed(self, who: str | None) -> tuple[float, float]:
         """(all, this tenant's) settled spend in the window plus holds; lock held."""
-        spent_all = sum(c for _, _, c in self._spent) + sum(c for _, c in self._holds.values())
+        spent_all = sum(c for _, _, c in self._spent) + sum(c for _, c, _ in self._holds.values())
         if who is None:
             return spent_all, 0.0
-        mine = sum(c for _, k, c in self._spent if k == who) + sum(c for k, c in self._holds.values() if k == who)
+        mine = sum(c for _, k, c in self._spent if k == who) + sum(c for k, c, _ in self._holds.values() if k == who)
         return spent_all, mine
 
     def _caps(self, who: str | None) -> list[tuple[str, float, int]]:
@@ -128,7 +131,7 @@ class SpendLedger:
     def hold(self, api_key: str | None, cost: float) -> int:
         with self._lock:
             hid = next(self._ids)
-            self._holds[hid] = (tenant(api_key), cost)
+            self._holds[hid] = (tenant(api_key), cost, self.clock())
             return hid
 
     def release(self, hold_id: int | None) -> None:
@@ -149,6 +152,6 @@ class SpendLedger:
         with self._lock:
             self._expire(self.clock())
             spent = sum(c for _, k, c in self._spent if who is None or k == who)
-            held = sum(c for k, c in self._holds.values() if who is None or k == who)
+            held = sum(c for k, c, _ in self._holds.values() if who is None or k == who)
             cap = self.limits.max_cost_per_hour if who is None else self.limits.max_cost_per_hour_per_key
             return BudgetState(cap, spent, held, self._total)

@@ -7,7 +7,7 @@ at once (streaming or not), and every path out of a handler aborts what it queue
 A request names its model (none: the first served one). With an `AutoRoute`, the route's name (`auto`) lets
 the router choose; a model that refuses (queue full), fails or is down before anything reached the client is
 replaced by the router's fallback. The choice is in the `x-pagedlm-routed-model` / `x-pagedlm-route-reason`
-headers and in the body's `model`.
+headers and in the body's `model`; a routed request past every spend cap gets 429 (`budget_exceeded`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -40,7 +41,7 @@ from pagedlm.engine.async_engine import (
     RequestStream,
 )
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedlm.router import Decision, NoCandidateError
+from pagedlm.router import BudgetExceededError, Decision, NoCandidateError
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -77,7 +78,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
     keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or () if k]
     app = FastAPI(title="pagedlm", version=__version__)
-    metrics = ServerMetrics(engines, routing=route is not None)
+    metrics = ServerMetrics(engines, router=route.router if route is not None else None)
     servers = {name: _Server(engine, name, max_prompts_per_request, prefix_cache_per_key)
                for name, engine in engines.items()}
     front = _Frontend(servers, metrics, route)
@@ -223,8 +224,11 @@ class _Frontend:
             return await srv.completions(request, req, arrival)
         req.check_supported()
         text = _routing_text(req.prompt)
-        return await self._routed(text, req.max_tokens,
-                                  lambda srv: srv.completions(request, req, arrival, routed=True))
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        cost_tokens = (sum(len(p.encode()) + 32 for p in prompts),
+                       (req.max_tokens or self.route.max_model_len) * _width(req) * len(prompts))
+        return await self._routed(request, text, req.max_tokens, cost_tokens, len(prompts), "cmpl",
+                                  lambda srv, rid: srv.completions(request, req, arrival, routed=True, rid=rid))
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -238,29 +242,42 @@ class _Frontend:
         req.check_supported()
         users = [m.text() for m in req.messages if m.role == "user"]
         text = users[-1] if users else "\n".join(m.text() for m in req.messages)
-        return await self._routed(text, req.max_completion_tokens or req.max_tokens,
-                                  lambda srv: srv.chat_completions(request, req, arrival, routed=True))
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        cost_tokens = (64 + sum(len(m.text().encode()) + 16 for m in req.messages),
+                       (max_tokens or self.route.max_model_len) * _width(req))
+        return await self._routed(request, text, max_tokens, cost_tokens, 1, "chatcmpl",
+                                  lambda srv, rid: srv.chat_completions(request, req, arrival, routed=True, rid=rid))
 
-    async def _routed(self, text: str, max_tokens: int | None,
-                      run: Callable[[_Server], Awaitable[Response]]) -> Response:
-        """`run` on the routed model; on `_Unavailable`, on the router's fallback, until one takes it."""
+    async def _routed(self, request: Request, text: str, max_tokens: int | None, cost_tokens: tuple[int, int],
+                      num_prompts: int, id_prefix: str, run: Callable[[_Server, str], Awaitable[Response]]) -> Response:
+        """`run` on the routed model; on `_Unavailable`, on the router's fallback, until one takes it. The
+        request's budget hold is settled by the route when its engine requests end, or dropped if it never ran."""
         route, metrics = self.route, self.metrics
-        decision = await self._decide(route.route(text, max_tokens))
+        key = getattr(request.state, "api_key", None)
+        decision = await self._decide(route.route(text, max_tokens, key, cost_tokens))
         tried: list[str] = []
         while True:
+            rid = f"{id_prefix}-{uuid.uuid4().hex}"
+            ids = _request_ids(rid, num_prompts)
+            route.track(decision, ids)
             try:
-                response = await run(self.servers[decision.model])
+                response = await run(self.servers[decision.model], rid)
             except _Unavailable as e:
+                route.untrack(decision, ids)
                 logger.warning("Routed model %s is unavailable (%s); falling back", decision.model, e.message)
                 tried.append(decision.model)
                 try:
-                    nxt = await self._decide(route.fallback(decision, text, max_tokens, tried))
+                    nxt = await self._decide(route.fallback(decision, text, max_tokens, tried, key, cost_tokens))
                 except _Unavailable:
                     raise e from None
                 metrics.router_fallbacks.labels(decision.model, nxt.model).inc()
                 decision = nxt
                 continue
+            except APIError:
+                route.untrack(decision, ids)  # refused before it ran (invalid for this model)
+                raise
             route.router.report_success(decision.model)
+            route.router.record_served(decision)
             metrics.router_requests.labels(decision.model, decision.category).inc()
             response.headers["x-pagedlm-routed-model"] = decision.model
             response.headers["x-pagedlm-route-reason"] = decision.category
@@ -274,6 +291,10 @@ class _Frontend:
         except NoCandidateError as e:
             raise _Unavailable(503, f"No model can take the request: {e}", type="server_error",
                                code="no_model_available", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BudgetExceededError as e:
+            self.metrics.router_budget_refusals.inc()
+            raise APIError(429, f"Routing budget exhausted: {e}", type="insufficient_quota", code="budget_exceeded",
+                           headers={"Retry-After": str(math.ceil(e.retry_after_s))}) from None
         finally:
             self.metrics.router_decision.observe(time.perf_counter() - t0)
 
@@ -285,6 +306,15 @@ def _routing_text(prompt: str | list[int] | list[str] | list[list[int]]) -> str:
     if prompt and all(isinstance(p, str) for p in prompt):
         return "\n".join(prompt)
     raise APIError(400, "Token-id prompts need a named model (token ids differ between models).", param="prompt")
+
+
+def _width(req: P.SamplingRequest) -> int:
+    return max(req.n, (req.beam_width or req.n) if req.use_beam_search else 1)
+
+
+def _request_ids(rid: str, num_prompts: int) -> list[str]:
+    """The engine request ids of a request `rid` with `num_prompts` prompts."""
+    return [rid] if num_prompts == 1 else [f"{rid}-{i}" for i in range(num_prompts)]
 
 
 def _header_text(text: str, limit: int = 512) -> str:
@@ -341,12 +371,12 @@ class _Server:
 
     # --- completions ---
     async def completions(self, request: Request, req: P.CompletionRequest, arrival: float,
-                          routed: bool = False) -> Response:
+                          routed: bool = False, rid: str | None = None) -> Response:
         prompts = await self._completion_prompts(req)
         k = req.logprobs
         params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=k if req.echo else None)
         self._check_fits([len(p.token_ids) for p in prompts], params)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = rid or f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival,
                                      self._cache_salt(request, req))
         if req.stream:
@@ -466,14 +496,14 @@ class _Server:
 
     # --- chat ---
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
-                               routed: bool = False) -> Response:
+                               routed: bool = False, rid: str | None = None) -> Response:
         self._check_fan_out(1, req)
         ids = await asyncio.to_thread(self._chat_prompt, req.messages, req.add_generation_prompt)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k)
         self._check_fits([len(ids)], params)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [ids], params, req.priority, arrival, self._cache_salt(request, req))
         if req.stream:
             if routed:
@@ -550,7 +580,7 @@ class _Server:
     async def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                       arrival: float, cache_salt: str | None = None) -> list[RequestStream]:
         """Queue every prompt or none: on any refusal the accepted ones are aborted and the error raised."""
-        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        ids = _request_ids(rid, len(prompts))
         streams = [self.engine.submit(i, p, params, priority, arrival, cache_salt) for i, p in zip(ids, prompts)]
         try:
             results = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)
