@@ -6,6 +6,7 @@ from pagedlm.router.calibration import ShareCalibrator, ShareMonitor, population
 from pagedlm.router.policies import (
                                      SLO,
                                      Candidate,
+                                     CascadePolicy,
                                      ClassifierPolicy,
                                      Decision,
                                      HeuristicPolicy,
@@ -21,7 +22,7 @@ from pagedlm.router.policies import (
 )
 from pagedlm.router.router import ModelEntry, Router
 
-__all__ = ["SLO", "BudgetExceededError", "BudgetLimits", "Candidate", "ClassifierPolicy", "Decision",
-           "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats", "ModelEntry", "NoCandidateError", "RandomPolicy",
-           "RequestFeatures", "Router", "SLAPolicy", "ScorePolicy", "ShareCalibrator", "ShareMonitor", "SpendLedger",
-           "extract_features", "population_stability_index", "threshold_for"]
+__all__ = ["SLO", "BudgetExceededError", "BudgetLimits", "Candidate", "CascadePolicy", "ClassifierPolicy",
+           "Decision", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats", "ModelEntry", "NoCandidateError",
+           "RandomPolicy", "RequestFeatures", "Router", "SLAPolicy", "ScorePolicy", "ShareCalibrator", "ShareMonitor",
+           "SpendLedger", "extract_features", "population_stability_index", "threshold_for"]

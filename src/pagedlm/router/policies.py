@@ -202,6 +202,36 @@ class ClassifierPolicy(ScorePolicy):
         return float(self.classifier.score_texts([f.prompt])[0])
 
 
+class CascadePolicy(ScorePolicy):
+    """Cascade mode. Up front, the cheapest weak model takes the request; once it has answered, the server asks
+    `escalate(mean token logprob of the answer)`: the score is minus that mean (higher: less confident), against
+    the threshold (`--cascade-threshold` as a logprob, or live-calibrated to the strong share), and a request that
+    scores at or above it is re-run on the strong tier."""
+
+    def __init__(self, min_logprob: float = -1.0) -> None:
+        self.threshold = -min_logprob
+
+    def choose(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> Decision:
+        if not candidates:
+            raise NoCandidateError("no candidate models")
+        weak = [c for c in candidates if not c.strong]
+        c = _cheapest(weak or candidates, features)
+        note = "" if weak else " (no weak model available)"
+        return Decision(c.name, f"cascade: {c.name} answers first{note}", None, c.stats.replica,
+                        "strong" if c.strong else "weak")
+
+    def escalate(self, mean_logprob: float) -> tuple[bool, str]:
+        """Whether to re-run on the strong tier, and why (feeds the live calibration)."""
+        score = -mean_logprob if math.isfinite(mean_logprob) else math.inf
+        threshold = self.threshold
+        strong = self.wants_strong(score)
+        if self.calibrator is not None:
+            self.calibrator.observe(score, strong)
+        verdict = "re-run on the strong model" if strong else "weak answer kept"
+        return strong, (f"cascade: weak answer's mean token logprob {mean_logprob:.3f} "
+                        f"{'<=' if strong else '>'} {-threshold:.3f}: {verdict}")
+
+
 class RandomPolicy(ScorePolicy):
     """Baseline: strong with probability `strong_fraction`."""
 

@@ -20,6 +20,7 @@ from pagedlm.router.calibration import ShareCalibrator, ShareMonitor
 from pagedlm.router.policies import (
     SLO,
     Candidate,
+    CascadePolicy,
     Decision,
     HeuristicPolicy,
     LeastLoadedPolicy,
@@ -140,6 +141,21 @@ class Router:
                 raise BudgetExceededError(f"the spend cap is reached: {why}",
                                           self.budget.retry_after(api_key, cheapest))
         return replace(d, reservation=self.budget.hold(api_key, cost[d.model]))
+
+    def escalate(self, first: Decision, mean_logprob: float, prompt: str, max_tokens: int | None = None,
+                 stats_by_model: Mapping[str, Stats] | None = None, api_key: str | None = None,
+                 cost_tokens: tuple[int, int] | None = None) -> tuple[Decision | None, str]:
+        """Cascade mode: after `first` (a weak model) answered with this mean token logprob, the strong decision
+        to re-run the request with (None: keep the weak answer), and why. Raises like `route`."""
+        if not isinstance(self.policy, CascadePolicy) or self.models[first.model].strong:
+            return None, "not a cascade"
+        strong, why = self.policy.escalate(mean_logprob)
+        if not strong:
+            return None, why
+        weak = {m.name for m in self.models.values() if not m.strong}
+        d = self.route(prompt, max_tokens, stats_by_model, exclude=weak, api_key=api_key, cost_tokens=cost_tokens,
+                       observe=False)
+        return replace(d, reason=f"{why}; {d.reason}", policy_strong=True), why
 
     def record_served(self, d: Decision) -> None:
         """Count a request served as `d` decided (for the realised strong share)."""

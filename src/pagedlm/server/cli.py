@@ -56,8 +56,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
     r = p.add_argument_group("several models and routing")
     r.add_argument("--config", default=None,
                    help="YAML file of these options (keys: option names without --); command-line flags win")
-    r.add_argument("--router", default=None, choices=["heuristic", "learned", "none"],
-                   help="policy for requests to --router-name (default: heuristic with several models, else none)")
+    r.add_argument("--router", default=None, choices=["heuristic", "learned", "cascade", "none"],
+                   help="policy for requests to --router-name (default: heuristic with several models, else none); "
+                        "cascade: the weak model answers first, unconfident answers are re-run on the strong one")
+    r.add_argument("--cascade-threshold", type=float, default=-1.0,
+                   help="cascade: re-run when the weak answer's mean token logprob is at or below this (the start "
+                        "point when --strong-fraction is given; default %(default)s)")
     r.add_argument("--router-name", default="auto", help="model name that asks the router to choose")
     r.add_argument("--router-classifier", default=None, help="router file from `pagedlm router train` (learned)")
     r.add_argument("--strong-model", action="append", default=None, metavar="NAME",
@@ -181,7 +185,16 @@ def model_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def build_router(args: argparse.Namespace, names: list[str]):
     """The `Router` the flags ask for, or None (one model and no --router, or --router none)."""
-    from pagedlm.router import SLO, BudgetLimits, ClassifierPolicy, HeuristicPolicy, ModelEntry, Router, SpendLedger
+    from pagedlm.router import (
+        SLO,
+        BudgetLimits,
+        CascadePolicy,
+        ClassifierPolicy,
+        HeuristicPolicy,
+        ModelEntry,
+        Router,
+        SpendLedger,
+    )
 
     kind = args.router or ("heuristic" if len(names) > 1 else "none")
     if kind == "none":
@@ -202,6 +215,9 @@ def build_router(args: argparse.Namespace, names: list[str]):
         fraction = 0.5 if args.strong_fraction is None else args.strong_fraction
         policy = ClassifierPolicy(clf, fraction, args.router_threshold)
         reference = clf.train_scores
+    elif kind == "cascade":
+        fraction, reference = args.strong_fraction, None
+        policy = CascadePolicy(args.cascade_threshold)
     else:
         fraction = args.strong_fraction
         policy = HeuristicPolicy(0.5 if args.router_threshold is None else args.router_threshold)

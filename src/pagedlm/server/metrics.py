@@ -206,6 +206,8 @@ class ServerMetrics:
             engine.add_listener(_ModelHistograms(self, name).on_step)
         if router is not None:
             reg.register(_RouterCollector(router))
+            self.router_cascade = Counter("pagedlm:router_cascade", "Cascade answers of the weak model: kept, or "
+                                          "re-run on the strong model (escalated).", ["outcome"], registry=reg)
             self.router_budget_refusals = Counter("pagedlm:router_budget_refusals",
                                                   "Routed requests refused because every model was over budget.",
                                                   registry=reg)

@@ -15,11 +15,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pagedlm.engine.async_engine import AsyncLLMEngine, StepRecord
 from pagedlm.router import BudgetExceededError, Decision, LoadStats, Router
 
 DEFAULT_ROUTE_NAME = "auto"
+R = TypeVar("R")
 
 
 class LoadTracker:
@@ -93,6 +95,12 @@ class AutoRoute:
         return await self._run(self.router.fallback, failed, prompt, max_tokens, self.load(), tried, api_key,
                                cost_tokens)
 
+    async def escalate(self, first: Decision, mean_logprob: float, prompt: str, max_tokens: int | None,
+                       api_key: str | None = None,
+                       cost_tokens: tuple[int, int] | None = None) -> tuple[Decision | None, str]:
+        return await self._run(self.router.escalate, first, mean_logprob, prompt, max_tokens, self.load(), api_key,
+                               cost_tokens)
+
     def track(self, decision: Decision, request_ids: list[str]) -> None:
         """The engine requests `request_ids` carry the request routed by `decision`: settle its budget hold when
         the last of them ends."""
@@ -134,6 +142,6 @@ class AutoRoute:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Callable[..., Decision], *args) -> Decision:
+    async def _run(self, fn: Callable[..., R], *args) -> R:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
