@@ -10,7 +10,7 @@ from server_utils import InProcessServer
 
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
-from pagedlm.router import BudgetLimits, HeuristicPolicy, ModelEntry, Router, ShareMonitor, SpendLedger
+from pagedlm.router import BudgetLimits, CascadePolicy, HeuristicPolicy, ModelEntry, Router, ShareMonitor, SpendLedger
 from pagedlm.server.api import build_app
 from pagedlm.server.routing import AutoRoute
 
@@ -28,6 +28,7 @@ def live(tiny_model_dir):
                     HeuristicPolicy())
     route = AutoRoute(router, engines)
     server = InProcessServer(build_app(engines, api_key=["ka", "kb"], route=route))
+    server.engines = engines
     try:
         yield server, router
     finally:
@@ -152,6 +153,10 @@ def test_serve_flags_build_calibration_and_budget(tmp_path):
         with pytest.raises(ValueError):
             build_router(serve_args(*bad), names)
 
+    r = build_router(serve_args("--router", "cascade", "--cascade-threshold", "-0.7", "--strong-fraction", "0.2"),
+                     names)
+    assert isinstance(r.policy, CascadePolicy) and r.calibrator.target == 0.2 and r.calibrator.threshold == 0.7
+
     rng = np.random.default_rng(0)
     clf = WeakCorrectClassifier.fit(rng.normal(size=(200, 384)).astype(np.float32), rng.random(200) < 0.5,
                                     embedder=FAST_EMBEDDER)
@@ -159,3 +164,105 @@ def test_serve_flags_build_calibration_and_budget(tmp_path):
     r = build_router(serve_args("--router", "learned", "--router-classifier", str(tmp_path / "router.pt")), names)
     assert r.calibrator.target == 0.5 and r.calibrator.threshold == pytest.approx(clf.threshold_for(0.5))
     assert np.array_equal(r.calibrator.reference, clf.train_scores)
+
+
+# --- cascade ------------------------------------------------------------------------------------------------------
+@pytest.fixture()
+def submits(env, monkeypatch):
+    """Requests each engine was given."""
+    server, _ = env
+    counts = {name: 0 for name in server.engines}
+    for name, engine in server.engines.items():
+        def counting(*args, _submit=engine.submit, _name=name, **kw):
+            counts[_name] += 1
+            return _submit(*args, **kw)
+        monkeypatch.setattr(engine, "submit", counting)
+    return counts
+
+
+def cascade_call(server, prompt: str, chat: bool, stream: bool, **extra):
+    body = {"model": "auto", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": stream, **extra}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    r = server.post("/v1/chat/completions" if chat else "/v1/completions", json=body,
+                    headers={"Authorization": "Bearer ka"})
+    assert r.status_code == 200, r.text
+    if not stream:
+        out = r.json()
+        c = out["choices"][0]
+        return r, c["message"]["content"] if chat else c["text"], {out["model"]}, c["logprobs"], out["usage"]
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.text.rstrip().endswith("data: [DONE]")
+    text = "".join((c["delta"].get("content") or "") if chat else c["text"] for e in events for c in e["choices"])
+    logprobs = [c.get("logprobs") for e in events for c in e["choices"] if c.get("logprobs")]
+    return r, text, {e["model"] for e in events}, logprobs or None, [e for e in events if e.get("usage")][-1]["usage"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_cascade_keeps_confident_answers_on_the_weak_model(env, submits, monkeypatch, chat):
+    server, router = env
+    monkeypatch.setattr(router, "policy", CascadePolicy(min_logprob=-1e9))  # every answer is confident enough
+    r, text, models, logprobs, usage = cascade_call(server, HARD, chat, stream=False)
+    assert (r.headers["x-pagedlm-routed-model"], r.headers["x-pagedlm-route-reason"]) == ("small", "weak")
+    assert "weak answer kept" in r.headers["x-pagedlm-route-detail"]
+    assert models == {"small"} and logprobs is None and usage["completion_tokens"] == 4 and text
+    r2, streamed, models2, logprobs2, usage2 = cascade_call(server, HARD, chat, stream=True)
+    assert r2.headers["x-pagedlm-routed-model"] == "small" and models2 == {"small"}
+    assert streamed == text and logprobs2 is None and usage2 == usage  # the same answer, held back then sent
+    assert submits == {"small": 2, "big": 0}  # never reached the strong model
+    m = server.metrics(all_labels=True)
+    assert m["pagedlm:router_cascade_total{outcome=kept}"] >= 2
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_cascade_reruns_unconfident_answers_on_the_strong_model(env, submits, monkeypatch, chat):
+    server, router = env
+    monkeypatch.setattr(router, "policy", CascadePolicy(min_logprob=0.0))  # no answer is confident enough
+    direct = server.post("/v1/chat/completions" if chat else "/v1/completions", headers={"Authorization": "Bearer ka"},
+                         json={"model": "big", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                               **({"messages": [{"role": "user", "content": EASY}]} if chat else {"prompt": EASY})})
+    c = direct.json()["choices"][0]
+    expected = c["message"]["content"] if chat else c["text"]
+    submits.update(small=0, big=0)
+    for stream in (False, True):
+        r, text, models, logprobs, usage = cascade_call(server, EASY, chat, stream)
+        assert (r.headers["x-pagedlm-routed-model"], r.headers["x-pagedlm-route-reason"]) == ("big", "strong")
+        assert "re-run on the strong model" in r.headers["x-pagedlm-route-detail"]
+        assert models == {"big"} and text == expected and usage["completion_tokens"] == 4 and logprobs is None
+    assert submits == {"small": 2, "big": 2}  # the weak model answered first each time; its answer never left
+    st = router.served.stats()
+    assert st.realised == 1.0 and st.policy == 1.0
+
+
+def test_cascade_logprobs_when_asked_and_live_calibrated_share(env, submits, monkeypatch):
+    server, router = env
+    policy = CascadePolicy(min_logprob=-1e9)
+    policy.calibrate_live(0.5, window=8, min_samples=4)
+    monkeypatch.setattr(router, "policy", policy)
+    before = server.metrics(all_labels=True)
+    _, _, _, logprobs, _ = cascade_call(server, HARD, chat=False, stream=False, logprobs=1)
+    assert len(logprobs["token_logprobs"]) == 4  # the client asked: the weak answer's logprobs are kept
+    for i in range(11):
+        cascade_call(server, f"{EASY} {i} " * (1 + i % 4), chat=False, stream=False)
+    assert policy.calibrator.state().samples == 8 and policy.threshold != 1e9  # moved off the start point
+    after = server.metrics(all_labels=True)
+    outcomes = {o: after[f"pagedlm:router_cascade_total{{outcome={o}}}"]
+                - before.get(f"pagedlm:router_cascade_total{{outcome={o}}}", 0) for o in ("kept", "escalated")}
+    assert outcomes["escalated"] == submits["big"] and sum(outcomes.values()) == submits["small"] == 12
+    assert 3 <= submits["big"] <= 8  # about half once calibrated (none at the start point)
+
+
+def test_cascade_keeps_the_weak_answer_when_the_strong_rerun_is_over_budget(env, submits, monkeypatch):
+    server, router = env
+    monkeypatch.setattr(router, "policy", CascadePolicy(min_logprob=0.0))
+    ledger = SpendLedger(BudgetLimits(max_cost_per_hour=1.0))
+    monkeypatch.setattr(router, "budget", ledger)
+    ledger.settle(ledger.hold(None, 0.0), 0.996)  # room for the weak model's answer, not for the strong one's
+    r, text, models, _, _ = cascade_call(server, EASY, chat=False, stream=True)
+    assert r.headers["x-pagedlm-routed-model"] == "small" and models == {"small"} and text
+    assert "strong model is unavailable" in r.headers["x-pagedlm-route-detail"]
+    assert submits == {"small": 1, "big": 0}
