@@ -71,13 +71,18 @@ class Router:
 
     @classmethod
     def learned(cls, path: str | Path, weak: str, strong: str, strong_fraction: float = 0.5,
-                threshold: float | None = None, **kwargs) -> "Router":
-        """Two-model router on a classifier saved by `pagedlm router train`; its threshold is calibrated for
-        `strong_fraction` of the training prompts to go strong, unless `threshold` is given."""
+                threshold: float | None = None, calibration_window: int = 500, **kwargs) -> "Router":
+        """Two-model router on a classifier saved by `pagedlm router train`; its threshold starts calibrated for
+        `strong_fraction` of the training prompts to go strong and follows live traffic (over the last
+        `calibration_window` requests; 0: fixed), unless a fixed `threshold` is given."""
         from pagedlm.router.classifier import WeakCorrectClassifier
         from pagedlm.router.policies import ClassifierPolicy
 
-        policy = ClassifierPolicy(WeakCorrectClassifier.load(path), strong_fraction, threshold)
+        clf = WeakCorrectClassifier.load(path)
+        policy = ClassifierPolicy(clf, strong_fraction, threshold)
+        if threshold is None and calibration_window:
+            policy.calibrate_live(strong_fraction, reference=clf.train_scores, window=calibration_window,
+                                  min_samples=min(50, calibration_window))
         return cls([ModelEntry(weak), ModelEntry(strong, strong=True)], policy, **kwargs)
 
     def route(self, prompt: str, max_tokens: int | None = None, stats_by_model: Mapping[str, Stats] | None = None,
