@@ -3,9 +3,9 @@
 Quality policies (heuristic, learned classifier, random) score a request and send it to a strong candidate when
 the score reaches their threshold, else to the cheapest weak one; `calibrate` sets the threshold so that a target
 share of requests goes strong (RouteLLM's calibration), `calibrate_live` keeps moving it so that the share holds on
-live traffic. `CascadePolicy` sends every request to the weak tier first and judges the answer afterwards. `SLAPolicy` wraps a quality policy and skips candidates
-that are down, overloaded, over budget or predicted to miss the latency objective. `LeastLoadedPolicy` picks
-among replicas of one model.
+live traffic. `CascadePolicy` sends every request to the weak tier first and judges the answer afterwards.
+`SLAPolicy` wraps a quality policy and skips candidates that are down, overloaded, over budget or predicted to
+miss the latency objective. `LeastLoadedPolicy` picks among replicas of one model.
 """
 from __future__ import annotations
 
