@@ -1,8 +1,12 @@
-"""Request routing across models: quality policies (heuristic, learned, random), SLA/cost constraints with
-fallback, replica load balancing, and offline training/evaluation (RouteLLM's metrics)."""
+"""Request routing across models: quality policies (heuristic, learned, random) with live share calibration,
+SLA/cost constraints with fallback, spend caps, replica load balancing, and offline training/evaluation
+(RouteLLM's metrics)."""
+from pagedlm.router.budget import BudgetExceededError, BudgetLimits, SpendLedger
+from pagedlm.router.calibration import ShareCalibrator, ShareMonitor, population_stability_index
 from pagedlm.router.policies import (
                                      SLO,
                                      Candidate,
+                                     CascadePolicy,
                                      ClassifierPolicy,
                                      Decision,
                                      HeuristicPolicy,
@@ -18,6 +22,7 @@ from pagedlm.router.policies import (
 )
 from pagedlm.router.router import ModelEntry, Router
 
-__all__ = ["SLO", "Candidate", "ClassifierPolicy", "Decision", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats",
-           "ModelEntry", "NoCandidateError", "RandomPolicy", "RequestFeatures", "Router", "SLAPolicy", "ScorePolicy",
-           "extract_features", "threshold_for"]
+__all__ = ["SLO", "BudgetExceededError", "BudgetLimits", "Candidate", "CascadePolicy", "ClassifierPolicy",
+           "Decision", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats", "ModelEntry", "NoCandidateError",
+           "RandomPolicy", "RequestFeatures", "Router", "SLAPolicy", "ScorePolicy", "ShareCalibrator", "ShareMonitor",
+           "SpendLedger", "extract_features", "population_stability_index", "threshold_for"]

@@ -38,6 +38,25 @@ def add_router_parser(subparsers) -> None:
                    help="torch threads while timing one-prompt routing (0: leave as is)")
     e.add_argument("--cache-dir", default=None)
     e.add_argument("--json", action="store_true")
+    c = e.add_argument_group("live calibration (simulated on a prompt stream)")
+    c.add_argument("--calibrate-on", default=None, metavar="DATA",
+                   help="stream these prompts (CSV file or directory; the router's own data: its held-out split) "
+                        "through the router with its offline threshold and with live calibration; report the "
+                        "strong share over time")
+    c.add_argument("--stream-order", default="subject", choices=["subject", "shuffled"],
+                   help="subject: whole subjects one after another (the score distribution shifts at each); "
+                        "shuffled: a seeded random order")
+    c.add_argument("--strong-fractions", default="0.2,0.5,0.8", help="target strong shares, comma-separated")
+    c.add_argument("--calibration-window", type=int, default=500, help="live calibration window (requests)")
+    c.add_argument("--tolerance", type=float, default=0.05, help="share error counted as on target")
+    c.add_argument("--stream-seed", type=int, default=0, help="seed of the shuffled order")
+    s = e.add_argument_group("transfer to unseen subjects")
+    s.add_argument("--by-subject", action="store_true",
+                   help="cross-validate by subject: train the router's kind on all but a fold of whole subjects, "
+                        "report APGR on the held-out subjects")
+    s.add_argument("--folds", type=int, default=5)
+    s.add_argument("--features", default="embedding", choices=["embedding", "embedding+stats"],
+                   help="for --by-subject: the router's embedding, or with the prompt's own statistics appended")
     e.set_defaults(fn=cmd_eval)
 
 
@@ -115,7 +134,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     samples = [test.prompts[i] for i in np.random.default_rng(0).permutation(len(test))[:args.latency_samples]]
     times = _time_routing(policy, samples, args.latency_threads)
     report = {
-        "held_out": len(test), "weak_acc": float(w.mean()), "strong_acc": float(s.mean()),
+        "router": str(args.router), "data": str(args.data),
+        "held_out": len(test), "held_out_subjects": len(set(test.subjects)),
+        "weak_acc": float(w.mean()), "strong_acc": float(s.mean()),
         "curves": {k: c.summary() for k, c in curves.items()},
         "realised_strong_share": calibration,
         "latency_ms": {"median": float(np.median(times)), "p90": float(np.percentile(times, 90)),
@@ -123,6 +144,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "embedder": clf.embedder_config.tag(),
         "plot": str(args.plot),
     }
+    if args.calibrate_on:
+        report["live_calibration"] = live_calibration_report(clf, args, embedder)
+    if args.by_subject:
+        report["by_subject"] = by_subject_report(clf, data, args, embedder)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -138,7 +163,160 @@ def cmd_eval(args: argparse.Namespace) -> int:
           f"p90 {lat['p90']:.1f} ms, p95 {lat['p95']:.1f} ms (CPU, {len(times)} prompts, "
           f"{torch_threads(args.latency_threads)} torch threads)")
     print(f"plot: {args.plot}")
+    if args.calibrate_on:
+        print()
+        _print_calibration(report["live_calibration"], args.tolerance)
+    if args.by_subject:
+        print()
+        _print_by_subject(report["by_subject"])
     return 0
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        out = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--strong-fractions {text!r}: expected numbers like 0.2,0.5") from None
+    if not out or not all(0.0 < f < 1.0 for f in out):
+        raise SystemExit(f"--strong-fractions {text!r}: each share must be in (0, 1)")
+    return out
+
+
+def live_calibration_report(clf, args: argparse.Namespace, embedder) -> dict:
+    """Static (offline threshold) vs live-calibrated routing on the `--calibrate-on` stream."""
+    from pagedlm.router.calibration import population_stability_index
+    from pagedlm.router.data import load_routing_data, split_indices
+    from pagedlm.router.evaluate import pgr_of, share_trace, simulate_routing
+
+    fractions = _fractions(args.strong_fractions)
+    if args.calibration_window < 1:
+        raise SystemExit("--calibration-window must be >= 1")
+    m = clf.meta
+    data = load_routing_data(args.calibrate_on)
+    own = m.get("data") is not None and Path(m["data"]).resolve() == Path(args.calibrate_on).resolve()
+    idx = split_indices(data, m.get("test_fraction", 0.3), m.get("seed", 0), m.get("by_subject", False))[1] \
+        if own else np.arange(len(data))
+    if args.stream_order == "subject":
+        idx = np.array(sorted(idx, key=lambda i: (data.subjects[i], i)))
+    else:
+        idx = np.random.default_rng(args.stream_seed).permutation(idx)
+    stream = data.take(idx)
+    scores = clf.strong_score(_embed(embedder, data, idx, _cache_dir(args.cache_dir)))
+    window = min(args.calibration_window, len(idx))
+    out = {"stream": str(args.calibrate_on), "held_out_split": own, "order": args.stream_order,
+           "prompts": len(idx), "subjects": len(set(stream.subjects)), "window": window,
+           "psi_vs_training": population_stability_index(clf.train_scores, scores), "targets": {}}
+    for f in fractions:
+        row = {}
+        for mode in ("static", "live"):
+            strong = simulate_routing(scores, clf.threshold_for(f), f, mode == "live", clf.train_scores,
+                                      window=window, min_samples=min(50, window))
+            trace = share_trace(strong, f, window)
+            every = slice(None, None, window)
+            row[mode] = {"share": float(strong.mean()), **trace.summary(args.tolerance),
+                         "pgr": pgr_of(strong, stream.weak_correct, stream.strong_correct),
+                         "over_time": {"requests": trace.ends[every].tolist(),
+                                       "share": [round(float(v), 4) for v in trace.share[every]]}}
+        out["targets"][str(f)] = row
+    return out
+
+
+def by_subject_report(clf, data, args: argparse.Namespace, embedder) -> dict:
+    """Subject-held-out cross-validation: the router's kind and embedder, trained on all subjects but one fold,
+    scored on the fold's subjects; APGR of it, the heuristic and random routing on each fold."""
+    from pagedlm.router.classifier import WeakCorrectClassifier
+    from pagedlm.router.evaluate import call_performance_curve, random_curve
+    from pagedlm.router.policies import HeuristicPolicy, extract_features
+
+    subjects = sorted(set(data.subjects))
+    if not 2 <= args.folds <= len(subjects):
+        raise SystemExit(f"--folds must be in [2, {len(subjects)}] (the data has {len(subjects)} subjects)")
+    seed = clf.meta.get("seed", 0)
+    np.random.default_rng(seed).shuffle(subjects)
+    x = _embed(embedder, data, np.arange(len(data)), _cache_dir(args.cache_dir))
+    stats = prompt_stats(data.prompts) if args.features == "embedding+stats" else None
+    heuristic = HeuristicPolicy()
+    h = np.array([heuristic.score(extract_features(p)) for p in data.prompts])
+    subj = np.array(data.subjects)
+    folds = []
+    for k in range(args.folds):
+        held = subjects[k::args.folds]
+        test = np.isin(subj, held)
+        xs = x
+        if stats is not None:
+            mu, sd = stats[~test].mean(0), stats[~test].std(0) + 1e-6
+            xs = np.hstack([x, (stats - mu) / sd]).astype(np.float32)
+        c = WeakCorrectClassifier.fit(xs[~test], data.weak_correct[~test], kind=clf.kind, seed=seed,
+                                      embedder=clf.embedder_config)
+        scores = c.strong_score(xs[test])
+        w, s = data.weak_correct[test], data.strong_correct[test]
+        folds.append({"subjects": sorted(held), "prompts": int(test.sum()),
+                      "classifier": call_performance_curve(scores, w, s).apgr,
+                      "heuristic": call_performance_curve(h[test], w, s).apgr,
+                      "random": random_curve(w, s).apgr,
+                      "share_at_50": float((scores >= c.threshold_for(0.5)).mean())})
+    mean = {k: float(np.mean([f[k] for f in folds])) for k in ("classifier", "heuristic", "random", "share_at_50")}
+    return {"folds": folds, "mean": mean, "kind": clf.kind, "embedder": clf.embedder_config.tag(),
+            "features": args.features}
+
+
+def prompt_stats(prompts: list[str]) -> np.ndarray:
+    """The prompt's own statistics: log length (characters, words, lines), shares of digits, capitals,
+    punctuation and math symbols, mean word length, the four answer choices' mean log length, and the
+    heuristic's question-type flags."""
+    from pagedlm.router.policies import extract_features
+
+    kinds = ("code", "math", "reasoning", "multiple_choice", "factual", "open")
+    rows = []
+    for p in prompts:
+        n = max(1, len(p))
+        words = p.split()
+        lines = p.splitlines()
+        choices = [ln for ln in lines if len(ln) > 2 and ln[0] in "ABCD" and ln[1] in ".)"]
+        f = extract_features(p)
+        rows.append([np.log1p(len(p)), np.log1p(len(words)), np.log1p(len(lines)),
+                     sum(ch.isdigit() for ch in p) / n, sum(ch.isupper() for ch in p) / n,
+                     sum(ch in ",.;:!?()[]'\"" for ch in p) / n, sum(ch in "+-*/=^<>%$\\" for ch in p) / n,
+                     np.mean([len(w) for w in words]) if words else 0.0,
+                     np.mean([np.log1p(len(c)) for c in choices]) if choices else 0.0,
+                     float(f.has_code), float(f.has_math), *(float(f.question_type == k) for k in kinds)])
+    return np.array(rows, dtype=np.float32)
+
+
+def _print_by_subject(r: dict) -> None:
+    print(f"subject-held-out cross-validation ({len(r['folds'])} folds of whole subjects; {r['kind']} on "
+          f"{r['features']}, embedder {r['embedder']}): APGR on the held-out subjects")
+    print(f"{'fold':>4} {'subjects':>9} {'prompts':>8} {'classifier':>11} {'heuristic':>10} {'random':>7} "
+          f"{'share@50%':>10}")
+    for i, f in enumerate(r["folds"]):
+        print(f"{i:>4} {len(f['subjects']):>9} {f['prompts']:>8} {f['classifier']:>11.3f} {f['heuristic']:>10.3f} "
+              f"{f['random']:>7.3f} {f['share_at_50']:>10.1%}")
+    m = r["mean"]
+    print(f"{'mean':>4} {'':>9} {'':>8} {m['classifier']:>11.3f} {m['heuristic']:>10.3f} {m['random']:>7.3f} "
+          f"{m['share_at_50']:>10.1%}")
+
+
+def _print_calibration(r: dict, tolerance: float) -> None:
+    split = "held-out split of the router's data" if r["held_out_split"] else "all of it"
+    print(f"live calibration: {r['prompts']} prompts from {r['stream']} ({split}; {r['subjects']} subjects, "
+          f"{r['order']} order), window {r['window']}; score drift vs training: PSI {r['psi_vs_training']:.3f}")
+    print(f"share error over the last {r['window']} requests, at each request after the first window "
+          f"(on target: within +-{tolerance:.0%}):")
+    print(f"{'target':>7} | {'static: share':>13} {'mean err':>9} {'max err':>8} {'on tgt':>7} {'PGR':>6} | "
+          f"{'live: share':>11} {'mean err':>9} {'max err':>8} {'on tgt':>7} {'PGR':>6}")
+    for f, row in r["targets"].items():
+        cells = [f"{row[k]['share']:>{w}.1%} {row[k]['mean_abs_error']:>9.1%} {row[k]['max_abs_error']:>8.1%} "
+                 f"{row[k]['within_tolerance']:>7.0%} {row[k]['pgr']:>6.3f}" for k, w in (("static", 13),
+                                                                                      ("live", 11))]
+        print(f"{float(f):>7.0%} | {cells[0]} | {cells[1]}")
+    targets = list(r["targets"])
+    print(f"strong share over time (last {r['window']} requests), static -> live:")
+    print(f"{'requests':>9} " + " ".join(f"{'target ' + format(float(f), '.0%'):>17}" for f in targets))
+    first = r["targets"][targets[0]]["static"]["over_time"]["requests"]
+    for i, n in enumerate(first):
+        cells = [f"{r['targets'][f]['static']['over_time']['share'][i]:>7.1%} -> "
+                 f"{r['targets'][f]['live']['over_time']['share'][i]:>6.1%}" for f in targets]
+        print(f"{n:>9} " + " ".join(f"{c:>17}" for c in cells))
 
 
 def torch_threads(requested: int) -> int:

@@ -93,3 +93,53 @@ def plot_curves(curves: dict[str, Curve], path: str | Path, title: str = "Call-p
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+@dataclass
+class ShareTrace:
+    """Strong share over time on a prompt stream: `share[i]` is the share of the `window` decisions ending at
+    request `ends[i]`."""
+
+    ends: np.ndarray
+    share: np.ndarray
+    target: float
+
+    @property
+    def error(self) -> np.ndarray:
+        return np.abs(self.share - self.target)
+
+    def summary(self, tolerance: float = 0.05) -> dict[str, float]:
+        return {"mean_abs_error": float(self.error.mean()), "max_abs_error": float(self.error.max()),
+                "within_tolerance": float((self.error <= tolerance).mean())}
+
+
+def share_trace(strong: np.ndarray, target: float, window: int) -> ShareTrace:
+    """The rolling strong share of `strong` decisions (every request from the first full window on)."""
+    strong = np.asarray(strong, dtype=float)
+    window = min(window, len(strong))
+    share = np.convolve(strong, np.ones(window) / window, mode="valid")
+    return ShareTrace(np.arange(window, len(strong) + 1), share, target)
+
+
+def simulate_routing(scores: np.ndarray, offline_threshold: float, target: float, live: bool,
+                     reference: np.ndarray | None = None, **calibrator_kwargs) -> np.ndarray:
+    """The strong decisions on a stream of strong scores: at the fixed offline threshold, or with live
+    calibration starting from it (`ShareCalibrator`, fed each decision as the server does)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if not live:
+        return scores >= offline_threshold
+    from pagedlm.router.calibration import ShareCalibrator
+
+    cal = ShareCalibrator(target, offline_threshold, reference=reference, **calibrator_kwargs)
+    out = np.zeros(len(scores), dtype=bool)
+    for i, s in enumerate(scores):
+        out[i] = cal.decide(float(s))
+        cal.observe(float(s), bool(out[i]))
+    return out
+
+
+def pgr_of(strong: np.ndarray, weak_correct: np.ndarray, strong_correct: np.ndarray) -> float:
+    """PGR of one set of routing decisions: the share of the weak-to-strong accuracy gap recovered."""
+    w, s = np.asarray(weak_correct, float), np.asarray(strong_correct, float)
+    acc = np.where(strong, s, w).mean()
+    return float((acc - w.mean()) / (s.mean() - w.mean()))

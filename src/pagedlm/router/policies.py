@@ -2,9 +2,10 @@
 
 Quality policies (heuristic, learned classifier, random) score a request and send it to a strong candidate when
 the score reaches their threshold, else to the cheapest weak one; `calibrate` sets the threshold so that a target
-share of requests goes strong (RouteLLM's calibration). `SLAPolicy` wraps a quality policy and skips candidates
-that are down, overloaded, over budget or predicted to miss the latency objective. `LeastLoadedPolicy` picks
-among replicas of one model.
+share of requests goes strong (RouteLLM's calibration), `calibrate_live` keeps moving it so that the share holds on
+live traffic. `CascadePolicy` sends every request to the weak tier first and judges the answer afterwards.
+`SLAPolicy` wraps a quality policy and skips candidates that are down, overloaded, over budget or predicted to
+miss the latency objective. `LeastLoadedPolicy` picks among replicas of one model.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
+from pagedlm.router.calibration import ShareCalibrator
+
 if TYPE_CHECKING:
     from pagedlm.router.classifier import WeakCorrectClassifier
 
@@ -26,7 +29,9 @@ class Decision:
     reason: str
     score: float | None = None  # the quality policy's strong score, where it has one
     replica: str | None = None
-    category: str = ""  # short, bounded label of `reason`: "weak" | "strong" | "sla" | "load" | "fallback"
+    category: str = ""  # short, bounded label of `reason`: weak | strong | sla | load | fallback | budget
+    policy_strong: bool | None = None  # the quality policy's own tier choice, before SLA/load/budget rules
+    reservation: int | None = None  # the budget's hold on this request's cost (settled with the tokens used)
 
 
 @dataclass
@@ -112,9 +117,29 @@ def _cheapest(cands: Sequence[Candidate], f: RequestFeatures) -> Candidate:
 
 
 class ScorePolicy:
-    """Strong candidate iff `score(features) >= threshold`; subclasses define `score` (higher: needs strong)."""
+    """Strong candidate iff `score(features) >= threshold`; subclasses define `score` (higher: needs strong).
+    With a `calibrator` (live calibration), the calibrator's moving threshold decides instead."""
 
-    threshold: float = 0.5
+    _threshold: float = 0.5
+    calibrator: ShareCalibrator | None = None
+
+    @property
+    def threshold(self) -> float:
+        return self.calibrator.threshold if self.calibrator is not None else self._threshold
+
+    @threshold.setter
+    def threshold(self, value: float) -> None:
+        self._threshold = value
+
+    def wants_strong(self, score: float) -> bool:
+        return self.calibrator.decide(score) if self.calibrator is not None else score >= self._threshold
+
+    def calibrate_live(self, strong_fraction: float, reference: np.ndarray | None = None,
+                       **kwargs) -> ShareCalibrator:
+        """Keep `strong_fraction` of live traffic strong, starting from the current threshold (see
+        `ShareCalibrator` for `window`, `min_samples`, `gain`); `reference`: training scores, for drift."""
+        self.calibrator = ShareCalibrator(strong_fraction, self._threshold, reference=reference, **kwargs)
+        return self.calibrator
 
     def score(self, features: RequestFeatures) -> float:
         raise NotImplementedError
@@ -125,14 +150,15 @@ class ScorePolicy:
         s = self.score(features)
         strong = [c for c in candidates if c.strong]
         weak = [c for c in candidates if not c.strong]
-        want_strong = s >= self.threshold
+        threshold = self.threshold
+        want_strong = self.wants_strong(s)
         pool = (strong or weak) if want_strong else (weak or strong)
         tier = "strong" if want_strong else "weak"
         note = "" if pool is (strong if want_strong else weak) else f" (no {tier} model available)"
         c = _cheapest(pool, features)
         return Decision(c.name, f"{type(self).__name__}: score {s:.3f} {'>=' if want_strong else '<'} "
-                                f"threshold {self.threshold:.3f} -> {tier}{note}", s, c.stats.replica,
-                        "strong" if c.strong else "weak")
+                                f"threshold {threshold:.3f} -> {tier}{note}", s, c.stats.replica,
+                        "strong" if c.strong else "weak", want_strong)
 
     def calibrate(self, features: Sequence[RequestFeatures], strong_fraction: float) -> float:
         """Set the threshold so that about `strong_fraction` of `features` score at or above it."""
@@ -175,6 +201,36 @@ class ClassifierPolicy(ScorePolicy):
 
     def score(self, f: RequestFeatures) -> float:
         return float(self.classifier.score_texts([f.prompt])[0])
+
+
+class CascadePolicy(ScorePolicy):
+    """Cascade mode. Up front, the cheapest weak model takes the request; once it has answered, the server asks
+    `escalate(mean token logprob of the answer)`: the score is minus that mean (higher: less confident), against
+    the threshold (`--cascade-threshold` as a logprob, or live-calibrated to the strong share), and a request that
+    scores at or above it is re-run on the strong tier."""
+
+    def __init__(self, min_logprob: float = -1.0) -> None:
+        self.threshold = -min_logprob
+
+    def choose(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> Decision:
+        if not candidates:
+            raise NoCandidateError("no candidate models")
+        weak = [c for c in candidates if not c.strong]
+        c = _cheapest(weak or candidates, features)
+        note = "" if weak else " (no weak model available)"
+        return Decision(c.name, f"cascade: {c.name} answers first{note}", None, c.stats.replica,
+                        "strong" if c.strong else "weak")
+
+    def escalate(self, mean_logprob: float) -> tuple[bool, str]:
+        """Whether to re-run on the strong tier, and why (feeds the live calibration)."""
+        score = -mean_logprob if math.isfinite(mean_logprob) else math.inf
+        threshold = self.threshold
+        strong = self.wants_strong(score)
+        if self.calibrator is not None:
+            self.calibrator.observe(score, strong)
+        verdict = "re-run on the strong model" if strong else "weak answer kept"
+        return strong, (f"cascade: weak answer's mean token logprob {mean_logprob:.3f} "
+                        f"{'<=' if strong else '>'} {-threshold:.3f}: {verdict}")
 
 
 class RandomPolicy(ScorePolicy):
@@ -238,7 +294,7 @@ class SLAPolicy:
             why = self.problem(c, features)
             if why is None:
                 reason = first.reason if c is pref else f"{first.reason}; skipped {'; '.join(skipped)}"
-                return Decision(c.name, reason, first.score, c.stats.replica, category)
+                return Decision(c.name, reason, first.score, c.stats.replica, category, first.policy_strong)
             if c is pref:
                 category = "load" if why.startswith(("down", "overloaded")) else "sla"
             skipped.append(f"{c.name}: {why}")
@@ -247,7 +303,7 @@ class SLAPolicy:
             raise NoCandidateError(f"every model is down or overloaded: {'; '.join(skipped)}")
         c = min(usable, key=lambda c: (self.predict_ttft(c), c.cost(features)))
         return Decision(c.name, f"no model meets the SLO ({'; '.join(skipped)}); lowest predicted TTFT",
-                        first.score, c.stats.replica, "sla")
+                        first.score, c.stats.replica, "sla", first.policy_strong)
 
 
 class LeastLoadedPolicy:

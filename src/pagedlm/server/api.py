@@ -7,20 +7,22 @@ at once (streaming or not), and every path out of a handler aborts what it queue
 A request names its model (none: the first served one). With an `AutoRoute`, the route's name (`auto`) lets
 the router choose; a model that refuses (queue full), fails or is down before anything reached the client is
 replaced by the router's fallback. The choice is in the `x-pagedlm-routed-model` / `x-pagedlm-route-reason`
-headers and in the body's `model`.
+headers and in the body's `model`; a routed request past every spend cap gets 429 (`budget_exceeded`).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -40,7 +42,7 @@ from pagedlm.engine.async_engine import (
     RequestStream,
 )
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedlm.router import Decision, NoCandidateError
+from pagedlm.router import BudgetExceededError, CascadePolicy, Decision, NoCandidateError
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -52,6 +54,7 @@ from pagedlm.server.routing import AutoRoute
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
+D = TypeVar("D")
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 RETRY_AFTER_S = 1
@@ -77,7 +80,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
     keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or () if k]
     app = FastAPI(title="pagedlm", version=__version__)
-    metrics = ServerMetrics(engines, routing=route is not None)
+    metrics = ServerMetrics(engines, router=route.router if route is not None else None)
     servers = {name: _Server(engine, name, max_prompts_per_request, prefix_cache_per_key)
                for name, engine in engines.items()}
     front = _Frontend(servers, metrics, route)
@@ -223,8 +226,12 @@ class _Frontend:
             return await srv.completions(request, req, arrival)
         req.check_supported()
         text = _routing_text(req.prompt)
-        return await self._routed(text, req.max_tokens,
-                                  lambda srv: srv.completions(request, req, arrival, routed=True))
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        cost_tokens = (sum(len(p.encode()) + 32 for p in prompts),
+                       (req.max_tokens or self.route.max_model_len) * _width(req) * len(prompts))
+        r = _RoutedRequest(request, text, req.max_tokens, cost_tokens, len(prompts), "cmpl")
+        run = functools.partial(_Server.completions, request=request, arrival=arrival, routed=True)
+        return await self._routed(r, req, run, cascade=len(prompts) == 1 and not req.echo)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -238,42 +245,96 @@ class _Frontend:
         req.check_supported()
         users = [m.text() for m in req.messages if m.role == "user"]
         text = users[-1] if users else "\n".join(m.text() for m in req.messages)
-        return await self._routed(text, req.max_completion_tokens or req.max_tokens,
-                                  lambda srv: srv.chat_completions(request, req, arrival, routed=True))
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        cost_tokens = (64 + sum(len(m.text().encode()) + 16 for m in req.messages),
+                       (max_tokens or self.route.max_model_len) * _width(req))
+        r = _RoutedRequest(request, text, max_tokens, cost_tokens, 1, "chatcmpl")
+        run = functools.partial(_Server.chat_completions, request=request, arrival=arrival, routed=True)
+        return await self._routed(r, req, run, cascade=True)
 
-    async def _routed(self, text: str, max_tokens: int | None,
-                      run: Callable[[_Server], Awaitable[Response]]) -> Response:
-        """`run` on the routed model; on `_Unavailable`, on the router's fallback, until one takes it."""
+    async def _routed(self, r: _RoutedRequest, req: P.CompletionRequest | P.ChatCompletionRequest,
+                      run: Callable[..., Awaitable[Response]], cascade: bool) -> Response:
+        """`run(srv, req=..., rid=...)` on the routed model (with fallback); in cascade mode, a request whose
+        answer has one choice is answered by the weak model first (see `_cascade`)."""
+        route = self.route
+        decision = await self._decide(route.route(r.text, r.max_tokens, r.key, r.cost_tokens))
+        if (cascade and isinstance(route.router.policy, CascadePolicy) and req.n == 1 and not req.use_beam_search
+                and not route.router.models[decision.model].strong):
+            response, decision = await self._cascade(r, req, run, decision)
+        else:
+            response, decision = await self._run_on(r, decision, functools.partial(run, req=req))
+        route.router.record_served(decision)
+        self.metrics.router_requests.labels(decision.model, decision.category).inc()
+        response.headers["x-pagedlm-routed-model"] = decision.model
+        response.headers["x-pagedlm-route-reason"] = decision.category
+        response.headers["x-pagedlm-route-detail"] = _header_text(decision.reason)
+        return response
+
+    async def _run_on(self, r: _RoutedRequest, decision: Decision,
+                      run: Callable[..., Awaitable[Response]]) -> tuple[Response, Decision]:
+        """`run` on `decision`'s model; on `_Unavailable`, on the router's fallback, until one takes it. The
+        request's budget hold is settled by the route when its engine requests end, or dropped if it never ran."""
         route, metrics = self.route, self.metrics
-        decision = await self._decide(route.route(text, max_tokens))
         tried: list[str] = []
         while True:
+            rid = f"{r.id_prefix}-{uuid.uuid4().hex}"
+            ids = _request_ids(rid, r.num_prompts)
+            route.track(decision, ids)
             try:
-                response = await run(self.servers[decision.model])
+                response = await run(self.servers[decision.model], rid=rid)
             except _Unavailable as e:
+                route.untrack(decision, ids)
                 logger.warning("Routed model %s is unavailable (%s); falling back", decision.model, e.message)
                 tried.append(decision.model)
                 try:
-                    nxt = await self._decide(route.fallback(decision, text, max_tokens, tried))
+                    nxt = await self._decide(route.fallback(decision, r.text, r.max_tokens, tried, r.key,
+                                                            r.cost_tokens))
                 except _Unavailable:
                     raise e from None
                 metrics.router_fallbacks.labels(decision.model, nxt.model).inc()
                 decision = nxt
                 continue
+            except APIError:
+                route.untrack(decision, ids)  # refused before it ran (invalid for this model)
+                raise
             route.router.report_success(decision.model)
-            metrics.router_requests.labels(decision.model, decision.category).inc()
-            response.headers["x-pagedlm-routed-model"] = decision.model
-            response.headers["x-pagedlm-route-reason"] = decision.category
-            response.headers["x-pagedlm-route-detail"] = _header_text(decision.reason)
-            return response
+            return response, decision
 
-    async def _decide(self, decision: Awaitable[Decision]) -> Decision:
+    async def _cascade(self, r: _RoutedRequest, req: P.CompletionRequest | P.ChatCompletionRequest,
+                       run: Callable[..., Awaitable[Response]], decision: Decision) -> tuple[Response, Decision]:
+        """The weak model answers in full (not streamed, with logprobs); the router judges the answer's mean
+        token logprob. A confident answer goes back to the client (as a stream if it asked for one); otherwise
+        the request is re-run on the strong model, as the client asked, and nothing of the weak answer is sent."""
+        chat = isinstance(req, P.ChatCompletionRequest)
+        inner = req.model_copy(update={"stream": False, "stream_options": None, **(
+            {"logprobs": True, "top_logprobs": req.top_logprobs or 0} if chat else {"logprobs": req.logprobs or 0})})
+        response, decision = await self._run_on(r, decision, functools.partial(run, req=inner))
+        if self.route.router.models[decision.model].strong:  # a fallback took it to the strong tier
+            return _kept_answer(json.loads(response.body), req, chat), decision
+        body = json.loads(response.body)
+        lps = _answer_logprobs(body["choices"][0], chat)
+        mean = sum(lps) / len(lps) if lps else 0.0
+        try:
+            strong, why = await self._decide(self.route.escalate(decision, mean, r.text, r.max_tokens, r.key,
+                                                                 r.cost_tokens))
+        except APIError as e:  # no strong model can take it now (budget, down): the weak answer stands
+            strong, why = None, f"cascade: weak answer kept, the strong model is unavailable ({e.message})"
+        self.metrics.router_cascade.labels("escalated" if strong else "kept").inc()
+        if strong is None:
+            return _kept_answer(body, req, chat), replace(decision, reason=why, policy_strong=False)
+        return await self._run_on(r, strong, functools.partial(run, req=req))
+
+    async def _decide(self, decision: Awaitable[D]) -> D:
         t0 = time.perf_counter()
         try:
             return await decision
         except NoCandidateError as e:
             raise _Unavailable(503, f"No model can take the request: {e}", type="server_error",
                                code="no_model_available", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BudgetExceededError as e:
+            self.metrics.router_budget_refusals.inc()
+            raise APIError(429, f"Routing budget exhausted: {e}", type="insufficient_quota", code="budget_exceeded",
+                           headers={"Retry-After": str(math.ceil(e.retry_after_s))}) from None
         finally:
             self.metrics.router_decision.observe(time.perf_counter() - t0)
 
@@ -285,6 +346,74 @@ def _routing_text(prompt: str | list[int] | list[str] | list[list[int]]) -> str:
     if prompt and all(isinstance(p, str) for p in prompt):
         return "\n".join(prompt)
     raise APIError(400, "Token-id prompts need a named model (token ids differ between models).", param="prompt")
+
+
+@dataclass
+class _RoutedRequest:
+    """What routing needs of one request routed by `auto`."""
+
+    request: Request
+    text: str  # routed on
+    max_tokens: int | None
+    cost_tokens: tuple[int, int]  # bounds on its (prompt, completion) tokens, for budget holds
+    num_prompts: int
+    id_prefix: str
+
+    @property
+    def key(self) -> str | None:
+        return getattr(self.request.state, "api_key", None)
+
+
+def _answer_logprobs(choice: dict, chat: bool) -> list[float]:
+    lp = choice.get("logprobs") or {}
+    if chat:
+        return [c["logprob"] for c in lp.get("content") or []]
+    return [v for v in lp.get("token_logprobs") or [] if v is not None]
+
+
+def _kept_answer(body: dict, req: P.CompletionRequest | P.ChatCompletionRequest, chat: bool) -> Response:
+    """A cascade's complete answer, as the client asked for it: logprobs only if asked, streamed if asked."""
+    asked = req.logprobs if chat else req.logprobs is not None
+    if not asked:
+        for c in body["choices"]:
+            c["logprobs"] = None
+    if not req.stream:
+        return JSONResponse(body)
+    return StreamingResponse(_replay(body, req, chat), media_type="text/event-stream")
+
+
+async def _replay(body: dict, req: P.CompletionRequest | P.ChatCompletionRequest, chat: bool) -> AsyncIterator[str]:
+    """A complete response as the events of a stream (one chunk of text, then finish and usage)."""
+    usage = P.UsageInfo.model_validate(body["usage"])
+    head = {"id": body["id"], "created": body["created"], "model": body["model"]}
+    if chat:
+        (c,) = body["choices"]
+        lps = P.ChatLogprobs.model_validate(c["logprobs"]) if c["logprobs"] else None
+        for choice in (P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content="")),
+                       P.ChatStreamChoice(index=0, delta=P.DeltaMessage(content=c["message"]["content"]),
+                                          logprobs=lps),
+                       P.ChatStreamChoice(index=0, delta=P.DeltaMessage(), finish_reason=c["finish_reason"],
+                                          stop_reason=c["stop_reason"])):
+            yield _event(P.ChatCompletionChunk(**head, choices=[choice],
+                                               usage=usage if req.continuous_usage and req.include_usage else None))
+        if req.include_usage:
+            yield _event(P.ChatCompletionChunk(**head, choices=[], usage=usage))
+    else:
+        yield _event(P.CompletionResponse(**head, choices=[P.CompletionChoice.model_validate(c)
+                                                            for c in body["choices"]],
+                                          usage=usage if req.continuous_usage and req.include_usage else None))
+        if req.include_usage:
+            yield _event(P.CompletionResponse(**head, choices=[], usage=usage))
+    yield "data: [DONE]\n\n"
+
+
+def _width(req: P.SamplingRequest) -> int:
+    return max(req.n, (req.beam_width or req.n) if req.use_beam_search else 1)
+
+
+def _request_ids(rid: str, num_prompts: int) -> list[str]:
+    """The engine request ids of a request `rid` with `num_prompts` prompts."""
+    return [rid] if num_prompts == 1 else [f"{rid}-{i}" for i in range(num_prompts)]
 
 
 def _header_text(text: str, limit: int = 512) -> str:
@@ -341,12 +470,12 @@ class _Server:
 
     # --- completions ---
     async def completions(self, request: Request, req: P.CompletionRequest, arrival: float,
-                          routed: bool = False) -> Response:
+                          routed: bool = False, rid: str | None = None) -> Response:
         prompts = await self._completion_prompts(req)
         k = req.logprobs
         params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=k if req.echo else None)
         self._check_fits([len(p.token_ids) for p in prompts], params)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = rid or f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival,
                                      self._cache_salt(request, req))
         if req.stream:
@@ -466,14 +595,14 @@ class _Server:
 
     # --- chat ---
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
-                               routed: bool = False) -> Response:
+                               routed: bool = False, rid: str | None = None) -> Response:
         self._check_fan_out(1, req)
         ids = await asyncio.to_thread(self._chat_prompt, req.messages, req.add_generation_prompt)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k)
         self._check_fits([len(ids)], params)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [ids], params, req.priority, arrival, self._cache_salt(request, req))
         if req.stream:
             if routed:
@@ -550,7 +679,7 @@ class _Server:
     async def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                       arrival: float, cache_salt: str | None = None) -> list[RequestStream]:
         """Queue every prompt or none: on any refusal the accepted ones are aborted and the error raised."""
-        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        ids = _request_ids(rid, len(prompts))
         streams = [self.engine.submit(i, p, params, priority, arrival, cache_salt) for i, p in zip(ids, prompts)]
         try:
             results = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)

@@ -56,22 +56,36 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
     r = p.add_argument_group("several models and routing")
     r.add_argument("--config", default=None,
                    help="YAML file of these options (keys: option names without --); command-line flags win")
-    r.add_argument("--router", default=None, choices=["heuristic", "learned", "none"],
-                   help="policy for requests to --router-name (default: heuristic with several models, else none)")
+    r.add_argument("--router", default=None, choices=["heuristic", "learned", "cascade", "none"],
+                   help="policy for requests to --router-name (default: heuristic with several models, else none); "
+                        "cascade: the weak model answers first, unconfident answers are re-run on the strong one")
+    r.add_argument("--cascade-threshold", type=float, default=-1.0,
+                   help="cascade: re-run when the weak answer's mean token logprob is at or below this (the start "
+                        "point when --strong-fraction is given; default %(default)s)")
     r.add_argument("--router-name", default="auto", help="model name that asks the router to choose")
     r.add_argument("--router-classifier", default=None, help="router file from `pagedlm router train` (learned)")
     r.add_argument("--strong-model", action="append", default=None, metavar="NAME",
                    help="a strong-tier model (repeatable; default: the last --model; the others are weak)")
-    r.add_argument("--strong-fraction", type=float, default=0.5,
-                   help="learned router: share of its training prompts that score as strong")
+    r.add_argument("--strong-fraction", type=float, default=None,
+                   help="share of requests the quality policy sends strong, held on live traffic (learned router "
+                        "default 0.5; heuristic: only when given)")
     r.add_argument("--router-threshold", type=float, default=None,
-                   help="strong-score threshold (overrides --strong-fraction; heuristic default 0.5)")
+                   help="fixed strong-score threshold (overrides --strong-fraction; heuristic default 0.5)")
+    r.add_argument("--calibration-window", type=int, default=500,
+                   help="recent requests whose scores set the live threshold (0: keep the offline threshold)")
     r.add_argument("--model-cost", action="append", default=None, metavar="NAME=IN,OUT",
                    help="price per 1M input and output tokens (cheapest model of a tier wins; repeatable)")
     r.add_argument("--max-ttft-ms", type=float, default=None, help="SLO: predicted time to first token")
     r.add_argument("--max-tpot-ms", type=float, default=None, help="SLO: recent time per output token")
     r.add_argument("--max-queue", type=int, default=None, help="SLO: waiting requests at which a model is overloaded")
     r.add_argument("--max-request-cost", type=float, default=None, help="SLO: predicted price of one request")
+    r.add_argument("--max-cost-per-hour", type=float, default=None,
+                   help="spend cap over the last hour, from --model-cost prices and the tokens used; near it "
+                        "requests go to cheaper models, past it they get 429")
+    r.add_argument("--max-cost-per-hour-per-key", type=float, default=None,
+                   help="the same cap for each API key (--api-key)")
+    r.add_argument("--budget-near", type=float, default=0.8,
+                   help="share of a spend cap from which requests go to cheaper models (default %(default)s)")
     p.set_defaults(fn=lambda args: serve(args, engine_kwargs_fn, p))
     return p
 
@@ -171,7 +185,16 @@ def model_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def build_router(args: argparse.Namespace, names: list[str]):
     """The `Router` the flags ask for, or None (one model and no --router, or --router none)."""
-    from pagedlm.router import SLO, ClassifierPolicy, HeuristicPolicy, ModelEntry, Router
+    from pagedlm.router import (
+        SLO,
+        BudgetLimits,
+        CascadePolicy,
+        ClassifierPolicy,
+        HeuristicPolicy,
+        ModelEntry,
+        Router,
+        SpendLedger,
+    )
 
     kind = args.router or ("heuristic" if len(names) > 1 else "none")
     if kind == "none":
@@ -188,22 +211,43 @@ def build_router(args: argparse.Namespace, names: list[str]):
             raise ValueError("--router learned needs --router-classifier FILE (from `pagedlm router train`).")
         from pagedlm.router.classifier import WeakCorrectClassifier
 
-        policy = ClassifierPolicy(WeakCorrectClassifier.load(args.router_classifier), args.strong_fraction,
-                                  args.router_threshold)
+        clf = WeakCorrectClassifier.load(args.router_classifier)
+        fraction = 0.5 if args.strong_fraction is None else args.strong_fraction
+        policy = ClassifierPolicy(clf, fraction, args.router_threshold)
+        reference = clf.train_scores
+    elif kind == "cascade":
+        fraction, reference = args.strong_fraction, None
+        policy = CascadePolicy(args.cascade_threshold)
     else:
+        fraction = args.strong_fraction
         policy = HeuristicPolicy(0.5 if args.router_threshold is None else args.router_threshold)
+        reference = None
+    if args.calibration_window < 0:
+        raise ValueError("--calibration-window must be >= 0.")
+    if fraction is not None and args.router_threshold is None and args.calibration_window:
+        policy.calibrate_live(fraction, reference=reference, window=args.calibration_window,
+                              min_samples=min(50, args.calibration_window))
     limits = (args.max_ttft_ms, args.max_tpot_ms, args.max_queue, args.max_request_cost)
     slo = None
     if any(v is not None for v in limits):
         slo = SLO(ttft_s=_seconds(args.max_ttft_ms), tpot_s=_seconds(args.max_tpot_ms),
                   max_cost=args.max_request_cost, max_queue=args.max_queue)
-    return Router(entries, policy, slo)
+    limits = BudgetLimits(args.max_cost_per_hour, args.max_cost_per_hour_per_key, args.budget_near)
+    if limits.active and not any(m.cost_per_input_token or m.cost_per_output_token for m in entries):
+        raise ValueError("--max-cost-per-hour needs prices: --model-cost NAME=IN,OUT")
+    if limits.max_cost_per_hour_per_key is not None and not (args.api_key or os.environ.get(API_KEY_ENV)):
+        logger.warning("--max-cost-per-hour-per-key does nothing without API keys")
+    window = args.calibration_window or 500
+    return Router(entries, policy, slo, budget=SpendLedger(limits) if limits.active else None, share_window=window)
 
 
 def describe_router(router) -> str:
     models = ", ".join(f"{m.name} ({'strong' if m.strong else 'weak'})" for m in router.models.values())
-    return f"{type(router.policy).__name__} (threshold {router.policy.threshold:.3f}) over {models}" + (
-        f", SLO {router.slo}" if router.slo else "")
+    cal = router.calibrator
+    live = f", live calibration to {cal.target:.0%} strong over {cal.window} requests" if cal else ""
+    budget = f", budget {router.budget.limits}" if router.budget else ""
+    return f"{type(router.policy).__name__} (threshold {router.policy.threshold:.3f}{live}) over {models}" + (
+        f", SLO {router.slo}" if router.slo else "") + budget
 
 
 def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser | None, path: str) -> None:

@@ -6,6 +6,7 @@ histograms are fed by engine listeners. Each app gets its own CollectorRegistry,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,6 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedlm.engine.async_engine import AsyncLLMEngine, StepRecord
+
+if TYPE_CHECKING:
+    from pagedlm.router import Router
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -81,6 +85,54 @@ class _EngineCollector(Collector):
         yield moe
 
 
+class _RouterCollector(Collector):
+    """The router's promises, read at scrape time: strong share (target, realised, the policy's own, what the
+    SLA/load/fallback/budget rules forced), the live threshold, score drift vs training, and spend."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self):
+        r, G = self.router, GaugeMetricFamily
+        st = r.served.stats()
+        share = G("pagedlm:router_strong_share", "Share of recent routed requests (pagedlm:router_share_window) "
+                  "served by a strong model (kind=realised) or sent strong by the quality policy (kind=policy).",
+                  labels=["kind"])
+        for kind, v in (("realised", st.realised), ("policy", st.policy)):
+            if v is not None:
+                share.add_metric([kind], v)
+        yield share
+        yield G("pagedlm:router_share_window", "Recent routed requests the shares are measured on.", value=st.requests)
+        forced = G("pagedlm:router_forced_share", "Share of recent routed requests a rule moved to the other tier "
+                   "than the quality policy chose.", labels=["rule", "tier"])
+        for rule, tiers in st.forced.items():
+            for tier, v in tiers.items():
+                forced.add_metric([rule, tier], v)
+        yield forced
+        threshold = getattr(r.policy, "threshold", None)
+        if threshold is not None:
+            yield G("pagedlm:router_threshold", "The quality policy's current strong-score threshold.",
+                    value=threshold)
+        cal = r.calibrator
+        if cal is not None:
+            cs = cal.state()
+            yield G("pagedlm:router_strong_share_target", "The strong share live calibration holds.", value=cs.target)
+            if cs.psi is not None:
+                yield G("pagedlm:router_score_drift_psi", "Population stability index of recent strong scores vs "
+                        "the training scores (>0.25: traffic unlike the training data).", value=cs.psi)
+        if r.budget is not None:
+            b = r.budget.state()
+            yield CounterMetricFamily("pagedlm:router_spend_dollars", "Cost of routed requests, by tokens used.",
+                                      value=b.total_spent)
+            yield G("pagedlm:router_spend_window_dollars", "Cost settled in the budget window (last hour).",
+                    value=b.spent)
+            yield G("pagedlm:router_spend_held_dollars", "Worst-case cost held for routed requests in flight.",
+                    value=b.held)
+            if b.cap_per_hour is not None:
+                yield G("pagedlm:router_budget_dollars_per_hour", "The server's spend cap (--max-cost-per-hour).",
+                        value=b.cap_per_hour)
+
+
 class _ModelHistograms:
     """One model's children of the shared latency/size histograms; `on_step` is its engine listener."""
 
@@ -120,9 +172,9 @@ _HISTOGRAMS = ("ttft", "itl", "tpot", "e2e", "queue", "prefill", "decode", "infe
 
 class ServerMetrics:
     """Metrics of every served engine (each sample labelled `model_name`, as vLLM does), registered as step
-    listeners on them; with `routing`, also the router's counters. `render()` gives the exposition text."""
+    listeners on them; with a `router`, also its counters and gauges. `render()` gives the exposition text."""
 
-    def __init__(self, engines: Mapping[str, AsyncLLMEngine], routing: bool = False) -> None:
+    def __init__(self, engines: Mapping[str, AsyncLLMEngine], router: Router | None = None) -> None:
         disable_created_metrics()  # no `_created` series (process-wide), as vLLM does
         self.registry = reg = CollectorRegistry()
         reg.register(_EngineCollector(engines))
@@ -152,7 +204,13 @@ class ServerMetrics:
                                ["model_name", "finished_reason"], registry=reg)
         for name, engine in engines.items():
             engine.add_listener(_ModelHistograms(self, name).on_step)
-        if routing:
+        if router is not None:
+            reg.register(_RouterCollector(router))
+            self.router_cascade = Counter("pagedlm:router_cascade", "Cascade answers of the weak model: kept, or "
+                                          "re-run on the strong model (escalated).", ["outcome"], registry=reg)
+            self.router_budget_refusals = Counter("pagedlm:router_budget_refusals",
+                                                  "Routed requests refused because every model was over budget.",
+                                                  registry=reg)
             self.router_requests = Counter(
                 "pagedlm:router_requests", "Routed requests, by the model that took them and the reason category.",
                 ["model", "reason"], registry=reg)

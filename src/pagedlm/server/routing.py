@@ -1,7 +1,9 @@
 """The `auto` route: a `Router` over the served engines, fed with their live load.
 
 Decisions run on one worker thread (a learned policy embeds the prompt there, off the event loop, and calls
-into the embedding model never overlap). Each engine gets a `LoadTracker` listener for its recent latencies.
+into the embedding model never overlap). Each engine gets a `LoadTracker` listener for its recent latencies, and
+a listener that settles the budget holds of routed requests with the tokens they used (finished, aborted or
+failed: what was computed is paid for).
 """
 from __future__ import annotations
 
@@ -12,11 +14,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
 
 from pagedlm.engine.async_engine import AsyncLLMEngine, StepRecord
-from pagedlm.router import Decision, LoadStats, Router
+from pagedlm.router import BudgetExceededError, Decision, LoadStats, Router
 
 DEFAULT_ROUTE_NAME = "auto"
+R = TypeVar("R")
 
 
 class LoadTracker:
@@ -50,6 +55,14 @@ class LoadTracker:
                          healthy=self.engine.is_running)
 
 
+@dataclass
+class _InFlight:
+    decision: Decision
+    prompts_left: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
 class AutoRoute:
     """Requests for model `name` go where `router` decides among `engines` (every router model must be
     served). `route` / `fallback` raise NoCandidateError when no model can take the request."""
@@ -62,24 +75,73 @@ class AutoRoute:
             raise ValueError(f"the route name {name!r} is also a model name")
         self.router, self.name = router, name
         self.trackers = {m: LoadTracker(engines[m]) for m in router.models}
+        self.max_model_len = min(engines[m].max_model_len for m in router.models)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedlm-router")
+        self._in_flight: dict[str, _InFlight] = {}  # request id (of the engine) -> its routed request
+        self._lock = threading.Lock()
+        for m in router.models:
+            engines[m].add_listener(self._on_step)
 
     def load(self) -> dict[str, LoadStats]:
         return {m: t.stats() for m, t in self.trackers.items()}
 
-    async def route(self, prompt: str, max_tokens: int | None) -> Decision:
-        return await self._run(self.router.route, prompt, max_tokens, self.load())
+    async def route(self, prompt: str, max_tokens: int | None, api_key: str | None = None,
+                    cost_tokens: tuple[int, int] | None = None) -> Decision:
+        return await self._run(functools.partial(self.router.route, api_key=api_key, cost_tokens=cost_tokens),
+                               prompt, max_tokens, self.load())
 
-    async def fallback(self, failed: Decision, prompt: str, max_tokens: int | None, tried: list[str]) -> Decision:
-        return await self._run(self.router.fallback, failed, prompt, max_tokens, self.load(), tried)
+    async def fallback(self, failed: Decision, prompt: str, max_tokens: int | None, tried: list[str],
+                       api_key: str | None = None, cost_tokens: tuple[int, int] | None = None) -> Decision:
+        return await self._run(self.router.fallback, failed, prompt, max_tokens, self.load(), tried, api_key,
+                               cost_tokens)
+
+    async def escalate(self, first: Decision, mean_logprob: float, prompt: str, max_tokens: int | None,
+                       api_key: str | None = None,
+                       cost_tokens: tuple[int, int] | None = None) -> tuple[Decision | None, str]:
+        return await self._run(self.router.escalate, first, mean_logprob, prompt, max_tokens, self.load(), api_key,
+                               cost_tokens)
+
+    def track(self, decision: Decision, request_ids: list[str]) -> None:
+        """The engine requests `request_ids` carry the request routed by `decision`: settle its budget hold when
+        the last of them ends."""
+        entry = _InFlight(decision, len(request_ids))
+        with self._lock:
+            self._in_flight.update((rid, entry) for rid in request_ids)
+
+    def untrack(self, decision: Decision, request_ids: list[str]) -> None:
+        """The request never ran on `decision.model` (refused or failed before any output): drop its hold."""
+        with self._lock:
+            for rid in request_ids:
+                self._in_flight.pop(rid, None)
+        self.router.release(decision)
+
+    def _on_step(self, rec: StepRecord) -> None:
+        if not rec.finished or not self._in_flight:
+            return
+        done = []
+        with self._lock:
+            for out in rec.finished:
+                entry = self._in_flight.pop(out.request_id, None)
+                if entry is None:
+                    continue
+                entry.prompt_tokens += len(out.prompt_token_ids)
+                entry.completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+                entry.prompts_left -= 1
+                if entry.prompts_left == 0:
+                    done.append(entry)
+        for e in done:
+            self.router.settle(e.decision, e.prompt_tokens, e.completion_tokens)
 
     def warm_up(self) -> None:
         """Run one decision now, so the first request does not pay for loading a classifier's embedder."""
-        self.router.route("warm-up", 16)
+        try:
+            self.router.release(self.router.route("warm-up", 16, observe=False))
+        except BudgetExceededError:
+            pass  # the policy (and its embedder) ran before the budget check
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Callable[..., Decision], *args) -> Decision:
+    async def _run(self, fn: Callable[..., R], *args) -> R:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
