@@ -40,7 +40,7 @@ def count_runs(monkeypatch):
 def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, kv_cache_dtype, count_runs):
     """Greedy tokens are identical and logprobs agree to float32 rounding (a bf16 cache: to the odd K/V entry that
     rounds the other way from a last-bit fp32 difference). The fused run's steps hold up to 16 tokens (prefill
-    chunks mixed with decode tokens); the torch run prefills whole prompts."""
+    chunks mixed with decode tokens), and so do the torch run's, so both multiply with the same quantized kernels."""
     tol = 1e-2 if kv_cache_dtype == "bfloat16" else 1e-4
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
     kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, quantization=quantization,
@@ -48,7 +48,7 @@ def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, kv_cache
     fused_llm = LLM(str(tiny_model_dir), max_num_batched_tokens=MAX_TOKENS, **kw)
     fused = _generate(fused_llm, prompts)
     assert count_runs and max(count_runs) <= MAX_TOKENS and len(set(count_runs)) > 2
-    torch_llm = LLM(str(tiny_model_dir), **kw)
+    torch_llm = LLM(str(tiny_model_dir), max_num_batched_tokens=MAX_TOKENS, **kw)  # the same linear kernels
     torch_llm.engine.runner.model._decode_kernel = None  # layer by layer
     count_runs.clear()
     plain = _generate(torch_llm, prompts)
