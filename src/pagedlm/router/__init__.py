@@ -9,8 +9,10 @@ from pagedlm.router.policies import (
                                      LeastLoadedPolicy,
                                      LoadStats,
                                      NoCandidateError,
+                                     PrefixAffinityPolicy,
                                      RandomPolicy,
                                      RequestFeatures,
+                                     RoundRobinPolicy,
                                      ScorePolicy,
                                      SLAPolicy,
                                      extract_features,
@@ -19,5 +21,6 @@ from pagedlm.router.policies import (
 from pagedlm.router.router import ModelEntry, Router
 
 __all__ = ["SLO", "Candidate", "ClassifierPolicy", "Decision", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats",
-           "ModelEntry", "NoCandidateError", "RandomPolicy", "RequestFeatures", "Router", "SLAPolicy", "ScorePolicy",
+           "ModelEntry", "NoCandidateError", "PrefixAffinityPolicy", "RandomPolicy", "RequestFeatures",
+           "RoundRobinPolicy", "Router", "SLAPolicy", "ScorePolicy",
            "extract_features", "threshold_for"]

@@ -695,6 +695,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
     """The final outputs; aborts everything if the client disconnects first."""
     finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
+    for s in streams:
+        s.buffered = True  # nothing reaches the client before the end: a lost replica's request may be retried
 
     async def run() -> None:
         async for i, out in _merge(streams):
