@@ -91,6 +91,16 @@ def test_published_hashes_are_the_engines_chain_hashes():
     assert prompt_block_hashes(ids, BLOCK, "tenant") != prompt_block_hashes(ids, BLOCK)
 
 
+def test_bad_replica_flags_fail_before_anything_starts(capsys):
+    from pagedlm import LLM
+    from pagedlm.cli import main
+
+    assert main(["serve", "--data-parallel-size", "0", "--port", "0"]) == 2
+    assert "--data-parallel-size" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model="no-such-model", data_parallel_size=2, block_size=3)
+
+
 # ---- replicas on Ray ----
 
 @pytest.fixture(scope="module")

@@ -206,7 +206,7 @@ class ReplicaSet:
     def _prefix_caching(self) -> bool:
         return self.engine.info.prefix_caching
 
-    def load(self, hashes: list[int] = ()) -> list[LoadStats]:
+    def load(self, hashes: list[int] | tuple = ()) -> list[LoadStats]:
         """Each replica's LoadStats for a request whose prompt has these block hashes."""
         out = []
         for c in self.replicas.values():
@@ -214,7 +214,7 @@ class ReplicaSet:
             running = min(s.num_running, open_)
             out.append(LoadStats(queue_len=open_ - running, running=running, kv_usage=s.kv_cache_usage,
                                  healthy=c.is_running, replica=c.name, free_blocks=s.num_free_blocks,
-                                 block_size=c.info.block_size, prefix_blocks=c.prefix_blocks(list(hashes))))
+                                 block_size=c.info.block_size, prefix_blocks=c.prefix_blocks(hashes)))
         return out
 
     def choose(self, req: _Request, tried: set[str]):
