@@ -62,7 +62,8 @@ def tenants(args: argparse.Namespace) -> dict:
         for k, name in enumerate(args.policies.split(",")):
             rs.policy = REPLICA_POLICIES[name]()
             systems = [f"[{name} tenant {t}] You are assistant number {t}. " + " ".join(
-                WORDS[(t * 7 + j * (t + 3)) % len(WORDS)] for j in range(args.system_words)) for t in range(args.tenants)]
+                WORDS[(t * 7 + j * (t + 3)) % len(WORDS)] for j in range(args.system_words))
+                for t in range(args.tenants)]
             reqs = [f"{systems[i % args.tenants]}\nUser question {i}: what is {WORDS[i % len(WORDS)]}?"
                     for i in range(args.requests)]
             before = [(c.stats.prefix_cache_hits, c.stats.prefix_cache_queries) for c in rs.replicas.values()]
@@ -91,8 +92,8 @@ def simulate(args: argparse.Namespace) -> dict:
 
     from pagedlm.engine.llm_engine import EngineStats
     from pagedlm.engine.replica import ReplicaClient, prompt_block_hashes
-    from pagedlm.router.replicas import ReplicaSet, _Request
     from pagedlm.router.policies import RequestFeatures
+    from pagedlm.router.replicas import ReplicaSet, _Request
 
     rng = random.Random(0)
     out = {}
