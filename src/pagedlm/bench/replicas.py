@@ -106,7 +106,7 @@ def simulate(args: argparse.Namespace) -> dict:
                 rep.name, rep.healthy, rep._stop, rep._streams = str(i), True, SimpleNamespace(is_set=lambda: False), {}
                 rep.info = SimpleNamespace(block_size=16, prefix_caching=True)
                 rep.stats = EngineStats(rng.randrange(8), 0, 0, 0.5, 5000, 10_000, 0, 0, 0, 0, 0)
-                rep.cached = {rng.getrandbits(64) for _ in range(cache)}
+                rep.cached, rep._expected = {rng.getrandbits(64) for _ in range(cache)}, {}
                 rep.on_lost, rep.tokenizer, rep.engine = None, None, SimpleNamespace(info=rep.info)
                 rep.max_waiting, rep.stall_timeout, rep._listeners = 512, 0.0, []
                 reps.append(rep)

@@ -296,6 +296,9 @@ class ReplicaClient:
     default: the stream fails with `error`.
     """
 
+    EXPECT_S = 5.0
+    MAX_EXPECTED = 1 << 16
+
     def __init__(self, actor: Any, name: str, tokenizer: Any = None, *, max_waiting: int = 512,
                  stall_timeout: float = 0.0, poll_timeout: float = 0.5, health_timeout: float = 10.0,
                  on_lost: Callable[[RemoteStream, BaseException], None] | None = None) -> None:
@@ -319,6 +322,7 @@ class ReplicaClient:
         self.restarts = 0
         self.healthy = True
         self.cached: set[int] = set()  # published prefix-cache block hashes
+        self._expected: dict[int, float] = {}  # hashes of prompts sent since, until when (insertion-ordered)
         self.pid = self.info.pid
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._streams: dict[str, RemoteStream] = {}
@@ -426,14 +430,28 @@ class ReplicaClient:
             pass
 
     def prefix_blocks(self, hashes: list[int]) -> int:
-        """How many leading blocks of a prompt (its `prompt_block_hashes`) this replica has cached."""
+        """How many leading blocks of a prompt (its `prompt_block_hashes`) this replica has cached, or will have
+        once the requests just sent to it are prefilled (`expect`)."""
         n = 0
-        cached = self.cached
+        cached, expected = self.cached, self._expected
         for h in hashes:
-            if h not in cached:
+            if h not in cached and h not in expected:
                 break
             n += 1
         return n
+
+    def expect(self, hashes: list[int]) -> None:
+        """Count a prompt just sent here as cached until the replica publishes it (for `EXPECT_S` seconds), so
+        that a burst of requests sharing a prefix follows the first one."""
+        now, expected = time.monotonic(), self._expected
+        for h in hashes:
+            expected.pop(h, None)
+            expected[h] = now + self.EXPECT_S
+        while expected:
+            h, until = next(iter(expected.items()))
+            if until > now and len(expected) <= self.MAX_EXPECTED:
+                break
+            del expected[h]
 
     # --- the pump thread -------------------------------------------------------------------------------
     def _pump(self) -> None:
@@ -520,7 +538,7 @@ class ReplicaClient:
         logger.warning("Replica %s (pid %d) %s; taking it out", self.name, self.pid, why)
         self.healthy = False
         self._base = (self.num_rejected, self.num_failed, self.num_stalled)
-        self.cached = set()
+        self.cached, self._expected = set(), {}
         error = EngineDeadError(f"Replica {self.name} was lost ({why}).")
         for stream in self._take_streams():
             if self.on_lost is not None:
@@ -587,7 +605,7 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None, **init_
         if address:
             ray.init(address=address, **init_kwargs)
         else:
-            ray.init(num_cpus=num_cpus or len(cpus), include_dashboard=False, **init_kwargs)
+            ray.init(address="local", num_cpus=num_cpus or len(cpus), include_dashboard=False, **init_kwargs)
             started = True
     total = float(ray.cluster_resources().get("CPU", len(cpus)))
     return RayCluster(started, total, cpus)

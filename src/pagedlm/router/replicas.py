@@ -245,6 +245,7 @@ class ReplicaSet:
                     error = e
                     break
                 self.decisions[client.name] += 1
+                client.expect(req.hashes)
                 logger.debug("Request %s -> replica %s: %s", stream.request_id, client.name, decision.reason)
                 error = None
                 break
