@@ -36,6 +36,7 @@ def batch(args: argparse.Namespace) -> dict:
     a = one.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
     out[f"1 engine x {args.threads} threads"] = round(args.prompts * args.max_tokens / dt, 1)
+    print(json.dumps(out), flush=True)
     del one
     dp = LLM(model=args.model, dtype=args.dtype, data_parallel_size=args.replicas)
     try:
@@ -45,7 +46,10 @@ def batch(args: argparse.Namespace) -> dict:
         dt = time.perf_counter() - t
         threads = dp.replicas.engine.info.num_threads
         out[f"{args.replicas} replicas x {threads} threads"] = round(args.prompts * args.max_tokens / dt, 1)
-        out["same outputs"] = [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+        same = [next((j for j, (x, y) in enumerate(zip(p.outputs[0].token_ids, q.outputs[0].token_ids)) if x != y),
+                     None) for p, q in zip(a, b)]
+        out["prompts with identical outputs"] = f"{same.count(None)} / {len(same)}"
+        out["first differing token of the others"] = [j for j in same if j is not None]
     finally:
         dp.shutdown()
     return {"output tokens/s": out}
