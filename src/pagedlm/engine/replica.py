@@ -402,17 +402,6 @@ class ReplicaClient:
         except Exception:  # noqa: BLE001 - a dead replica frees nothing, and needs nothing freed
             pass
 
-    def detach(self, stream: RemoteStream) -> None:
-        """Forget `stream` (it moves to another replica) and free it here, if it still runs here."""
-        with self._lock:
-            if self._streams.get(stream.request_id) is not stream:
-                return
-            del self._streams[stream.request_id]
-        try:
-            self.actor.abort.remote([stream.request_id])
-        except Exception:  # noqa: BLE001
-            pass
-
     def fail_all(self, message: str) -> None:
         try:
             self.actor.fail_all.remote(message)
