@@ -110,7 +110,15 @@ def models(tiny_model_dir):
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install pagedlm[ray])")
     from pagedlm import LLM
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    for attempt in range(2):  # Ray gives its node 30 s to start: a busy shared machine can miss that once
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
     kw = dict(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_num_seqs=16)
     try:
         ref = LLM(**kw)
