@@ -195,7 +195,11 @@ def test_two_replicas_serve_the_same_greedy_answers_as_one_engine(models, server
     assert {k for k in m if k.startswith("vllm:num_requests_running{")} == {
         "vllm:num_requests_running{model_name=tiny,replica=0}", "vllm:num_requests_running{model_name=tiny,replica=1}"}
     assert m["pagedlm:replica_healthy{model_name=tiny,replica=0}"] == 1.0
-    assert sum(v for k, v in m.items() if k.startswith("vllm:request_success_total{")) >= 9
+    deadline = time.monotonic() + 10  # step records come with the replica's next poll
+    while sum(v for k, v in m.items() if k.startswith("vllm:request_success_total{")) < 9:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+        m = server.metrics(all_labels=True)
 
 
 @pytest.mark.slow
