@@ -1,7 +1,9 @@
 """Offline inference, vLLM-shaped: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import asyncio
 import itertools
+import threading
 import time
 from typing import Any
 from typing import Sequence as Seq
@@ -17,9 +19,33 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", **engine_args: Any) -> None:
-        self.engine = LLMEngine.from_args(model=model, dtype=dtype, **engine_args)
+    """data_parallel_size > 1: that many engine replicas (Ray actors, each on its share of the cores; `ray_address`
+    joins a cluster, else a local Ray is started), over which `generate` spreads its prompts (`replica_policy`);
+    `shutdown()` stops them."""
+
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", data_parallel_size: int = 1,
+                 ray_address: str | None = None, replica_policy: str = "prefix", **engine_args: Any) -> None:
         self._ids = itertools.count()
+        self.replicas = None
+        if data_parallel_size > 1 or ray_address:
+            from pagedlm.config import EngineConfig
+            from pagedlm.router.replicas import ReplicaSet
+
+            EngineConfig(model=model, dtype=dtype, **engine_args)  # bad arguments fail here, not in an actor
+            self.replicas = ReplicaSet.launch(dict(model=model, dtype=dtype, **engine_args), data_parallel_size,
+                                              ray_address=ray_address, policy=replica_policy, log_interval=0)
+            self.engine = self.replicas
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="pagedlm-llm", daemon=True).start()
+        else:
+            self.engine = LLMEngine.from_args(model=model, dtype=dtype, **engine_args)
+
+    def shutdown(self) -> None:
+        """Stop the replicas (data parallel); a single engine needs nothing."""
+        if self.replicas is not None:
+            self.replicas.shutdown()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self.replicas = None
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -41,6 +67,9 @@ class LLM:
             raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
         for p in params:
             p.validate()
+        if self.replicas is not None:
+            return asyncio.run_coroutine_threadsafe(self._generate_dp(prompts, params, priority, use_tqdm),
+                                                    self._loop).result()
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -59,6 +88,30 @@ class LLM:
         prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
                               add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    async def _generate_dp(self, prompts: list[Prompt], params: list[SamplingParams], priority: Seq[int] | None,
+                           use_tqdm: bool) -> list[RequestOutput]:
+        streams = []
+        bar = tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                streams.append(self.replicas.submit(str(next(self._ids)), prompt, p,
+                                                    priority[i] if priority else 0))
+            await asyncio.gather(*(s.accepted() for s in streams))
+
+            async def final(stream) -> RequestOutput:
+                stream.buffered = True  # nothing is shown before the end: a lost replica's requests are retried
+                out = None
+                async for out in stream:
+                    pass
+                bar.update(1)
+                return out
+
+            return list(await asyncio.gather(*(final(s) for s in streams)))
+        finally:
+            bar.close()
+            for s in streams:
+                s.abort()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

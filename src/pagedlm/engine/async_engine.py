@@ -87,6 +87,8 @@ class RequestStream:
         self.unread_since: float | None = None
         self._accepted: asyncio.Future = loop.create_future()
         self._last_output_time: float | None = None  # engine thread only
+        self.buffered = False  # set by a consumer that sends the client nothing before the end (a replica set
+        # may then still retry the request elsewhere after outputs were taken)
 
     async def accepted(self) -> None:
         """Wait until the engine queued the request; raises ValueError / QueueFullError / EngineDeadError.

@@ -89,6 +89,13 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[list[int] | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
+        # KV events for a router (vLLM's BlockStored / BlockRemoved): (stored?, hash) per change of `cached`,
+        # recorded only while a consumer set it to a list; it drains them (`drain_events`).
+        self.events: list[tuple[bool, bytes]] | None = None
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        events, self.events = self.events or [], []
+        return events
 
     @property
     def num_free(self) -> int:
@@ -121,6 +128,8 @@ class BlockPool:
             self.cached[block_hash] = block
             self.block_hash[block] = block_hash
             self.block_tokens[block] = token_ids
+            if self.events is not None:
+                self.events.append((True, block_hash))
 
     def lookup(self, block_hash: bytes, token_ids: list[int]) -> int | None:
         """The cached block with this hash, verified against its stored token ids."""
@@ -135,6 +144,8 @@ class BlockPool:
             del self.cached[h]
             self.block_hash[block] = None
             self.block_tokens[block] = None
+            if self.events is not None:
+                self.events.append((False, h))
 
 
 class BlockManager:

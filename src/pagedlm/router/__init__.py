@@ -13,8 +13,10 @@ from pagedlm.router.policies import (
                                      LeastLoadedPolicy,
                                      LoadStats,
                                      NoCandidateError,
+                                     PrefixAffinityPolicy,
                                      RandomPolicy,
                                      RequestFeatures,
+                                     RoundRobinPolicy,
                                      ScorePolicy,
                                      SLAPolicy,
                                      extract_features,
@@ -24,5 +26,6 @@ from pagedlm.router.router import ModelEntry, Router
 
 __all__ = ["SLO", "BudgetExceededError", "BudgetLimits", "Candidate", "CascadePolicy", "ClassifierPolicy",
            "Decision", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats", "ModelEntry", "NoCandidateError",
-           "RandomPolicy", "RequestFeatures", "Router", "SLAPolicy", "ScorePolicy", "ShareCalibrator", "ShareMonitor",
-           "SpendLedger", "extract_features", "population_stability_index", "threshold_for"]
+           "PrefixAffinityPolicy", "RandomPolicy", "RequestFeatures", "RoundRobinPolicy", "Router", "SLAPolicy",
+           "ScorePolicy", "ShareCalibrator", "ShareMonitor", "SpendLedger", "extract_features",
+           "population_stability_index", "threshold_for"]

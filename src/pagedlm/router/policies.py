@@ -5,7 +5,9 @@ the score reaches their threshold, else to the cheapest weak one; `calibrate` se
 share of requests goes strong (RouteLLM's calibration), `calibrate_live` keeps moving it so that the share holds on
 live traffic. `CascadePolicy` sends every request to the weak tier first and judges the answer afterwards.
 `SLAPolicy` wraps a quality policy and skips candidates that are down, overloaded, over budget or predicted to
-miss the latency objective. `LeastLoadedPolicy` picks among replicas of one model.
+miss the latency objective. Among replicas of one model, `LeastLoadedPolicy`, `RoundRobinPolicy` and
+`PrefixAffinityPolicy` pick one; none sends a request to a replica whose free KV blocks cannot hold its prompt
+while another replica's can.
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ class LoadStats:
     tpot_s: float | None = None  # recent time per output token
     healthy: bool = True
     replica: str | None = None
+    free_blocks: int | None = None  # free KV blocks (None: unknown, assumed enough)
+    block_size: int = 16
+    prefix_blocks: int = 0  # leading blocks of this request's prompt the replica holds in its prefix cache
 
     @property
     def outstanding(self) -> int:
@@ -306,18 +311,82 @@ class SLAPolicy:
                         first.score, c.stats.replica, "sla", first.policy_strong)
 
 
+def blocks_short(c: Candidate, features: RequestFeatures | None) -> int:
+    """KV blocks replica `c` lacks to hold the request's prompt (beyond its cached prefix) now; 0: it fits."""
+    st = c.stats
+    if st.free_blocks is None or features is None:
+        return 0
+    need = -(-(features.prompt_tokens + 1) // st.block_size) - st.prefix_blocks
+    return max(0, need - st.free_blocks)
+
+
+def _replicas(candidates: Sequence[Candidate], features: RequestFeatures | None,
+              max_kv_usage: float) -> list[Candidate]:
+    """The healthy replicas that fit the request and are below `max_kv_usage`; failing that, those that fit;
+    failing that (none fits now: the request will wait), every healthy one."""
+    healthy = [c for c in candidates if c.stats.healthy]
+    if not healthy:
+        raise NoCandidateError("no healthy replica")
+    fit = [c for c in healthy if blocks_short(c, features) == 0]
+    return [c for c in fit if c.stats.kv_usage < max_kv_usage] or fit or healthy
+
+
+def _load_key(c: Candidate) -> tuple:
+    return c.stats.outstanding, c.stats.kv_usage, c.stats.replica or ""
+
+
 class LeastLoadedPolicy:
     """Among replicas of one model: the healthy one with the fewest outstanding requests, then the lowest KV
-    usage; replicas at or above `max_kv_usage` only when every healthy one is."""
+    usage; replicas that cannot fit the prompt, or at or above `max_kv_usage`, only when every healthy one is
+    so."""
 
     def __init__(self, max_kv_usage: float = 0.95) -> None:
         self.max_kv_usage = max_kv_usage
 
     def choose(self, features: RequestFeatures | None, candidates: Sequence[Candidate]) -> Decision:
-        healthy = [c for c in candidates if c.stats.healthy]
-        if not healthy:
-            raise NoCandidateError("no healthy replica")
-        roomy = [c for c in healthy if c.stats.kv_usage < self.max_kv_usage] or healthy
-        c = min(roomy, key=lambda c: (c.stats.outstanding, c.stats.kv_usage))
+        c = min(_replicas(candidates, features, self.max_kv_usage), key=_load_key)
         return Decision(c.name, f"least loaded replica ({c.stats.outstanding} outstanding, "
                                 f"kv {c.stats.kv_usage:.0%})", replica=c.stats.replica, category="load")
+
+
+class RoundRobinPolicy:
+    """Replicas in turn (by name), skipping those that are down or cannot fit the prompt while others can."""
+
+    def __init__(self, max_kv_usage: float = 0.95) -> None:
+        self.max_kv_usage = max_kv_usage
+        self._last: str = ""
+
+    def choose(self, features: RequestFeatures | None, candidates: Sequence[Candidate]) -> Decision:
+        usable = sorted(_replicas(candidates, features, self.max_kv_usage), key=lambda c: c.stats.replica or "")
+        c = next((c for c in usable if (c.stats.replica or "") > self._last), usable[0])
+        self._last = c.stats.replica or ""
+        return Decision(c.name, "round robin", replica=c.stats.replica, category="load")
+
+
+class PrefixAffinityPolicy:
+    """The replica whose prefix cache holds the longest prefix of the prompt (`LoadStats.prefix_blocks`, from
+    the block hashes each replica publishes), unless it has more than `max_imbalance` outstanding requests
+    beyond the least loaded one; then, or without any cached prefix, the least loaded replica. Replicas that
+    cannot fit the prompt are skipped while others can (SGLang's cache-aware routing, with exact hashes)."""
+
+    def __init__(self, max_kv_usage: float = 0.95, max_imbalance: int = 8) -> None:
+        self.max_kv_usage, self.max_imbalance = max_kv_usage, max_imbalance
+
+    def choose(self, features: RequestFeatures | None, candidates: Sequence[Candidate]) -> Decision:
+        usable = _replicas(candidates, features, self.max_kv_usage)
+        least = min(usable, key=_load_key)
+        best = max(c.stats.prefix_blocks for c in usable)
+        if best > 0:
+            c = min((c for c in usable if c.stats.prefix_blocks == best), key=_load_key)
+            if c.stats.outstanding - least.stats.outstanding <= self.max_imbalance:
+                return Decision(c.name, f"prefix affinity ({best} blocks cached, {c.stats.outstanding} "
+                                        "outstanding)", replica=c.stats.replica, category="load")
+            why = f"prefix holder {c.stats.replica} busier by {c.stats.outstanding - least.stats.outstanding}"
+        else:
+            why = "no cached prefix"
+        return Decision(least.name, f"least loaded replica ({why}; {least.stats.outstanding} outstanding)",
+                        replica=least.stats.replica, category="load")
+
+
+REPLICA_POLICIES = {"prefix": PrefixAffinityPolicy, "least-loaded": LeastLoadedPolicy,
+                    "round-robin": RoundRobinPolicy}

@@ -516,7 +516,7 @@ class _Server:
         cfg, max_len = self.engine.engine.config, self.engine.max_model_len
         if params.n > cfg.max_num_seqs:
             raise APIError(400, f"n={params.n} exceeds this server's max_num_seqs ({cfg.max_num_seqs}).", param="n")
-        blocks = self.engine.stats.num_total_blocks
+        blocks = self.engine.engine.block_manager.num_total_blocks  # one replica's, with several
         for p in prompt_lens:
             length = min(p + (params.max_tokens or max_len), max_len)
             if params.n * self.engine.engine.block_manager.max_blocks_needed(
@@ -824,6 +824,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
     """The final outputs; aborts everything if the client disconnects first."""
     finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
+    for s in streams:
+        s.buffered = True  # nothing reaches the client before the end: a lost replica's request may be retried
 
     async def run() -> None:
         async for i, out in _merge(streams):

@@ -86,6 +86,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
                    help="the same cap for each API key (--api-key)")
     r.add_argument("--budget-near", type=float, default=0.8,
                    help="share of a spend cap from which requests go to cheaper models (default %(default)s)")
+    d = p.add_argument_group("replicas (data parallelism on Ray)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas per model, each a Ray actor on its share of the cores (default 1: the engine "
+                        "runs in this process)")
+    d.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local one")
+    d.add_argument("--replica-policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                   help="how requests are spread over replicas (default %(default)s: the replica caching the "
+                        "longest prefix of the prompt, unless much busier)")
+    d.add_argument("--threads-per-replica", type=int, default=None,
+                   help="torch threads (and CPUs reserved) per replica (default: the cluster's CPUs / replicas)")
+    d.add_argument("--replica-health-timeout", type=float, default=10.0,
+                   help="a replica that does not answer a poll for this many seconds is taken out and restarted")
     p.set_defaults(fn=lambda args: serve(args, engine_kwargs_fn, p))
     return p
 
@@ -106,6 +119,9 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
         raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
     if args.stream_stall_timeout < 0 or args.shutdown_timeout < 0:
         raise ValueError("--stream-stall-timeout and --shutdown-timeout must be >= 0.")
+    if args.data_parallel_size < 1 or (args.threads_per_replica is not None and args.threads_per_replica < 1):
+        raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
+    replicated = args.data_parallel_size > 1 or args.ray_address is not None
     models = model_specs(args)
     router = build_router(args, [name for name, _ in models])
     sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
@@ -115,6 +131,17 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
         for name, target in models:
             kwargs = engine_kwargs_fn(argparse.Namespace(**{**vars(args), "model": target}))
             logger.info("Loading %s (%s)", name, target)
+            if replicated:
+                from pagedlm.config import EngineConfig
+                from pagedlm.router.replicas import ReplicaSet
+
+                EngineConfig(**kwargs)  # bad flags fail here, not in every actor
+                engines[name] = ReplicaSet.launch(
+                    kwargs, args.data_parallel_size, ray_address=args.ray_address, policy=args.replica_policy,
+                    num_threads=args.threads_per_replica, max_waiting=args.max_waiting,
+                    stall_timeout=args.stream_stall_timeout, log_interval=args.log_interval,
+                    health_timeout=args.replica_health_timeout)
+                continue
             engine = LLMEngine.from_args(**kwargs)  # logs the KV memory report
             engines[name] = AsyncLLMEngine(engine, max_waiting=args.max_waiting, log_interval=args.log_interval,
                                            stall_timeout=args.stream_stall_timeout)
@@ -141,7 +168,7 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     finally:
         if route is not None:
             route.shutdown()
-        for engine in engines.values():
+        for engine in reversed(engines.values()):  # the first replica set stops a Ray it started: last
             engine.shutdown()
         sock.close()
     return 0

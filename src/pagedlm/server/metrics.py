@@ -43,12 +43,18 @@ class _EngineCollector(Collector):
         self.engines = dict(engines)
 
     def collect(self):
-        snaps = [(name, eng, eng.stats) for name, eng in self.engines.items()]
+        # with data parallelism, one sample per replica (label `replica`), else one per model
+        by_replica = any(hasattr(eng, "replicas") for eng in self.engines.values())
+        snaps = []
+        for name, eng in self.engines.items():
+            parts = list(eng.replicas.items()) if hasattr(eng, "replicas") else [("0", eng)]
+            snaps += [((name, rep) if by_replica else (name,), e, e.stats) for rep, e in parts]
+        labels = ["model_name", "replica"] if by_replica else ["model_name"]
 
         def family(kind: type, name: str, doc: str, value: Callable) -> GaugeMetricFamily | CounterMetricFamily:
-            f = kind(name, doc, labels=["model_name"])
-            for model, eng, s in snaps:
-                f.add_metric([model], value(eng, s))
+            f = kind(name, doc, labels=labels)
+            for key, eng, s in snaps:
+                f.add_metric(list(key), value(eng, s))
             return f
 
         G, C = GaugeMetricFamily, CounterMetricFamily
@@ -76,13 +82,27 @@ class _EngineCollector(Collector):
         yield family(C, "pagedlm:requests_failed", "Requests failed by an engine error.", lambda e, s: e.num_failed)
         yield family(C, "pagedlm:requests_stalled", "Requests aborted because their client stopped reading.",
                      lambda e, s: e.num_stalled)
+        if by_replica:
+            yield family(C, "pagedlm:replica_restarts", "Times Ray restarted the replica after it died or hung.",
+                         lambda e, s: getattr(e, "restarts", 0))
+            yield family(C, "pagedlm:replica_retries", "Requests moved to another replica after losing this one "
+                                                       "before sending anything.",
+                         lambda e, s: self._retries(e))
+            yield family(G, "pagedlm:replica_healthy", "1 while the replica is up, 0 while it is out.",
+                         lambda e, s: float(e.is_running))
         moe = C("pagedlm:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer.",
-                labels=["model_name", "layer", "expert"])
-        for model, eng, s in snaps:
+                labels=[*labels, "layer", "expert"])
+        for key, eng, s in snaps:
             for layer, counts in s.moe_expert_tokens.items():
                 for expert, n in enumerate(counts):
-                    moe.add_metric([model, str(layer), str(expert)], n)
+                    moe.add_metric([*key, str(layer), str(expert)], n)
         yield moe
+
+    def _retries(self, replica) -> int:
+        for eng in self.engines.values():
+            if hasattr(eng, "retries") and getattr(eng, "replicas", {}).get(replica.name) is replica:
+                return eng.retries.get(replica.name, 0)
+        return 0
 
 
 class _RouterCollector(Collector):

@@ -1,0 +1,624 @@
+"""Engine replicas in other processes (Ray actors), behind the same async interface as `AsyncLLMEngine`.
+
+`EngineReplica` is the actor body: an `AsyncLLMEngine` on its share of the cores, answering `add` / `abort` /
+`poll`. `poll` is a long poll: it returns, for every open request with something new, its newest cumulative
+output (pending outputs are merged, as in the local engine), plus the step records (latencies, finished
+requests) for the metrics, the engine's stats, and the prefix-cache changes (KV events: 8-byte prefixes of the
+chained block hashes stored or removed since the last poll). One poll per replica, not one call per token.
+
+`ReplicaClient` is the front end's proxy of one actor: `submit` returns a stream with `RequestStream`'s
+contract (accepted / async iteration / abort / unread_since), a pump thread long-polls the actor and delivers
+outputs to the caller's event loop, and the same thread checks health: a replica whose process died, or whose
+poll does not answer within `health_timeout`, is taken out (its open streams are handed to `on_lost`, or failed
+with EngineDeadError), killed if it hung, and back once Ray restarted it (`restarts` counts it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedlm.config import EngineConfig
+from pagedlm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+    StepRecord,
+)
+from pagedlm.engine.llm_engine import EngineStats
+from pagedlm.kvcache.block_manager import hash_block, max_blocks_needed, max_tokens_per_seq
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HASH_BYTES = 8  # published prefix of each sha256 block hash: collisions only mislead routing, never results
+
+
+def short_hash(h: bytes) -> int:
+    return int.from_bytes(h[:HASH_BYTES], "little")
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+    """Short chain hashes of the prompt's blocks that the prefix cache can serve (every full block before the
+    last token, as `BlockManager.find_cached_prefix` looks them up)."""
+    out, parent = [], None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], cache_salt)
+        out.append(short_hash(parent))
+    return out
+
+
+@dataclass
+class ReplicaInfo:
+    """Static facts of a replica, for the front end's checks (the same ones it makes on a local engine)."""
+
+    config: EngineConfig
+    model_path: Path
+    max_model_len: int
+    eos_token_ids: set[int]
+    sliding_windows: list[int | None]
+    block_size: int
+    num_total_blocks: int
+    prefix_caching: bool
+    stats: EngineStats
+    pid: int
+    node: str
+    num_threads: int
+
+
+@dataclass
+class ReplicaPoll:
+    outputs: dict[str, RequestOutput | tuple[str, str]]  # newest output, or (error class, message)
+    record: StepRecord  # merged step records since the last poll (its stats: the newest)
+    counters: tuple[int, int, int]  # rejected, failed, stalled
+    running: bool
+    cache_snapshot: list[int] | None = None  # the whole published set (first poll, or after a resync)
+    cache_stored: list[int] = field(default_factory=list)
+    cache_removed: list[int] = field(default_factory=list)
+
+
+_ERRORS: dict[str, type[BaseException]] = {"QueueFullError": QueueFullError, "EngineDeadError": EngineDeadError,
+                                           "RequestFailedError": RequestFailedError, "ValueError": ValueError}
+
+
+def _encode_error(e: BaseException) -> tuple[str, str]:
+    name = type(e).__name__
+    return (name if name in _ERRORS else "RequestFailedError"), str(e)
+
+
+def _decode_error(err: tuple[str, str]) -> BaseException:
+    return _ERRORS.get(err[0], RequestFailedError)(err[1])
+
+
+class EngineReplica:
+    """The actor body (also usable in-process): one `AsyncLLMEngine` on `num_threads` torch threads, optionally
+    pinned to `cpus`. Its methods are coroutines: Ray runs them concurrently on the actor's event loop."""
+
+    MAX_EVENTS = 1 << 16  # undrained KV events beyond this: the next poll sends a snapshot instead
+
+    def __init__(self, engine_kwargs: dict[str, Any], num_threads: int | None = None, cpus: list[int] | None = None,
+                 max_waiting: int = 512, stall_timeout: float = 0.0, log_interval: float = 10.0) -> None:
+        import torch
+
+        from pagedlm.engine.llm_engine import LLMEngine
+
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        engine = LLMEngine.from_args(**engine_kwargs)
+        self.engine = AsyncLLMEngine(engine, max_waiting=max_waiting, log_interval=log_interval,
+                                     stall_timeout=stall_timeout)
+        self._streams: dict[str, RequestStream] = {}
+        self._ready: dict[str, RequestOutput | tuple[str, str]] = {}
+        self._records: list[StepRecord] = []
+        self._records_lock = threading.Lock()
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._snapshot_due = True
+        self._pool = engine.block_manager.gpu
+        self._pool.events = [] if engine.block_manager.enable_prefix_caching else None
+        self.engine.add_listener(self._on_step)
+
+    def _on_step(self, rec: StepRecord) -> None:  # engine thread
+        if rec.ttft or rec.itl or rec.finished:
+            with self._records_lock:
+                self._records.append(rec)
+
+    async def info(self) -> ReplicaInfo:
+        e = self.engine.engine
+        bm = e.block_manager
+        try:
+            import ray
+            node = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - not in Ray
+            node = "local"
+        import torch
+        return ReplicaInfo(e.config, Path(e.model_path), e.max_model_len, set(e.eos_token_ids),
+                           list(bm.sliding_windows), bm.block_size, bm.num_total_blocks, bm.enable_prefix_caching,
+                           self.engine.stats, os.getpid(), node, torch.get_num_threads())
+
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
+                  age_s: float, cache_salt: str | None) -> tuple[str, str] | None:
+        """Queue a request; None, or the refusal as (error class, message). `age_s`: time since its arrival."""
+        self._bind_loop()
+        stream = self.engine.submit(request_id, prompt, params, priority, time.monotonic() - max(age_s, 0.0),
+                                    cache_salt)
+        try:
+            await stream.accepted()
+        except Exception as e:  # noqa: BLE001 - the verdict goes back to the caller
+            return _encode_error(e)
+        self._streams[request_id] = stream
+        asyncio.ensure_future(self._forward(stream))
+        return None
+
+    async def _forward(self, stream: RequestStream) -> None:
+        rid = stream.request_id
+        try:
+            async for out in stream:
+                self._ready[rid] = out
+                self._wake.set()
+        except Exception as e:  # noqa: BLE001
+            self._ready[rid] = _encode_error(e)
+            self._wake.set()
+        finally:
+            self._streams.pop(rid, None)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.abort()
+            self._ready.pop(rid, None)
+
+    async def fail_all(self, message: str) -> None:
+        self.engine.fail_all(message)
+
+    async def poll(self, timeout: float) -> ReplicaPoll:
+        """Wait up to `timeout` s for new outputs; return them with the latest stats, records and KV events."""
+        self._bind_loop()
+        if not self._ready:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        outputs, self._ready = self._ready, {}
+        with self._records_lock:
+            records, self._records = self._records, []
+        record = StepRecord(self.engine.stats)
+        for r in records:
+            record.ttft += r.ttft
+            record.itl += r.itl
+            record.finished += r.finished
+        e = self.engine
+        poll = ReplicaPoll(outputs, record, (e.num_rejected, e.num_failed, e.num_stalled), e.is_running)
+        self._publish(poll)
+        return poll
+
+    def _publish(self, poll: ReplicaPoll) -> None:
+        pool = self._pool
+        if pool.events is None:
+            return
+        # the engine thread appends events while we read: swap the list, then read the old one
+        events = pool.drain_events()
+        if self._snapshot_due or len(events) > self.MAX_EVENTS:
+            self._snapshot_due = False
+            poll.cache_snapshot = [short_hash(h) for h in list(pool.cached)]
+            return
+        for stored, h in events:
+            (poll.cache_stored if stored else poll.cache_removed).append(short_hash(h))
+
+    async def resync(self) -> None:
+        """The next poll sends the whole published cache state (a new client)."""
+        self._snapshot_due = True
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+    async def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def _bind_loop(self) -> None:
+        if self._wake is None:
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+
+
+class RemoteStream(RequestStream):
+    """A request's outputs from a replica; `RequestStream`'s contract. `taken` counts outputs the consumer took;
+    `buffered` (set by a consumer that sends nothing before the end) lets a replica set retry it elsewhere even
+    after outputs were taken. `client` is the replica that runs it now (None before it is placed)."""
+
+    def __init__(self, owner: Any, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(owner, request_id, loop)
+        self.client: ReplicaClient | None = None
+        self.taken = 0
+        self.attempts = 0
+
+    async def __anext__(self) -> RequestOutput:
+        out = await super().__anext__()
+        self.taken += 1
+        return out
+
+    next_latest = __anext__
+
+    @property
+    def retryable(self) -> bool:
+        return self.taken == 0 or self.buffered
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._ready.set()
+            if self.client is not None:
+                self.client.abort(self.request_id)
+
+
+class _Facts:
+    """What the API layer reads from `engine.engine` of a local engine: config, limits, block arithmetic."""
+
+    def __init__(self, info: ReplicaInfo) -> None:
+        self.info = info
+        self.config = info.config
+        self.model_path = info.model_path
+        self.eos_token_ids = info.eos_token_ids
+        self.max_model_len = info.max_model_len
+        self.block_manager = self  # max_blocks_needed / max_tokens_per_seq / num_total_blocks, as BlockManager's
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.info.num_total_blocks
+
+    def max_blocks_needed(self, prompt_len: int, total_len: int, width: int = 1, max_chunk: int | None = None) -> int:
+        return max_blocks_needed(self.info.sliding_windows, self.info.block_size, prompt_len, total_len, width,
+                                 max_chunk)
+
+    def max_tokens_per_seq(self, max_chunk: int | None = None) -> int:
+        return max_tokens_per_seq(self.info.sliding_windows, self.info.block_size, self.info.num_total_blocks,
+                                  max_chunk)
+
+
+class ReplicaClient:
+    """One replica actor seen as an engine (the interface `AsyncLLMEngine` gives the server).
+
+    on_lost(stream, error): called (on the pump thread) for each open stream of a replica that died or hung;
+    default: the stream fails with `error`.
+    """
+
+    EXPECT_S = 5.0
+    MAX_EXPECTED = 1 << 16
+
+    def __init__(self, actor: Any, name: str, tokenizer: Any = None, *, max_waiting: int = 512,
+                 stall_timeout: float = 0.0, poll_timeout: float = 0.5, health_timeout: float = 10.0,
+                 on_lost: Callable[[RemoteStream, BaseException], None] | None = None) -> None:
+        import ray
+
+        self._ray = ray
+        self.actor, self.name = actor, name
+        self.info: ReplicaInfo = ray.get(actor.info.remote())
+        self.engine = _Facts(self.info)
+        if tokenizer is None:
+            from pagedlm.model.registry import resolve_model
+            from pagedlm.model.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(resolve_model(self.info.config.model))
+        self.tokenizer = tokenizer
+        self.max_waiting, self.stall_timeout = max_waiting, stall_timeout
+        self.poll_timeout, self.health_timeout = poll_timeout, health_timeout
+        self.on_lost = on_lost
+        self.stats: EngineStats = self.info.stats
+        self.num_rejected = self.num_failed = self.num_stalled = 0
+        self._base = (0, 0, 0)  # counters of earlier incarnations (a restart starts from zero)
+        self.restarts = 0
+        self.healthy = True
+        self.cached: set[int] = set()  # published prefix-cache block hashes
+        self._expected: dict[int, float] = {}  # hashes of prompts sent since, until when (insertion-ordered)
+        self.pid = self.info.pid
+        self._listeners: list[Callable[[StepRecord], None]] = []
+        self._streams: dict[str, RemoteStream] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name=f"pagedlm-replica-{name}", daemon=True)
+        self._thread.start()
+
+    # --- the engine interface ------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    @property
+    def is_running(self) -> bool:
+        return self.healthy and not self._stop.is_set()
+
+    def add_listener(self, fn: Callable[[StepRecord], None]) -> None:
+        """`fn(record)` runs on the pump thread after each poll that brought latencies or finished requests."""
+        self._listeners.append(fn)
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+               arrival_time: float | None = None, cache_salt: str | None = None) -> RemoteStream:
+        loop = asyncio.get_running_loop()
+        stream = RemoteStream(self, request_id, loop)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+
+        async def place() -> None:
+            try:
+                await self.add(stream, prompt, params, priority, arrival, cache_salt)
+            except Exception as e:  # noqa: BLE001
+                stream._accept(e)
+            else:
+                stream._accept(None)
+
+        loop.create_task(place())
+        return stream
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0, arrival_time: float | None = None) -> RemoteStream:
+        stream = self.submit(request_id, prompt, params, priority, arrival_time)
+        await stream.accepted()
+        return stream
+
+    async def add(self, stream: RemoteStream, prompt: str | list[int], params: SamplingParams, priority: int,
+                  arrival: float, cache_salt: str | None) -> None:
+        """Queue `stream`'s request on this replica; raises its refusal (ValueError, QueueFullError,
+        EngineDeadError). The stream is registered first, so no output can arrive before it."""
+        if not self.is_running:
+            raise EngineDeadError(f"Replica {self.name} is down.")
+        rid = stream.request_id
+        with self._lock:
+            self._streams[rid] = stream
+        stream.client = self
+        stream.attempts += 1
+        try:
+            err = await self.actor.add.remote(rid, prompt, params, priority, time.monotonic() - arrival, cache_salt)
+        except self._ray.exceptions.RayError as e:
+            err = ("EngineDeadError", f"Replica {self.name} is unavailable ({type(e).__name__}).")
+        if err is not None:
+            with self._lock:
+                if self._streams.get(rid) is stream:
+                    del self._streams[rid]
+            raise _decode_error(err)
+        if stream.finished:  # aborted while it was being placed
+            self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        try:
+            self.actor.abort.remote([request_id])
+        except Exception:  # noqa: BLE001 - a dead replica frees nothing, and needs nothing freed
+            pass
+
+    def fail_all(self, message: str) -> None:
+        try:
+            self.actor.fail_all.remote(message)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        for stream in self._take_streams():
+            self._deliver(stream, EngineDeadError("The engine was shut down."))
+        try:
+            self._ray.get(self.actor.shutdown.remote(), timeout=timeout)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def prefix_blocks(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt (its `prompt_block_hashes`) this replica has cached, or will have
+        once the requests just sent to it are prefilled (`expect`)."""
+        n = 0
+        cached, expected = self.cached, self._expected
+        for h in hashes:
+            if h not in cached and h not in expected:
+                break
+            n += 1
+        return n
+
+    def expect(self, hashes: list[int]) -> None:
+        """Count a prompt just sent here as cached until the replica publishes it (for `EXPECT_S` seconds), so
+        that a burst of requests sharing a prefix follows the first one."""
+        now, expected = time.monotonic(), self._expected
+        for h in hashes:
+            expected.pop(h, None)
+            expected[h] = now + self.EXPECT_S
+        while expected:
+            h, until = next(iter(expected.items()))
+            if until > now and len(expected) <= self.MAX_EXPECTED:
+                break
+            del expected[h]
+
+    # --- the pump thread -------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        ray = self._ray
+        while not self._stop.is_set():
+            try:
+                poll = ray.get(self.actor.poll.remote(self.poll_timeout), timeout=self.health_timeout)
+            except ray.exceptions.GetTimeoutError:
+                self._lost(f"did not answer a health check within {self.health_timeout:g} s", hung=True)
+                continue
+            except ray.exceptions.RayError as e:
+                self._lost(f"failed ({type(e).__name__})", hung=False)
+                continue
+            except Exception:  # noqa: BLE001 - e.g. Ray shut down under us
+                if self._stop.is_set():
+                    return
+                logger.exception("Polling replica %s failed", self.name)
+                time.sleep(0.5)
+                continue
+            self._apply(poll)
+
+    def _apply(self, poll: ReplicaPoll) -> None:
+        rec = poll.record
+        self.stats = rec.stats
+        r, f, s = poll.counters
+        self.num_rejected, self.num_failed, self.num_stalled = self._base[0] + r, self._base[1] + f, self._base[2] + s
+        if poll.cache_snapshot is not None:
+            self.cached = set(poll.cache_snapshot)
+        self.cached.difference_update(poll.cache_removed)
+        self.cached.update(poll.cache_stored)
+        if not poll.running and self.healthy:
+            self._lost("its engine loop stopped", hung=True)
+            return
+        with self._lock:
+            items = [(self._streams[rid], out) for rid, out in poll.outputs.items() if rid in self._streams]
+            for rid, out in poll.outputs.items():
+                if isinstance(out, tuple) or out.finished:
+                    self._streams.pop(rid, None)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for stream, out in items:
+            if isinstance(out, tuple):
+                out = _decode_error(out)
+            by_loop[stream._loop].append((stream, out))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's loop is closed
+                for stream, _ in batch:
+                    self.abort(stream.request_id)
+        if self.stall_timeout > 0:
+            self._fail_stalled()
+        if rec.ttft or rec.itl or rec.finished:
+            for fn in self._listeners:
+                try:
+                    fn(rec)
+                except Exception:  # noqa: BLE001
+                    logger.exception("Replica listener failed")
+
+    def _fail_stalled(self) -> None:
+        now = time.monotonic()
+        for stream in list(self._streams.values()):
+            since = stream.unread_since
+            if since is not None and now - since > self.stall_timeout:
+                self.num_stalled += 1
+                self._base = (self._base[0], self._base[1], self._base[2] + 1)
+                self.abort(stream.request_id)
+                self._deliver(stream, RequestFailedError(f"Request {stream.request_id} was aborted: its output was "
+                                                         f"not read for {self.stall_timeout:g} s."))
+
+    def _take_streams(self) -> list[RemoteStream]:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        return streams
+
+    def _deliver(self, stream: RemoteStream, item: object) -> None:
+        try:
+            stream._loop.call_soon_threadsafe(_put_all, [(stream, item)])
+        except RuntimeError:
+            pass
+
+    def _lost(self, why: str, hung: bool) -> None:
+        """Take the replica out, hand over its requests, and wait (on this thread) until Ray restarted it."""
+        ray = self._ray
+        logger.warning("Replica %s (pid %d) %s; taking it out", self.name, self.pid, why)
+        self.healthy = False
+        self._base = (self.num_rejected, self.num_failed, self.num_stalled)
+        self.cached, self._expected = set(), {}
+        error = EngineDeadError(f"Replica {self.name} was lost ({why}).")
+        for stream in self._take_streams():
+            if self.on_lost is not None:
+                try:
+                    self.on_lost(stream, error)
+                    continue
+                except Exception:  # noqa: BLE001
+                    logger.exception("Handing over a request of replica %s failed", self.name)
+            self._deliver(stream, error)
+        if hung:
+            try:
+                ray.kill(self.actor, no_restart=False)
+            except Exception:  # noqa: BLE001
+                logger.exception("Killing replica %s failed", self.name)
+        delay = 0.2
+        while not self._stop.is_set():
+            try:
+                info = ray.get(self.actor.info.remote(), timeout=max(self.health_timeout, 30.0))
+            except Exception as e:  # noqa: BLE001 - still restarting, or gone for good
+                logger.debug("Replica %s not back yet: %s", self.name, e)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if info.pid != self.pid or info.node != self.info.node:
+                self.restarts += 1
+            self.info, self.pid, self.stats = info, info.pid, info.stats
+            try:
+                ray.get(self.actor.resync.remote(), timeout=self.health_timeout)
+            except Exception:  # noqa: BLE001
+                continue
+            self.healthy = True
+            logger.warning("Replica %s is back (pid %d, restarts %d)", self.name, self.pid, self.restarts)
+            return
+
+
+def _put_all(batch: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in batch:
+        stream._put(item)
+
+
+@dataclass
+class RayCluster:
+    """The Ray cluster replicas run on; `stop()` shuts Ray down if this process started it."""
+
+    started: bool
+    num_cpus: float
+    cpus: list[int]  # this machine's cores (local cluster: replicas are pinned to slices of them)
+
+    def stop(self) -> None:
+        import ray
+
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+
+
+def connect_ray(address: str | None = None, num_cpus: int | None = None, **init_kwargs: Any) -> RayCluster:
+    """Join the cluster at `address` (or the one already initialized); without one, start a local Ray on this
+    machine's cores (no dashboard)."""
+    import ray
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    started = False
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, **init_kwargs)
+        else:
+            ray.init(address="local", num_cpus=num_cpus or len(cpus), include_dashboard=False, **init_kwargs)
+            started = True
+    total = float(ray.cluster_resources().get("CPU", len(cpus)))
+    return RayCluster(started, total, cpus)
+
+
+def launch_replicas(cluster: RayCluster, engine_kwargs: dict[str, Any], num_replicas: int, *,
+                    num_threads: int | None = None, max_waiting: int = 512, stall_timeout: float = 0.0,
+                    log_interval: float = 10.0, max_restarts: int = -1) -> list[Any]:
+    """Start `num_replicas` `EngineReplica` actors, each reserving `num_threads` CPUs (default: its share of
+    the cluster's) and running torch on that many threads; on a local cluster each is pinned to its own cores.
+    Ray restarts an actor whose process dies (`max_restarts`, -1: always)."""
+    import ray
+
+    if num_replicas < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}.")
+    share = cluster.num_cpus / num_replicas
+    threads = num_threads or max(1, int(share))
+    actor_cls = ray.remote(EngineReplica)
+    actors = []
+    for i in range(num_replicas):
+        cores = None
+        if cluster.started and threads * num_replicas <= len(cluster.cpus):
+            cores = cluster.cpus[i * threads:(i + 1) * threads]
+        actors.append(actor_cls.options(
+            num_cpus=min(threads, share), max_restarts=max_restarts, max_task_retries=0, max_concurrency=10_000,
+        ).remote(engine_kwargs, threads, cores, max_waiting, stall_timeout, log_interval))
+    return actors

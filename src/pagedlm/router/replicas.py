@@ -1,0 +1,291 @@
+"""Replicas of one model as one engine: `ReplicaSet` routes each request to a replica with a replica policy
+(prefix affinity, least loaded, round robin; see policies.py), and moves requests away from a lost replica.
+
+Per request the router hashes the prompt's full blocks once (the chained hashes the engines use) and asks
+each replica how many leading ones it published as cached; with the replicas' live load (open requests, KV
+usage and free blocks as of their last poll, less what was sent since) that is the policy's input.
+
+A replica that refuses (queue full) or is down at placement: the next choice takes the request. A replica lost
+with the request on it (died, hung, engine loop stopped): a request that sent nothing to its client yet is
+placed again on another replica (`retries` counts them per lost replica); a started stream fails with
+EngineDeadError, which the server turns into an error event and `[DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from pagedlm.engine.async_engine import EngineDeadError, QueueFullError, StepRecord
+from pagedlm.engine.llm_engine import EngineStats
+from pagedlm.engine.replica import RemoteStream, ReplicaClient, prompt_block_hashes
+from pagedlm.router.policies import (
+    REPLICA_POLICIES,
+    Candidate,
+    LoadStats,
+    NoCandidateError,
+    Policy,
+    RequestFeatures,
+)
+from pagedlm.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float
+    cache_salt: str | None
+    features: RequestFeatures
+    hashes: list[int]
+
+
+class ReplicaSet:
+    """`replicas` of one model behind the engine interface the server uses (submit / abort / stats /
+    listeners / fail_all / shutdown). policy: a replica policy (default prefix affinity); max_retries: times a
+    request is placed again after losing its replica."""
+
+    def __init__(self, replicas: list[ReplicaClient], policy: Policy | str = "prefix", max_retries: int = 2,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
+        if not replicas:
+            raise ValueError("a replica set needs at least one replica")
+        self.replicas = {c.name: c for c in replicas}
+        self.policy = REPLICA_POLICIES[policy]() if isinstance(policy, str) else policy
+        self.max_retries = max_retries
+        self.retries = {name: 0 for name in self.replicas}  # requests moved away from each lost replica
+        self.decisions = {name: 0 for name in self.replicas}  # requests placed on each replica
+        first = replicas[0]
+        self.tokenizer, self.engine = first.tokenizer, first.engine
+        self.max_waiting, self.stall_timeout = first.max_waiting, first.stall_timeout
+        self._listeners: list[Callable[[StepRecord], None]] = []
+        self._placing = 0
+        self._on_shutdown = on_shutdown
+        for c in replicas:
+            c.on_lost = self._on_lost
+            c.add_listener(self._notify)
+
+    # --- the engine interface ------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_open_requests(self) -> int:
+        return self._placing + sum(c.num_open_requests for c in self.replicas.values())
+
+    @property
+    def is_running(self) -> bool:
+        return any(c.is_running for c in self.replicas.values())
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(c.num_rejected for c in self.replicas.values())
+
+    @property
+    def num_failed(self) -> int:
+        return sum(c.num_failed for c in self.replicas.values())
+
+    @property
+    def num_stalled(self) -> int:
+        return sum(c.num_stalled for c in self.replicas.values())
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' stats summed (KV usage: used over total blocks)."""
+        snaps = [c.stats for c in self.replicas.values()]
+        total = sum(s.num_total_blocks for s in snaps)
+        free = sum(s.num_free_blocks for s in snaps)
+        moe: dict[int, list[int]] = {}
+        for s in snaps:
+            for layer, counts in s.moe_expert_tokens.items():
+                acc = moe.setdefault(layer, [0] * len(counts))
+                moe[layer] = [a + b for a, b in zip(acc, counts)]
+        return EngineStats(
+            num_running=sum(s.num_running for s in snaps), num_waiting=sum(s.num_waiting for s in snaps),
+            num_swapped=sum(s.num_swapped for s in snaps), kv_cache_usage=1.0 - free / max(total, 1),
+            num_free_blocks=free, num_total_blocks=total, num_preemptions=sum(s.num_preemptions for s in snaps),
+            prompt_tokens=sum(s.prompt_tokens for s in snaps),
+            generation_tokens=sum(s.generation_tokens for s in snaps),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in snaps),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in snaps), moe_expert_tokens=moe)
+
+    def add_listener(self, fn: Callable[[StepRecord], None]) -> None:
+        """`fn(record)` runs on a replica's pump thread with that replica's step records."""
+        self._listeners.append(fn)
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+               arrival_time: float | None = None, cache_salt: str | None = None) -> RemoteStream:
+        import time
+
+        loop = asyncio.get_running_loop()
+        stream = RemoteStream(self, request_id, loop)
+        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        block_size = self.engine.info.block_size
+        hashes = prompt_block_hashes(ids, block_size, cache_salt) if self._prefix_caching else []
+        n_tokens = len(ids)
+        features = RequestFeatures("", n_tokens, params.max_tokens or 16, "open", False, False)
+        req = _Request(prompt, params, priority, time.monotonic() if arrival_time is None else arrival_time,
+                       cache_salt, features, hashes)
+        self._placing += 1
+        loop.create_task(self._place(stream, req, set(), first=True))
+        stream._replica_request = req  # type: ignore[attr-defined]
+        return stream
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0, arrival_time: float | None = None) -> RemoteStream:
+        stream = self.submit(request_id, prompt, params, priority, arrival_time)
+        await stream.accepted()
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0):
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        for c in self.replicas.values():
+            c.abort(request_id)
+
+    def fail_all(self, message: str) -> None:
+        for c in self.replicas.values():
+            c.fail_all(message)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for c in self.replicas.values():
+            c.shutdown(timeout)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+    @classmethod
+    def launch(cls, engine_kwargs: dict, num_replicas: int, *, ray_address: str | None = None,
+               policy: Policy | str = "prefix", num_threads: int | None = None, max_waiting: int = 512,
+               stall_timeout: float = 0.0, log_interval: float = 10.0, health_timeout: float = 10.0,
+               ray_init_kwargs: dict | None = None) -> "ReplicaSet":
+        """Start (or join, with `ray_address`) Ray, `num_replicas` engine actors and their clients."""
+        import ray
+
+        from pagedlm.engine.replica import connect_ray, launch_replicas
+
+        cluster = connect_ray(ray_address, **(ray_init_kwargs or {}))
+        actors = []
+        try:
+            actors = launch_replicas(cluster, engine_kwargs, num_replicas, num_threads=num_threads,
+                                     max_waiting=max_waiting, stall_timeout=stall_timeout, log_interval=log_interval)
+            clients: list[ReplicaClient] = []
+            for i, actor in enumerate(actors):
+                clients.append(ReplicaClient(actor, f"{i}", clients[0].tokenizer if clients else None,
+                                             max_waiting=max_waiting, stall_timeout=stall_timeout,
+                                             health_timeout=health_timeout))
+                logger.info("Replica %d: pid %d on node %s, %d threads", i, clients[-1].pid,
+                            clients[-1].info.node[:12], clients[-1].info.num_threads)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            cluster.stop()
+            raise
+
+        def stop() -> None:
+            for actor in actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+            cluster.stop()
+
+        return cls(clients, policy, on_shutdown=stop)
+
+    # --- placement -----------------------------------------------------------------------------------
+    @property
+    def _prefix_caching(self) -> bool:
+        return self.engine.info.prefix_caching
+
+    def load(self, hashes: list[int] | tuple = ()) -> list[LoadStats]:
+        """Each replica's LoadStats for a request whose prompt has these block hashes."""
+        out = []
+        for c in self.replicas.values():
+            s, open_ = c.stats, c.num_open_requests
+            running = min(s.num_running, open_)
+            out.append(LoadStats(queue_len=open_ - running, running=running, kv_usage=s.kv_cache_usage,
+                                 healthy=c.is_running, replica=c.name, free_blocks=s.num_free_blocks,
+                                 block_size=c.info.block_size, prefix_blocks=c.prefix_blocks(hashes)))
+        return out
+
+    def choose(self, req: _Request, tried: set[str]):
+        cands = [Candidate("replica", stats=s) for s in self.load(req.hashes) if s.replica not in tried]
+        if not cands:
+            raise NoCandidateError("no replica left to try")
+        return self.policy.choose(req.features, cands)
+
+    async def _place(self, stream: RemoteStream, req: _Request, tried: set[str], first: bool) -> None:
+        error: BaseException | None = None
+        try:
+            while not stream.finished:
+                try:
+                    decision = self.choose(req, tried)
+                except NoCandidateError as e:
+                    error = error or EngineDeadError(f"No replica can take the request: {e}")
+                    break
+                client = self.replicas[decision.replica]
+                try:
+                    await client.add(stream, req.prompt, req.params, req.priority, req.arrival, req.cache_salt)
+                except (QueueFullError, EngineDeadError) as e:
+                    tried.add(client.name)
+                    if isinstance(e, EngineDeadError):
+                        self.retries[client.name] += 1
+                    error = e
+                    continue
+                except Exception as e:  # noqa: BLE001 - ValueError: bad input, the same on every replica
+                    error = e
+                    break
+                self.decisions[client.name] += 1
+                client.expect(req.hashes)
+                logger.debug("Request %s -> replica %s: %s", stream.request_id, client.name, decision.reason)
+                error = None
+                break
+        finally:
+            if first:
+                self._placing -= 1
+        if error is None:
+            if first:
+                stream._accept(None)
+        elif first:
+            stream._accept(error)
+        else:
+            stream._put(error)
+
+    def _on_lost(self, stream: RemoteStream, error: BaseException) -> None:  # a pump thread
+        try:
+            stream._loop.call_soon_threadsafe(self._handle_lost, stream, error, stream.client)
+        except RuntimeError:
+            pass
+
+    def _handle_lost(self, stream: RemoteStream, error: BaseException, client: ReplicaClient) -> None:
+        """On the stream's loop: retry `stream` elsewhere, or fail it, unless it has moved on already."""
+        req: _Request | None = getattr(stream, "_replica_request", None)
+        if stream.finished or stream.client is not client:
+            return
+        lost = client.name
+        if req is None or not stream.retryable or stream.attempts > self.max_retries:
+            stream._put(error)
+            return
+        self.retries[lost] = self.retries.get(lost, 0) + 1
+        logger.warning("Request %s lost replica %s before sending anything; placing it again",
+                       stream.request_id, lost)
+        if not isinstance(stream._pending, BaseException):
+            stream._pending, stream.unread_since = None, None
+        req = replace(req)
+        asyncio.get_running_loop().create_task(self._place(stream, req, {lost}, first=False))
+
+    def _notify(self, rec: StepRecord) -> None:
+        for fn in self._listeners:
+            try:
+                fn(rec)
+            except Exception:  # noqa: BLE001
+                logger.exception("Engine listener failed")

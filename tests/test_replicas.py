@@ -1,0 +1,306 @@
+"""Data parallelism: engine replicas as Ray actors behind the server and `LLM`, replica routing, lost replicas.
+
+The Ray part shares one local Ray (2 CPUs) and one pair of replicas (from `LLM(data_parallel_size=2)`) across the
+module; the policy and hashing tests need no Ray.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagedlm.kvcache.block_manager import BlockManager
+from pagedlm.router import Candidate, LeastLoadedPolicy, LoadStats, PrefixAffinityPolicy, RoundRobinPolicy
+from pagedlm.router.policies import RequestFeatures
+from pagedlm.sampling.params import SamplingParams
+
+BLOCK = 16
+
+
+def _features(prompt_tokens: int) -> RequestFeatures:
+    return RequestFeatures("", prompt_tokens, 16, "open", False, False)
+
+
+def _cand(name: str, **kw) -> Candidate:
+    return Candidate("m", stats=LoadStats(replica=name, block_size=BLOCK, **kw))
+
+
+# ---- policies (no Ray) ----
+
+def test_replica_policies_never_pick_a_replica_that_cannot_fit_while_another_can():
+    f = _features(20 * BLOCK)  # needs 21 blocks
+    full = _cand("a", free_blocks=5, prefix_blocks=10)  # short by 6 even with its cached prefix
+    roomy = _cand("b", free_blocks=100, running=6)
+    for policy in (PrefixAffinityPolicy(), LeastLoadedPolicy(), RoundRobinPolicy()):
+        assert {policy.choose(f, [full, roomy]).replica for _ in range(3)} == {"b"}, type(policy).__name__
+    # nobody fits: still placed (it waits), on the least loaded
+    assert LeastLoadedPolicy().choose(f, [full, _cand("c", free_blocks=1, running=3)]).replica == "a"
+    # the cached prefix counts: 21 - 18 cached = 3 blocks needed, 5 free
+    assert PrefixAffinityPolicy().choose(f, [_cand("a", free_blocks=5, prefix_blocks=18), roomy]).replica == "a"
+
+
+def test_prefix_affinity_prefers_the_longest_cached_prefix_within_the_load_slack():
+    f = _features(40 * BLOCK)
+    cands = [_cand("a", free_blocks=99, prefix_blocks=2, running=1),
+             _cand("b", free_blocks=99, prefix_blocks=30, running=5), _cand("c", free_blocks=99)]
+    d = PrefixAffinityPolicy(max_imbalance=8).choose(f, cands)
+    assert d.replica == "b" and "30 blocks cached" in d.reason
+    d = PrefixAffinityPolicy(max_imbalance=4).choose(f, cands)  # b is 5 busier than c: load wins
+    assert d.replica == "c" and "busier" in d.reason
+    assert PrefixAffinityPolicy().choose(f, [_cand("a", running=2), _cand("b", running=1)]).replica == "b"
+    assert PrefixAffinityPolicy().choose(f, [_cand("a", prefix_blocks=9, healthy=False), cands[2]]).replica == "c"
+
+
+def test_round_robin_cycles_over_healthy_replicas():
+    rr = RoundRobinPolicy()
+    cands = [_cand("0"), _cand("1", healthy=False), _cand("2")]
+    assert [rr.choose(None, cands).replica for _ in range(4)] == ["0", "2", "0", "2"]
+
+
+def test_published_hashes_are_the_engines_chain_hashes():
+    """The router's prompt hashes match the KV events of the block pool that cached the prompt."""
+    from pagedlm.engine.replica import prompt_block_hashes, short_hash
+
+    class Seq:
+        def __init__(self, ids, salt=None):
+            self.seq_id, self.ids, self.cache_salt = 1, ids, salt
+            self.num_computed_tokens = 0
+
+        @property
+        def num_tokens(self):
+            return len(self.ids)
+
+        def token_slice(self, a, b):
+            return self.ids[a:b]
+
+    ids = list(range(100, 100 + 5 * BLOCK + 3))
+    for salt in (None, "tenant"):
+        bm = BlockManager(32, BLOCK, enable_prefix_caching=True)
+        bm.gpu.events = []
+        seq = Seq(ids, salt)
+        bm.allocate(seq, len(ids))
+        bm.commit(seq, len(ids))
+        stored = [short_hash(h) for ok, h in bm.gpu.drain_events() if ok]
+        assert stored == prompt_block_hashes(ids + [0], BLOCK, salt) == prompt_block_hashes(ids, BLOCK, salt)[:5]
+        assert len(stored) == 5
+    assert prompt_block_hashes(ids, BLOCK, "tenant") != prompt_block_hashes(ids, BLOCK)
+
+
+def test_bad_replica_flags_fail_before_anything_starts(capsys):
+    from pagedlm import LLM
+    from pagedlm.cli import main
+
+    assert main(["serve", "--data-parallel-size", "0", "--port", "0"]) == 2
+    assert "--data-parallel-size" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model="no-such-model", data_parallel_size=2, block_size=3)
+
+
+# ---- replicas on Ray ----
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    """(one local engine, two replicas via LLM(data_parallel_size=2)); Ray is stopped at the end."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install pagedlm[ray])")
+    from pagedlm import LLM
+
+    for attempt in range(2):  # Ray gives its node 30 s to start: a busy shared machine can miss that once
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
+    kw = dict(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_num_seqs=16)
+    try:
+        ref = LLM(**kw)
+        dp = LLM(**kw, data_parallel_size=2)
+        yield ref, dp
+        dp.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    from server_utils import InProcessServer
+
+    from pagedlm.server.api import build_app
+
+    srv = InProcessServer(build_app({"tiny": models[1].replicas}))
+    yield srv
+    srv.stop()
+
+
+PROMPTS = ["The quick brown fox", "Once upon a time, there was", "It was the best of times", "Hello! How are you",
+           "The engine schedules requests", "Numbers like 1, 2, 3", "Paris is the capital", "A paged key value"]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.slow
+def test_offline_data_parallel_matches_one_engine_in_input_order(models):
+    ref, dp = models
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i) for i in range(len(PROMPTS))]
+    before = dict(dp.replicas.decisions)
+    want, got = ref.generate(PROMPTS, params, use_tqdm=False), dp.generate(PROMPTS, params, use_tqdm=False)
+    assert _ids(got) == _ids(want)
+    assert [len(o.outputs[0].token_ids) for o in got] == [8 + 3 * i for i in range(len(PROMPTS))]
+    assert [o.prompt for o in got] == PROMPTS
+    spread = {k: v - before[k] for k, v in dp.replicas.decisions.items()}
+    assert sum(spread.values()) == len(PROMPTS) and min(spread.values()) >= 2, spread
+    assert [c.info.num_threads for c in dp.replicas.replicas.values()] == [1, 1]
+
+
+@pytest.mark.slow
+def test_two_replicas_serve_the_same_greedy_answers_as_one_engine(models, server):
+    ref, dp = models
+    tok = ref.get_tokenizer()
+    want = ref.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+
+    def ask(prompt: str) -> list[int]:
+        r = server.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                                 "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return tok.encode(r.json()["choices"][0]["text"], add_special_tokens=False)
+
+    answers: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, ask(PROMPTS[i]))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [answers[i] for i in range(8)] == [tok.encode(o.outputs[0].text, add_special_tokens=False) for o in want]
+    # streaming crosses the actor boundary as a stream of deltas
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                      json={"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                            "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want[0].outputs[0].text
+    # bad input from a replica is still the client's 400
+    r = server.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 4})
+    assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    m = server.metrics(all_labels=True)
+    assert {k for k in m if k.startswith("vllm:num_requests_running{")} == {
+        "vllm:num_requests_running{model_name=tiny,replica=0}", "vllm:num_requests_running{model_name=tiny,replica=1}"}
+    assert m["pagedlm:replica_healthy{model_name=tiny,replica=0}"] == 1.0
+    deadline = time.monotonic() + 10  # step records come with the replica's next poll
+    while sum(v for k, v in m.items() if k.startswith("vllm:request_success_total{")) < 9:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+        m = server.metrics(all_labels=True)
+
+
+@pytest.mark.slow
+def test_requests_sharing_a_long_system_prompt_land_on_the_replica_that_cached_it(models, server):
+    rs = models[1].replicas
+    system = ("You are a careful assistant. " + _CORPUS) * 4
+
+    def send(i: int) -> None:
+        r = server.post("/v1/completions", json={"prompt": f"{system} Question {i}:", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+
+    before = dict(rs.decisions)
+    send(0)
+    first = next(k for k, v in rs.decisions.items() if v > before[k])
+    holder = rs.replicas[first]
+    hashes = _hashes(rs, f"{system} Question 9:")
+
+    def published() -> int:  # leading blocks of the prompt in the replica's published cache (its KV events)
+        return len(list(itertools.takewhile(holder.cached.__contains__, hashes)))
+
+    deadline = time.monotonic() + 10
+    while published() < len(hashes) - 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # published with the replica's next poll
+    assert published() >= len(hashes) - 2 >= 8
+    assert not any(h in other.cached for other in rs.replicas.values() if other is not holder for h in hashes)
+    hits0 = holder.stats.prefix_cache_hits
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = {k: v - before[k] for k, v in rs.decisions.items()}
+    assert after[first] == 5 and sum(after.values()) == 5, after
+    time.sleep(0.6)
+    assert holder.stats.prefix_cache_hits - hits0 >= 4 * 8 * BLOCK
+
+
+_CORPUS = ("A paged key value cache stores attention keys and values in fixed size blocks, so that memory for many "
+           "sequences can be shared and reused without fragmentation. ")
+
+
+def _hashes(rs, text: str) -> list[int]:
+    from pagedlm.engine.replica import prompt_block_hashes
+
+    return prompt_block_hashes(rs.tokenizer.encode(text), rs.engine.info.block_size)
+
+
+@pytest.mark.slow
+def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(models, server):
+    ref, dp = models
+    rs = dp.replicas
+    rs.policy = RoundRobinPolicy()
+    try:
+        long = dict(max_tokens=400, temperature=0, ignore_eos=True)
+        want = ref.generate(PROMPTS[:4], SamplingParams(**long), use_tqdm=False)
+        stream_events: list[str] = []
+        first_chunk = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                              json={"prompt": PROMPTS[5], "stream": True, **long}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        stream_events.append(line[6:])
+                        first_chunk.set()
+
+        st = threading.Thread(target=stream)
+        st.start()
+        assert first_chunk.wait(30)
+        victim = next(c for c in rs.replicas.values() if c.num_open_requests)
+        results: dict[int, httpx.Response] = {}
+        posts = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, server.post("/v1/completions", json={"prompt": PROMPTS[i], **long}))) for i in range(4)]
+        for t in posts:
+            t.start()
+        deadline = time.monotonic() + 20
+        while victim.stats.num_running < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert victim.stats.num_running >= 3  # the stream and two of the four run there
+        os.kill(victim.pid, signal.SIGKILL)
+        for t in [*posts, st]:
+            t.join(60)
+        tok = ref.get_tokenizer()
+        for i in range(4):
+            assert results[i].status_code == 200, results[i].text
+            assert results[i].json()["choices"][0]["text"] == want[i].outputs[0].text
+        assert stream_events[-1] == "[DONE]"
+        assert "error" in json.loads(stream_events[-2]) and "lost" in json.loads(stream_events[-2])["error"]["message"]
+        assert 0 < len(tok.encode("".join(json.loads(e)["choices"][0]["text"] for e in stream_events[:-2]),
+                                  add_special_tokens=False)) < 400
+        assert rs.retries[victim.name] >= 2
+        deadline = time.monotonic() + 120
+        while not (victim.healthy and victim.restarts == 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert victim.healthy and victim.restarts == 1
+        m = server.metrics(all_labels=True)
+        assert m[f"pagedlm:replica_restarts_total{{model_name=tiny,replica={victim.name}}}"] == 1
+        assert m[f"pagedlm:replica_retries_total{{model_name=tiny,replica={victim.name}}}"] >= 2
+        r = server.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200
+        assert len(dp.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)) == 8
+        assert min(rs.decisions.values()) > 0
+    finally:
+        rs.policy = PrefixAffinityPolicy()
