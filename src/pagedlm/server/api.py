@@ -55,13 +55,15 @@ T = TypeVar("T", bound=BaseModel)
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 RETRY_AFTER_S = 1
+UNKNOWN_FIELDS_HEADER = "x-pagedlm-unknown-fields"
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # union members in pydantic error paths
 
 
 def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str] | None = None,
               max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None, *,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
-              allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False) -> FastAPI:
+              allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
+              strict_request_fields: bool = False) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -70,6 +72,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     allowed_hosts: if not None, Host headers other than loopback names and these are refused (DNS rebinding);
     "*" allows any.
     prefix_cache_per_key: salt the prefix cache with the API key, so tenants never share cached blocks.
+    strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
     """
     if not engines:
         raise ValueError("build_app needs at least one engine")
@@ -80,7 +83,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     metrics = ServerMetrics(engines, routing=route is not None)
     servers = {name: _Server(engine, name, max_prompts_per_request, prefix_cache_per_key)
                for name, engine in engines.items()}
-    front = _Frontend(servers, metrics, route)
+    front = _Frontend(servers, metrics, route, strict_request_fields)
     app.state.server = front
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     app.add_middleware(_Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts)
@@ -170,8 +173,10 @@ def _shutting_down() -> APIError:
 class _Frontend:
     """Resolves each request's model and, for the route name, routes it (with fallback)."""
 
-    def __init__(self, servers: dict[str, _Server], metrics: ServerMetrics, route: AutoRoute | None) -> None:
+    def __init__(self, servers: dict[str, _Server], metrics: ServerMetrics, route: AutoRoute | None,
+                 strict_request_fields: bool = False) -> None:
         self.servers, self.metrics, self.route = servers, metrics, route
+        self.strict_request_fields = strict_request_fields
         self.default = next(iter(servers.values()))
         self.created = int(time.time())
         self.draining = False  # set by a graceful shutdown: new generation requests get 503
@@ -217,29 +222,41 @@ class _Frontend:
         if self.draining:
             raise _shutting_down()
         req = await _parse(request, P.CompletionRequest)
+        unknown = self._unknown_fields(req)
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
-            return await srv.completions(request, req, arrival)
+            return _flag_unknown(await srv.completions(request, req, arrival), unknown)
         req.check_supported()
         text = _routing_text(req.prompt)
-        return await self._routed(text, req.max_tokens,
-                                  lambda srv: srv.completions(request, req, arrival, routed=True))
+        return _flag_unknown(await self._routed(text, req.max_tokens,
+                                                lambda srv: srv.completions(request, req, arrival, routed=True)),
+                             unknown)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         if self.draining:
             raise _shutting_down()
         req = await _parse(request, P.ChatCompletionRequest)
+        unknown = self._unknown_fields(req)
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
-            return await srv.chat_completions(request, req, arrival)
+            return _flag_unknown(await srv.chat_completions(request, req, arrival), unknown)
         req.check_supported()
         users = [m.text() for m in req.messages if m.role == "user"]
         text = users[-1] if users else "\n".join(m.text() for m in req.messages)
-        return await self._routed(text, req.max_completion_tokens or req.max_tokens,
-                                  lambda srv: srv.chat_completions(request, req, arrival, routed=True))
+        return _flag_unknown(await self._routed(text, req.max_completion_tokens or req.max_tokens,
+                                                lambda srv: srv.chat_completions(request, req, arrival, routed=True)),
+                             unknown)
+
+    def _unknown_fields(self, req: BaseModel) -> list[str]:
+        """The request's fields this server does not know; with --strict-request-fields they are a 400."""
+        unknown = _extra_fields(req)
+        if unknown and self.strict_request_fields:
+            raise APIError(400, f"Unknown request fields: {', '.join(unknown)} (the server runs with "
+                                "--strict-request-fields).", param=unknown[0], code="unknown_fields")
+        return unknown
 
     async def _routed(self, text: str, max_tokens: int | None,
                       run: Callable[[_Server], Awaitable[Response]]) -> Response:
@@ -276,6 +293,23 @@ class _Frontend:
                                code="no_model_available", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         finally:
             self.metrics.router_decision.observe(time.perf_counter() - t0)
+
+
+def _extra_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields `model` (and the models inside it) let through unparsed, without duplicates."""
+    found = [prefix + k for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                found += _extra_fields(item, f"{prefix}{name}.")
+    return list(dict.fromkeys(found))
+
+
+def _flag_unknown(response: Response, unknown: list[str]) -> Response:
+    if unknown:
+        response.headers[UNKNOWN_FIELDS_HEADER] = _header_text(",".join(unknown), limit=1024)
+    return response
 
 
 def _routing_text(prompt: str | list[int] | list[str] | list[list[int]]) -> str:
@@ -344,8 +378,10 @@ class _Server:
                           routed: bool = False) -> Response:
         prompts = await self._completion_prompts(req)
         k = req.logprobs
-        params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=k if req.echo else None)
+        params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=req.prompt_logprobs
+                                     if req.prompt_logprobs is not None else k if req.echo else None)
         self._check_fits([len(p.token_ids) for p in prompts], params)
+        await self._prepare(req, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival,
                                      self._cache_salt(request, req))
@@ -356,6 +392,9 @@ class _Server:
         finals = await _collect(request, streams)
         choices = [self._completion_choice(i * params.n + o.index, req, params, prompt, out, o, _ChoiceState())
                    for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
+        if req.prompt_logprobs is not None:
+            for c in choices:
+                c.prompt_logprobs = _prompt_logprobs(finals[c.index // params.n])
         return _json(P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage(finals)))
 
     async def _completion_prompts(self, req: P.CompletionRequest) -> list[_Prompt]:
@@ -389,7 +428,7 @@ class _Server:
             raise APIError(400, f"n={params.n} exceeds this server's max_num_seqs ({cfg.max_num_seqs}).", param="n")
         blocks = self.engine.stats.num_total_blocks
         for p in prompt_lens:
-            length = min(p + (params.max_tokens or max_len), max_len)
+            length = min(p + max(1, max_len if params.max_tokens is None else params.max_tokens), max_len)
             if params.n * self.engine.engine.block_manager.max_blocks_needed(
                     length, length, 1, cfg.max_num_batched_tokens) > blocks:
                 bm = self.engine.engine.block_manager
@@ -471,8 +510,10 @@ class _Server:
         ids = await asyncio.to_thread(self._chat_prompt, req.messages, req.add_generation_prompt)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k)
+        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k,
+                                     prompt_logprobs=req.prompt_logprobs)
         self._check_fits([len(ids)], params)
+        await self._prepare(req, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [ids], params, req.priority, arrival, self._cache_salt(request, req))
         if req.stream:
@@ -483,7 +524,9 @@ class _Server:
         choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
                                 logprobs=self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None,
                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
-        return _json(P.ChatCompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage([out])))
+        return _json(P.ChatCompletionResponse(
+            id=rid, model=self.name, choices=choices, usage=_usage([out]),
+            prompt_logprobs=_prompt_logprobs(out) if req.prompt_logprobs is not None else None))
 
     def _chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool) -> list[int]:
         msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
@@ -545,6 +588,18 @@ class _Server:
             yield "data: [DONE]\n\n"
         finally:
             _abort_all(streams)
+
+    async def _prepare(self, req: P.SamplingRequest, params: SamplingParams) -> None:
+        """Token controls checked against the vocabulary and the constraint compiled (cached) on a worker
+        thread, so that the engine thread finds it compiled; 400 naming the problem."""
+        try:
+            await asyncio.to_thread(self.engine.engine.prepare_params, params)
+        except ValueError as e:
+            fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words")
+            param = next((f for f in fields if str(e).startswith(f)), None) \
+                or next((f for f in fields if getattr(req, f, None) is not None), None)
+            raise APIError(400, str(e), param=param) from None
 
     # --- submission ---
     async def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int,
@@ -624,6 +679,13 @@ def _advance(st: _ChoiceState, o: CompletionOutput, stops: list[str]) -> tuple[s
     t0, t1 = st.sent_tokens, len(o.token_ids)
     st.sent_chars, st.sent_tokens = end, t1
     return text, t0, t1
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None]:
+    return [None if entry is None else {str(t): P.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                                                                decoded_token=lp.decoded_token)
+                                        for t, lp in entry.items()}
+            for entry in out.prompt_logprobs or []]
 
 
 def _token_str(srv: _Server, tid: int, entry: PositionLogprobs) -> str:

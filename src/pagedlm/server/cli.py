@@ -51,6 +51,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
                         "loopback, or whenever given; '*': any)")
     s.add_argument("--prefix-cache-per-key", action="store_true",
                    help="separate prefix caches per API key (tenants never share cached blocks)")
+    s.add_argument("--strict-request-fields", action="store_true",
+                   help="refuse requests with fields the server does not know (400) instead of naming them in the "
+                        "x-pagedlm-unknown-fields response header")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may finish before they are ended with an error")
     r = p.add_argument_group("several models and routing")
@@ -113,7 +116,8 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
         app = build_app(engines, api_keys, args.max_body_bytes, route,
                         max_prompts_per_request=args.max_prompts_per_request,
                         allowed_origins=_names(args.allowed_origins), allowed_hosts=allowed_hosts(args),
-                        prefix_cache_per_key=args.prefix_cache_per_key)
+                        prefix_cache_per_key=args.prefix_cache_per_key,
+                        strict_request_fields=args.strict_request_fields)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])
