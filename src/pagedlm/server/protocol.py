@@ -208,6 +208,9 @@ class CompletionRequest(SamplingRequest):
             raise APIError(400, "suffix is not supported.", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of must be unset or equal to n.", param="best_of")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise APIError(400, "max_tokens 0 scores the prompt only: it needs echo or prompt_logprobs.",
+                           param="max_tokens")
         if self.max_tokens == 0 and self.stream:
             raise APIError(400, "max_tokens 0 (scoring) cannot be streamed.", param="max_tokens")
 
