@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
@@ -97,6 +98,9 @@ class LLMEngine:
         self._structured: StructuredOutputManager | None = None
         self._unsampled: dict[str, Request] = {}  # max_tokens 0 requests finished in the current step
         self.mask_seconds_total = 0.0  # time spent computing grammar masks
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._pending_masks: tuple[dict[int, int], Future | torch.Tensor] | None = None
+        self._mask_errors: list[tuple[Request, Exception]] = []
         self._structured_lock = threading.Lock()
         logger.info("%s", self.memory_report.format())
 
@@ -247,11 +251,20 @@ class LLMEngine:
                 logits_idx.append(offset + s.num_new_tokens - 1)
             offset += s.num_new_tokens
 
-        logits = self.runner.execute(chunks, logits_idx)
+        self._start_masks(rows)  # on a worker thread, while the forward pass runs
+        try:
+            logits = self.runner.execute(chunks, logits_idx)
+        finally:  # the matchers are the engine thread's again (forks copy them)
+            masks = self._pending_masks[1].result() if self._pending_masks is not None else None
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
 
+        if masks is not None:
+            self._pending_masks = (self._pending_masks[0], masks)
         self._failed = {}
+        for req, e in self._mask_errors:
+            self._fail(req, e)
+        self._mask_errors = []
         self._record_prompt_logprobs(rows, logits)
         touched = self._sample(rows, logits)
         return self._finish_step(touched)
@@ -299,9 +312,6 @@ class LLMEngine:
                 continue
             try:
                 seqs = [s.seq]
-                constraint = req.params.structured_outputs
-                if constraint is not None and s.seq.matcher is None:
-                    s.seq.matcher = self.structured.replay(constraint, s.seq.output_token_ids)
                 if not req.forked:
                     req.forked = True
                     for k in range(1, req.params.n):
@@ -358,16 +368,48 @@ class LLMEngine:
                 self._fail(req, e)
         return touched
 
-    def _fill_masks(self, rows: list[SamplingRow], targets: list[tuple[Request, Sequence]]) -> None:
-        """The grammar bitmasks of every constrained row, computed together."""
-        constrained = [k for k, (_, seq) in enumerate(targets) if seq.matcher is not None]
-        if not constrained:
-            return
+    def _start_masks(self, rows) -> None:
+        """Start computing the grammar masks of the sequences this step samples for, on the mask thread (the
+        library drops the GIL), so that they overlap the forward pass. Sequences without a matcher yet get one
+        (a fresh matcher, replayed over the output they already have)."""
+        seqs = []
+        for s, _, kind, _, _ in rows:
+            p = s.request.params
+            if kind != "sample" or p.structured_outputs is None or p.max_tokens == 0 or s.request.beam is not None:
+                continue
+            try:
+                if s.seq.matcher is None:
+                    s.seq.matcher = self.structured.replay(p.structured_outputs, s.seq.output_token_ids)
+                seqs.append(s.seq)
+            except Exception as e:  # noqa: BLE001 - isolate the request (failed once the batch has run)
+                self._mask_errors.append((s.request, e))
+        self._pending_masks = None
+        if seqs:
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
+            matchers = [seq.matcher for seq in seqs]
+            self._pending_masks = ({seq.seq_id: j for j, seq in enumerate(seqs)},
+                                   self._mask_thread.submit(self._timed_fill, matchers))
+
+    def _timed_fill(self, matchers: list) -> torch.Tensor:
         t0 = time.perf_counter()
-        bitmask = self.structured.fill_bitmask([targets[k][1].matcher for k in constrained])
-        for j, k in enumerate(constrained):
-            rows[k].bitmask = bitmask[j]
+        bitmask = self.structured.fill_bitmask(matchers)
         self.mask_seconds_total += time.perf_counter() - t0
+        return bitmask
+
+    def _fill_masks(self, rows: list[SamplingRow], targets: list[tuple[Request, Sequence]]) -> None:
+        """Each constrained row's grammar bitmask: from the masks started before the forward pass, plus (in one
+        call) those of sequences forked in this step."""
+        pending, self._pending_masks = self._pending_masks, None
+        index, bitmask = ({}, None) if pending is None else pending
+        late = [k for k, (_, seq) in enumerate(targets) if seq.matcher is not None and seq.seq_id not in index]
+        for k, (_, seq) in enumerate(targets):
+            if seq.seq_id in index:
+                rows[k].bitmask = bitmask[index[seq.seq_id]]
+        if late:
+            extra = self._timed_fill([targets[k][1].matcher for k in late])
+            for j, k in enumerate(late):
+                rows[k].bitmask = extra[j]
 
     def _finish_unsampled(self, req: Request, seq: Sequence) -> None:
         """max_tokens 0: every sample ends empty (finish_reason "length") once the prompt is computed."""
