@@ -235,3 +235,19 @@ def test_forks_keep_their_own_grammar_state(llm):
     assert [o.token_ids for o in forked.outputs] == [o.token_ids for o in single]
     for o in forked.outputs:
         jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+def test_greedy_grammar_rows_pick_the_best_allowed_token():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 70)
+    order = logits.argsort(-1, descending=True)
+    bitmask = torch.zeros(3, 3, dtype=torch.int32)
+    want = []
+    for i, t in enumerate([int(order[0, 0]), int(order[1, 3]), int(order[2, 1])]):  # row 0: the argmax allowed
+        for u in (t, int(order[i, 5])):
+            bitmask[i, u // 32] |= 1 << (u % 32)
+        want.append(t)
+    p = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="a"))
+    rows = [SamplingRow(p, [1], [], bitmask=bitmask[i]) for i in range(3)]
+    assert Sampler()(logits, rows).token_ids == want
+    assert Sampler()(logits[1:2], rows[1:2]).token_ids == want[1:2]

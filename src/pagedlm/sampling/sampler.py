@@ -37,14 +37,21 @@ class SamplerOutput:
     top_logprobs: list[PositionLogprobs | None]  # rows with params.logprobs set: chosen + top-k, else None
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 [N, words] -> bool [N, vocab] (True: allowed); ids past 32 * words are not allowed."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().view(bitmask.shape[0], -1)
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(bitmask.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
-    return torch.cat([allowed, pad], 1)
+_BYTE_BITS = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1  # [256, 8]: the bits of each byte
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int, allowed: bool = True) -> torch.Tensor:
+    """int32 [N, words] -> bool [N, vocab]: True where the token is allowed (with allowed=False: where it is not);
+    ids past 32 * words are not allowed."""
+    n = bitmask.shape[0]
+    table = _BYTE_BITS.to(bitmask.device).bool()
+    if not allowed:
+        table = ~table
+    bits = table[bitmask.contiguous().view(torch.uint8).long()].view(n, -1)  # little-endian: bit t of word t // 32
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    pad = torch.full((n, vocab - bits.shape[1]), not allowed, dtype=torch.bool, device=bitmask.device)
+    return torch.cat([bits, pad], 1)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -96,9 +103,16 @@ class Sampler:
             return SamplerOutput([], [], [])
         raw = logits.float()
         banned = [self._banned_ids(r, raw.shape[1]) for r in rows]
-        if all(r.params.greedy and not _has_penalty(r.params) and not r.params.needs_logits_processing
-               and r.bitmask is None for r in rows) and not any(banned):
+        if all(r.params.greedy and not _has_penalty(r.params) and (r.bitmask is not None or not
+               r.params.needs_logits_processing) and not r.params._bad_words_token_ids and not r.params.logit_bias
+               and r.params.allowed_token_ids is None for r in rows) and not any(banned):
             tokens = raw.argmax(-1)
+            # a grammar only matters where the model's own choice breaks it
+            bad = [i for i, (r, t) in enumerate(zip(rows, tokens.tolist())) if r.bitmask is not None
+                   and not (int(r.bitmask[t // 32]) >> (t % 32)) & 1]
+            if bad:
+                idx = torch.tensor(bad, device=raw.device)
+                tokens[idx] = self._sample(raw[idx], [rows[i] for i in bad], [banned[i] for i in bad])
         else:
             tokens = self._sample(raw, rows, banned)
         return self._output(raw, tokens, rows)
@@ -148,15 +162,22 @@ class Sampler:
 
         grammar = [i for i, r in enumerate(rows) if r.bitmask is not None]
         if grammar:
-            allowed = unpack_bitmask(torch.stack([rows[i].bitmask for i in grammar]).to(dev), vocab)
-            idx = torch.tensor(grammar, device=dev)
-            x[idx] = x[idx].masked_fill(~allowed, float("-inf"))
-        dead = (x == float("-inf")).all(-1)
-        if bool(dead.any()):  # the controls together left nothing: the grammar alone decides (else the model)
-            for i in dead.nonzero()[:, 0].tolist():
+            disallowed = unpack_bitmask(torch.stack([rows[i].bitmask for i in grammar]).to(dev), vocab, False)
+            if len(grammar) == len(rows):
+                x.masked_fill_(disallowed, float("-inf"))
+            else:
+                idx = torch.tensor(grammar, device=dev)
+                x[idx] = x[idx].masked_fill(disallowed, float("-inf"))
+        # rows where several controls restrict the choice may be left with nothing: then the grammar alone decides
+        # (else the model); one control alone never empties a row (a grammar always allows something)
+        risky = [i for i, p in enumerate(params)
+                 if (rows[i].bitmask is not None) + (p.allowed_token_ids is not None) + bool(banned[i])
+                 + bool(p.logit_bias) > 1]
+        for i in risky:
+            if bool((x[i] == float("-inf")).all()):
                 x[i] = raw[i]
                 if rows[i].bitmask is not None:
-                    x[i] = x[i].masked_fill(~allowed[grammar.index(i)], float("-inf"))
+                    x[i] = x[i].masked_fill(disallowed[grammar.index(i)], float("-inf"))
 
         samp = [i for i, p in enumerate(params) if not p.greedy]
         all_rows = len(samp) == len(rows)
