@@ -48,6 +48,7 @@ from pagedlm.server import protocol as P
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.protocol import APIError
 from pagedlm.server.routing import AutoRoute
+from pagedlm.server.tools import TOOL_PARSERS, HermesToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None, *,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
-              strict_request_fields: bool = False) -> FastAPI:
+              strict_request_fields: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -73,7 +74,10 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     "*" allows any.
     prefix_cache_per_key: salt the prefix cache with the API key, so tenants never share cached blocks.
     strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
+    tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: tools are refused).
     """
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
         raise ValueError("build_app needs at least one engine")
     if max_prompts_per_request < 1:
@@ -81,7 +85,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or () if k]
     app = FastAPI(title="pagedlm", version=__version__)
     metrics = ServerMetrics(engines, routing=route is not None)
-    servers = {name: _Server(engine, name, max_prompts_per_request, prefix_cache_per_key)
+    servers = {name: _Server(engine, name, max_prompts_per_request, prefix_cache_per_key,
+                             TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None)
                for name, engine in engines.items()}
     front = _Frontend(servers, metrics, route, strict_request_fields)
     app.state.server = front
@@ -347,8 +352,9 @@ class _Server:
     failure then is still `_Unavailable`."""
 
     def __init__(self, engine: AsyncLLMEngine, name: str, max_prompts_per_request: int = 256,
-                 prefix_cache_per_key: bool = False) -> None:
+                 prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None) -> None:
         self.engine, self.name = engine, name
+        self.tool_parser = tool_parser
         self.tok = engine.tokenizer
         self.created = int(time.time())
         self.max_prompts_per_request = max_prompts_per_request
@@ -507,11 +513,19 @@ class _Server:
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
                                routed: bool = False) -> Response:
         self._check_fan_out(1, req)
-        ids = await asyncio.to_thread(self._chat_prompt, req.messages, req.add_generation_prompt)
+        if req.tools_active and self.tool_parser is None:
+            raise APIError(400, "This server does not parse tool calls (start it with --tool-call-parser).",
+                           param="tools")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools_active else None
+        ids = await asyncio.to_thread(self._chat_prompt, req.messages, req.add_generation_prompt, tools)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k,
                                      prompt_logprobs=req.prompt_logprobs)
+        functions = req.called_functions()
+        if functions is not None:  # tool_choice "required" or a named function: the decoder enforces the calls
+            params.structured_outputs = self.tool_parser.call_grammar(
+                functions, parallel=req.parallel_tool_calls and not isinstance(req.tool_choice, P.NamedToolChoice))
         self._check_fits([len(ids)], params)
         await self._prepare(req, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -521,17 +535,46 @@ class _Server:
                 await _first_outputs(request, streams)
             return _sse(self._chat_events(req, rid, streams, params), streams)
         (out,) = await _collect(request, streams)
-        choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
-                                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None,
-                                finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+        choices = []
+        for o in out.outputs:
+            message, finish = P.AssistantMessage(content=o.text), o.finish_reason
+            if req.tools_active:
+                content, calls = self.tool_parser.parse(o.text)
+                if calls:
+                    message = P.AssistantMessage(content=content, tool_calls=[
+                        P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
+                        for c in calls])
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append(P.ChatChoice(
+                index=o.index, message=message, finish_reason=finish, stop_reason=o.stop_reason,
+                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None))
         return _json(P.ChatCompletionResponse(
             id=rid, model=self.name, choices=choices, usage=_usage([out]),
             prompt_logprobs=_prompt_logprobs(out) if req.prompt_logprobs is not None else None))
 
-    def _chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool) -> list[int]:
-        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    def _chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids. Assistant tool calls and tool results are rendered: by the template where it
+        knows them (its `tool_calls`), else as Hermes-style text in the turn's content."""
+        knows_calls = "tool_calls" in (self.tok.hf.chat_template or "")
+        msgs = []
+        for m in messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                calls = [{"id": c.id, "type": "function",
+                          "function": {"name": c.function.name, "arguments": _json_arguments(c.function.arguments)}}
+                         for c in m.tool_calls]
+                if knows_calls:
+                    msg["tool_calls"] = calls
+                else:
+                    msg["content"] += "".join(
+                        f'\n<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+                        f'{json.dumps(c["function"]["arguments"])}}}\n</tool_call>' for c in calls)
+            msgs.append(msg)
         try:
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
         except Exception as e:  # noqa: BLE001 - no template, or the template rejected the messages
             raise APIError(400, f"Cannot apply the chat template: {e}", param="messages") from None
         return self.tok.encode(text, add_special_tokens=False)
@@ -570,6 +613,10 @@ class _Server:
                     st = states[o.index]
                     if st.done:
                         continue
+                    if req.tools_active:
+                        for event in self._tool_events(st, o, stops, chunk):
+                            yield event
+                        continue
                     text, t0, t1 = _advance(st, o, stops)
                     lps = None
                     if k is not None and t1 > t0:
@@ -588,6 +635,36 @@ class _Server:
             yield "data: [DONE]\n\n"
         finally:
             _abort_all(streams)
+
+    def _tool_events(self, st: _ChoiceState, o: CompletionOutput, stops: list[str],
+                     chunk: Callable[..., str]) -> list[str]:
+        """Stream events of one choice when tools are offered: content up to the first tool call as it comes
+        (a possible start of `<tool_call>` held back), then, once the output is complete, its calls in one
+        `delta.tool_calls` and finish_reason "tool_calls"."""
+        parser, text = self.tool_parser, o.text
+        st.done = o.finish_reason is not None
+        cut = text.find(parser.start)
+        events = []
+        if not st.done:
+            end = cut if cut != -1 else len(text) - held_back(text, [parser.start, *stops])
+            end = max(end, st.sent_chars)
+            if end > st.sent_chars:
+                events.append(chunk(o.index, P.DeltaMessage(content=text[st.sent_chars:end])))
+                st.sent_chars = end
+            return events
+        _, calls = parser.parse(text)
+        rest = text[st.sent_chars:cut] if calls else text[st.sent_chars:]
+        if rest:
+            events.append(chunk(o.index, P.DeltaMessage(content=rest)))
+        finish = o.finish_reason
+        if calls:
+            events.append(chunk(o.index, P.DeltaMessage(tool_calls=[
+                P.DeltaToolCall(index=i, id=c.id, type="function",
+                                function=P.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                for i, c in enumerate(calls)])))
+            finish = "tool_calls" if finish == "stop" else finish
+        events.append(chunk(o.index, P.DeltaMessage(), finish_reason=finish, stop_reason=o.stop_reason))
+        return events
 
     async def _prepare(self, req: P.SamplingRequest, params: SamplingParams) -> None:
         """Token controls checked against the vocabulary and the constraint compiled (cached) on a worker
@@ -679,6 +756,17 @@ def _advance(st: _ChoiceState, o: CompletionOutput, stops: list[str]) -> tuple[s
     t0, t1 = st.sent_tokens, len(o.token_ids)
     st.sent_chars, st.sent_tokens = end, t1
     return text, t0, t1
+
+
+def _json_arguments(arguments: str | dict) -> dict | str:
+    """A tool call's arguments as an object (templates write it with tojson), or the text if it is not JSON."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None]:

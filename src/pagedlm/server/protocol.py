@@ -220,10 +220,23 @@ class TextPart(Request):
     text: str
 
 
+class FunctionCallIn(Request):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": the call this result answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -233,8 +246,32 @@ class ChatMessage(Request):
 
 def check_contents(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
-        if m.content is None:
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise APIError(400, f"messages[{i}] has no content.", param="messages")
+
+
+MAX_TOOLS = 128
+
+
+class FunctionDef(Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Request):
+    name: str
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -244,15 +281,38 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tools_active(self) -> bool:
+        """Tools are offered to the model (and its output is parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def called_functions(self) -> list[dict[str, Any]] | None:
+        """The functions the output must call (tool_choice "required" or a named one), else None."""
+        if not self.tools_active or self.tool_choice in (None, "auto"):
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            functions = [f for f in functions if f["name"] == name]
+            if not functions:
+                raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools.",
+                               param="tool_choice")
+        return functions
 
     def check_supported(self) -> None:
         super().check_supported()
         check_contents(self.messages)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
-        if self.tools:
-            raise APIError(400, "Tool calling is not supported.", param="tools")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice needs tools.", param="tool_choice")
+        if self.called_functions() is not None and self.structured_outputs_params() is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with another output "
+                                "constraint.", param="tool_choice")
 
 
 class TokenizeRequest(Request):
@@ -324,9 +384,40 @@ class ChatLogprobs(Response):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCall(Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class DeltaFunctionCall(Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(Response):
@@ -350,6 +441,7 @@ class ChatCompletionResponse(Response):
 class DeltaMessage(Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict:
