@@ -144,6 +144,15 @@ def test_round_trip_renders_the_history(servers):
         in prompt
     assert "<tool_response>\n18 degrees, sunny\n</tool_response>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
+    from conftest import TINY_CHAT_TEMPLATE  # a template that knows no tools: the calls become Hermes text
+
+    hermes, srv.tok.hf.chat_template = srv.tok.hf.chat_template, TINY_CHAT_TEMPLATE
+    try:
+        plain = srv.tok.decode(srv._chat_prompt(msgs, True), skip_special_tokens=False)
+    finally:
+        srv.tok.hf.chat_template = hermes
+    assert '<|im_start|>assistant\n\n<tool_call>\n{"name": "get_weather", "arguments": ' in plain
+    assert "<|im_start|>tool\n18 degrees, sunny<|im_end|>" in plain
 
 
 def test_tool_request_errors(servers):
@@ -164,4 +173,4 @@ def test_tool_request_errors(servers):
                 "tool_calls": [{"id": "c1", "type": "function",
                                 "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]})
-    assert r.status_code == 200  # a history with calls renders even where the template knows no tools
+    assert r.status_code == 200  # a history with calls, on a server without a tool parser

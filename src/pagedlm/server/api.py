@@ -673,7 +673,7 @@ class _Server:
             await asyncio.to_thread(self.engine.engine.prepare_params, params)
         except ValueError as e:
             fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words")
+                      "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words", "tools")
             param = next((f for f in fields if str(e).startswith(f)), None) \
                 or next((f for f in fields if getattr(req, f, None) is not None), None)
             raise APIError(400, str(e), param=param) from None

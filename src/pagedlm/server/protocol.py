@@ -310,6 +310,9 @@ class ChatCompletionRequest(SamplingRequest):
             raise APIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise APIError(400, "tool_choice needs tools.", param="tool_choice")
+        if self.called_functions() is not None and self.use_beam_search:
+            raise APIError(400, "tool_choice 'required' or a named function is not supported with beam search.",
+                           param="tool_choice")
         if self.called_functions() is not None and self.structured_outputs_params() is not None:
             raise APIError(400, "tool_choice 'required' or a named function cannot be combined with another output "
                                 "constraint.", param="tool_choice")
