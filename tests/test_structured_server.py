@@ -157,6 +157,7 @@ def test_token_controls_over_http(server):
     ids = server.post("/tokenize", json={"prompt": r.json()["choices"][0]["text"]}).json()["tokens"]
     assert set(ids) <= {40, 41}
     assert "token ids" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}))
+    assert "token ids" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": {"\u00b2": 1}}))
     assert "vocabulary size" in error(post(server, "/v1/completions", {"prompt": "x",
                                                                         "logit_bias": {"999999": 1}}))
     assert "logit_bias values" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}))

@@ -129,7 +129,7 @@ class SamplingRequest(Request):
                                 f"{MAX_LOGIT_BIAS_ENTRIES} are allowed.", param="logit_bias")
         out = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit() or len(key) > 12:
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
                 raise APIError(400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias")
             out[int(key)] = value
         return out
