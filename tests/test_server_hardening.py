@@ -358,7 +358,9 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
 FIELDS = ["model", "prompt", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
           "logprobs", "top_logprobs", "echo", "stream", "stream_options", "use_beam_search", "beam_width",
           "length_penalty", "early_stopping", "repetition_penalty", "presence_penalty", "stop_token_ids",
-          "min_tokens", "cache_salt", "tokens", "priority", "logit_bias", "response_format"]
+          "min_tokens", "cache_salt", "tokens", "priority", "logit_bias", "response_format", "structured_outputs",
+          "guided_json", "guided_regex", "guided_choice", "allowed_token_ids", "bad_words", "prompt_logprobs", "tools",
+          "tool_choice"]
 VALUE = {
     "prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-3, 600), max_size=6),
                         st.lists(st.text(max_size=6), max_size=3)),

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
@@ -22,6 +24,7 @@ from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.detokenizer import IncrementalDetokenizer, find_stop
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
+from pagedlm.sampling.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +95,23 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self._requests: dict[str, Request] = {}
         self._failed: dict[str, RequestOutput] = {}  # requests failed in the current step
+        self._structured: StructuredOutputManager | None = None
+        self._unsampled: dict[str, Request] = {}  # max_tokens 0 requests finished in the current step
+        self.mask_seconds_total = 0.0  # time spent computing grammar masks
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._pending_masks: tuple[dict[int, int], Future | torch.Tensor] | None = None
+        self._mask_errors: list[tuple[Request, Exception]] = []
+        self._structured_lock = threading.Lock()
         logger.info("%s", self.memory_report.format())
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The constrained-decoding compiler (built on first use: wrapping the vocabulary takes about a second)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                           self.eos_token_ids)
+            return self._structured
 
     @classmethod
     def from_args(cls, model: str = "smollm2-135m", **kwargs) -> "LLMEngine":
@@ -109,6 +128,7 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         self._check_limits(params)
+        self.prepare_params(params)
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if isinstance(prompt, str):
@@ -126,7 +146,8 @@ class LLMEngine:
         width = params.beam_width if params.use_beam_search else params.n
         if width > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width {width} exceeds max_num_seqs ({self.config.max_num_seqs}).")
-        full_len = min(len(token_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        max_new = self.max_model_len if params.max_tokens is None else params.max_tokens
+        full_len = min(len(token_ids) + max(max_new, 1), self.max_model_len)
         need = self.block_manager.max_blocks_needed(len(token_ids), full_len, width,
                                                     self.config.max_num_batched_tokens)
         if need > self.block_manager.num_total_blocks:
@@ -156,6 +177,27 @@ class LLMEngine:
                                  f"{cfg.max_stop_sequences} are allowed (max_stop_sequences).")
         if any(len(stop) > cfg.max_stop_length for stop in params.stop):
             raise ValueError(f"A stop string is longer than max_stop_length ({cfg.max_stop_length} characters).")
+
+    def prepare_params(self, params: SamplingParams) -> None:
+        """Check the token controls against this model's vocabulary, tokenize bad_words and compile the
+        constraint (cached). Raises ValueError naming the problem. Safe to call from any thread, and again."""
+        vocab = self.model_config.vocab_size
+        unknown = sorted({t for t in (params.logit_bias or {}) if t >= vocab}
+                         | {t for t in (params.allowed_token_ids or []) if t >= vocab})
+        if unknown:
+            name = "logit_bias" if any(t in (params.logit_bias or {}) for t in unknown) else "allowed_token_ids"
+            raise ValueError(f"{name} names token ids this model does not have (vocabulary size {vocab}): "
+                             f"{unknown[:10]}.")
+        if params.bad_words and not params._bad_words_token_ids:
+            words: list[list[int]] = []
+            for w in params.bad_words:
+                for text in (w.lstrip(), " " + w.lstrip()):
+                    ids = self.tokenizer.encode(text, add_special_tokens=False)
+                    if ids and ids not in words:
+                        words.append(ids)
+            params._bad_words_token_ids = words
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
         params = req.params
@@ -209,11 +251,20 @@ class LLMEngine:
                 logits_idx.append(offset + s.num_new_tokens - 1)
             offset += s.num_new_tokens
 
-        logits = self.runner.execute(chunks, logits_idx)
+        self._start_masks(rows)  # on a worker thread, while the forward pass runs
+        try:
+            logits = self.runner.execute(chunks, logits_idx)
+        finally:  # the matchers are the engine thread's again (forks copy them)
+            masks = self._pending_masks[1].result() if self._pending_masks is not None else None
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
 
+        if masks is not None:
+            self._pending_masks = (self._pending_masks[0], masks)
         self._failed = {}
+        for req, e in self._mask_errors:
+            self._fail(req, e)
+        self._mask_errors = []
         self._record_prompt_logprobs(rows, logits)
         touched = self._sample(rows, logits)
         return self._finish_step(touched)
@@ -256,6 +307,9 @@ class LLMEngine:
             if req.beam is not None:
                 beams.setdefault(req.request_id, []).append((s.seq, i))
                 continue
+            if req.params.max_tokens == 0:  # scoring only (echo + prompt_logprobs): nothing to sample
+                self._finish_unsampled(req, s.seq)
+                continue
             try:
                 seqs = [s.seq]
                 if not req.forked:
@@ -264,6 +318,8 @@ class LLMEngine:
                         child = self._new_seq(req, k)
                         child.num_computed_tokens = s.seq.num_computed_tokens
                         child.status = SequenceStatus.RUNNING
+                        if s.seq.matcher is not None:
+                            child.matcher = s.seq.matcher.deep_copy()
                         self.block_manager.fork(s.seq, child)
                         req.seqs.append(child)
                         seqs.append(child)
@@ -274,7 +330,10 @@ class LLMEngine:
                 sample_rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator))
                 targets.append((req, seq))
                 index.append(i)
+        self._fill_masks(sample_rows, targets)
         touched: dict[str, Request] = {}
+        touched.update(self._unsampled)
+        self._unsampled = {}
         for rid, beam_rows in beams.items():
             req = self._requests[rid]
             try:
@@ -291,6 +350,8 @@ class LLMEngine:
                 continue
             try:
                 token = tokens[k]
+                if seq.matcher is not None and not seq.matcher.consume_token(token):
+                    raise RuntimeError(f"token {token} breaks the constraint: {seq.matcher.get_error()}")
                 seq.output_token_ids.append(token)
                 seq.cumulative_logprob += chosen_logprobs[k]
                 if top_logprobs[k] is not None:
@@ -300,10 +361,72 @@ class LLMEngine:
                     req.metrics.first_token_time = now
                 req.metrics.last_token_time = now
                 self._check_stop(req, seq, token)
+                if seq.matcher is not None and not seq.status.finished and seq.matcher.is_stopped():
+                    self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)  # the grammar allows nothing more
                 touched[req.request_id] = req
             except Exception as e:  # noqa: BLE001 - isolate the request
                 self._fail(req, e)
         return touched
+
+    def _start_masks(self, rows) -> None:
+        """Start computing the grammar masks of the sequences this step samples for, on the mask thread (the
+        library drops the GIL), so that they overlap the forward pass. Sequences without a matcher yet get one
+        (a fresh matcher, replayed over the output they already have)."""
+        seqs = []
+        for s, _, kind, _, _ in rows:
+            p = s.request.params
+            if kind != "sample" or p.structured_outputs is None or p.max_tokens == 0 or s.request.beam is not None:
+                continue
+            try:
+                if s.seq.matcher is None:
+                    s.seq.matcher = self.structured.replay(p.structured_outputs, s.seq.output_token_ids)
+                seqs.append(s.seq)
+            except Exception as e:  # noqa: BLE001 - isolate the request (failed once the batch has run)
+                self._mask_errors.append((s.request, e))
+        self._pending_masks = None
+        if seqs:
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
+            matchers = [seq.matcher for seq in seqs]
+            self._pending_masks = ({seq.seq_id: j for j, seq in enumerate(seqs)},
+                                   self._mask_thread.submit(self._timed_fill, matchers))
+
+    def _timed_fill(self, matchers: list) -> torch.Tensor:
+        t0 = time.perf_counter()
+        bitmask = self.structured.fill_bitmask(matchers)
+        self.mask_seconds_total += time.perf_counter() - t0
+        return bitmask
+
+    def _fill_masks(self, rows: list[SamplingRow], targets: list[tuple[Request, Sequence]]) -> None:
+        """Each constrained row's grammar bitmask: from the masks started before the forward pass, plus (in one
+        call) those of sequences forked in this step."""
+        pending, self._pending_masks = self._pending_masks, None
+        index, bitmask = ({}, None) if pending is None else pending
+        late = [k for k, (_, seq) in enumerate(targets) if seq.matcher is not None and seq.seq_id not in index]
+        for k, (_, seq) in enumerate(targets):
+            if seq.seq_id in index:
+                rows[k].bitmask = bitmask[index[seq.seq_id]]
+        if late:
+            extra = self._timed_fill([targets[k][1].matcher for k in late])
+            for j, k in enumerate(late):
+                rows[k].bitmask = extra[j]
+
+    def _finish_unsampled(self, req: Request, seq: Sequence) -> None:
+        """max_tokens 0: every sample ends empty (finish_reason "length") once the prompt is computed."""
+        if not req.forked:
+            req.forked = True
+            for k in range(1, req.params.n):
+                child = self._new_seq(req, k)
+                child.status = SequenceStatus.FINISHED_LENGTH
+                req.seqs.append(child)
+        self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+        self._unsampled[req.request_id] = req
+
+    def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.detokenizer.flush()
+        seq.output_text = seq.detokenizer.text
+        seq.status = status
+        self.scheduler.finish_seq(seq)
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow],
                      targets: list[tuple[Request, Sequence]]) -> tuple[list, list, list]:

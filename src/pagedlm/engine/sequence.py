@@ -51,6 +51,7 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: object | None = None
     cache_salt: str | None = None
+    matcher: object | None = None  # llguidance.LLMatcher of a constrained request, advanced on accepted tokens
 
     @property
     def num_tokens(self) -> int:

@@ -55,14 +55,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) to a prompt string (not tokenized)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}]) to a prompt string (not tokenized); `tools`
+        (OpenAI's function definitions) are the template's `tools` variable."""
         if not self.has_chat_template:
             raise ValueError(
                 f"this model's tokenizer ({self.hf.name_or_path}) has no chat template; "
                 "send a plain text prompt instead of chat messages"
             )
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **({"tools": tools} if tools else {}))
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

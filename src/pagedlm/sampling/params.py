@@ -1,12 +1,71 @@
 """Per-request sampling parameters, validated before anything is queued."""
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: gen_len ** length_penalty stays finite for any max_model_len
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias
+MAX_LOGIT_BIAS_ENTRIES = 1024  # a hostile client cannot make every step add a vocab-sized bias
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_GRAMMAR_CHARS = 100_000  # JSON schema (serialized), regex, grammar, or all choices together
+MAX_CHOICES = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output (vLLM's `StructuredOutputsParams`): exactly one of `json` (a JSON schema, as
+    a dict or its JSON text), `json_object` (any JSON object), `regex`, `choice` (one of these strings) or
+    `grammar` (Lark, or GBNF/EBNF as llama.cpp writes it)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_flexible: bool = False  # JSON may hold whitespace between tokens (OpenAI's outputs are compact)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+    def validate(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {given or 'none'}.")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema object.")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES \
+                    or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty "
+                                 "strings.")
+        if len(self.cache_key()) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs is longer than {MAX_GRAMMAR_CHARS} characters.")
+
+    def cache_key(self) -> str:
+        """A canonical text of the constraint: equal constraints (dict key order aside) have equal keys."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.whitespace_flexible], sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -39,6 +98,12 @@ class SamplingParams:
     beam_width: int | None = None  # defaults to n; the n best finished beams are returned
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True | False | "never", as in HF transformers
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (each as a whole token sequence)
+    structured_outputs: StructuredOutputsParams | None = None
+    # set by the engine: bad_words as token sequences (each with and without a leading space, as vLLM does)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +114,14 @@ class SamplingParams:
             self.top_k = -1
         if self.use_beam_search and self.beam_width is None:
             self.beam_width = self.n
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     @property
@@ -82,7 +155,7 @@ class SamplingParams:
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
         if self.max_tokens is not None:
-            integer("max_tokens", 1)
+            integer("max_tokens", 0)
         integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
@@ -105,3 +178,43 @@ class SamplingParams:
                 raise bad("max_tokens", "must be set with beam search")
             if self.early_stopping not in (True, False, "never"):
                 raise bad("early_stopping", "must be True, False or 'never'")
+            for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is not supported with beam search.")
+        self._validate_token_controls()
+
+    def _validate_token_controls(self) -> None:
+        def token_id(t: object) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias holds {len(self.logit_bias)} entries; at most "
+                                 f"{MAX_LOGIT_BIAS_ENTRIES} are allowed.")
+            for t, v in self.logit_bias.items():
+                if not token_id(t):
+                    raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {t!r}.")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                        or abs(v) > MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}], got {v!r} for token {t}.")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or any(not token_id(t) for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids.")
+        if self.bad_words is not None:
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words holds {len(self.bad_words)} entries; at most {MAX_BAD_WORDS} "
+                                 "are allowed.")
+            if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+                raise ValueError(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} "
+                                 "characters.")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams.")
+            self.structured_outputs.validate()
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Token controls or a constraint change the distribution (so the plain greedy argmax is not enough)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self._bad_words_token_ids
+                    or self.structured_outputs is not None)

@@ -1,4 +1,5 @@
-"""Batched next-token sampling: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+"""Batched next-token sampling: penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, grammar masks,
+temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
 Every step is a tensor op over the whole batch (or the subset of rows that need it); rows whose
 parameters disable a step are left unchanged by it. Logprobs always describe the raw model
@@ -26,6 +27,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated so far
     generator: torch.Generator | None = None  # seeded requests (on the logits' device); None -> global RNG
+    bitmask: torch.Tensor | None = None  # constrained rows: int32 [words], bit t set = token t allowed
 
 
 @dataclass
@@ -33,6 +35,23 @@ class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[float]  # raw logprob of the chosen token
     top_logprobs: list[PositionLogprobs | None]  # rows with params.logprobs set: chosen + top-k, else None
+
+
+_BYTE_BITS = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1  # [256, 8]: the bits of each byte
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int, allowed: bool = True) -> torch.Tensor:
+    """int32 [N, words] -> bool [N, vocab]: True where the token is allowed (with allowed=False: where it is not);
+    ids past 32 * words are not allowed."""
+    n = bitmask.shape[0]
+    table = _BYTE_BITS.to(bitmask.device).bool()
+    if not allowed:
+        table = ~table
+    bits = table[bitmask.contiguous().view(torch.uint8).long()].view(n, -1)  # little-endian: bit t of word t // 32
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    pad = torch.full((n, vocab - bits.shape[1]), not allowed, dtype=torch.bool, device=bitmask.device)
+    return torch.cat([bits, pad], 1)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -84,17 +103,31 @@ class Sampler:
             return SamplerOutput([], [], [])
         raw = logits.float()
         banned = [self._banned_ids(r, raw.shape[1]) for r in rows]
-        if all(r.params.greedy and not _has_penalty(r.params) for r in rows) and not any(banned):
+        if all(r.params.greedy and not _has_penalty(r.params) and (r.bitmask is not None or not
+               r.params.needs_logits_processing) and not r.params._bad_words_token_ids and not r.params.logit_bias
+               and r.params.allowed_token_ids is None for r in rows) and not any(banned):
             tokens = raw.argmax(-1)
+            # a grammar only matters where the model's own choice breaks it
+            bad = [i for i, (r, t) in enumerate(zip(rows, tokens.tolist())) if r.bitmask is not None
+                   and not (int(r.bitmask[t // 32]) >> (t % 32)) & 1]
+            if bad:
+                idx = torch.tensor(bad, device=raw.device)
+                tokens[idx] = self._sample(raw[idx], [rows[i] for i in bad], [banned[i] for i in bad])
         else:
             tokens = self._sample(raw, rows, banned)
         return self._output(raw, tokens, rows)
 
     def _banned_ids(self, row: SamplingRow, vocab: int) -> list[int]:
-        p = row.params
-        if len(row.output_token_ids) >= p.min_tokens:
-            return []
-        ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        """min_tokens (eos and stop_token_ids while unmet), and the last token of each bad word whose other
+        tokens end the output."""
+        p, out = row.params, row.output_token_ids
+        ids = set()
+        if len(out) < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        for word in p._bad_words_token_ids:
+            k = len(word) - 1
+            if k == 0 or (len(out) >= k and out[len(out) - k:] == word[:-1]):
+                ids.add(word[-1])
         return sorted(i for i in ids if i < vocab)
 
     def _sample(self, raw: torch.Tensor, rows: list[SamplingRow], banned: list[list[int]]) -> torch.Tensor:
@@ -107,10 +140,44 @@ class Sampler:
             idx = torch.tensor(pen, device=dev)
             x[idx] = self._apply_penalties(x[idx], [rows[i] for i in pen])
 
+        bias = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items() if t < vocab]
+        if bias:
+            r, t, v = zip(*bias)
+            x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                         torch.tensor(v, dtype=x.dtype, device=dev), accumulate=True)
+
+        only = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if only:
+            keep = torch.zeros(len(only), vocab, dtype=torch.bool, device=dev)
+            for j, i in enumerate(only):
+                ids = [t for t in params[i].allowed_token_ids if t < vocab]
+                keep[j, torch.tensor(ids, dtype=torch.long, device=dev)] = True
+            idx = torch.tensor(only, device=dev)
+            x[idx] = x[idx].masked_fill(~keep, float("-inf"))
+
         ban_rows = [i for i, ids in enumerate(banned) for _ in ids]
         if ban_rows:
             ban_cols = [t for ids in banned for t in ids]
             x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = float("-inf")
+
+        grammar = [i for i, r in enumerate(rows) if r.bitmask is not None]
+        if grammar:
+            disallowed = unpack_bitmask(torch.stack([rows[i].bitmask for i in grammar]).to(dev), vocab, False)
+            if len(grammar) == len(rows):
+                x.masked_fill_(disallowed, float("-inf"))
+            else:
+                idx = torch.tensor(grammar, device=dev)
+                x[idx] = x[idx].masked_fill(disallowed, float("-inf"))
+        # rows where several controls restrict the choice may be left with nothing: then the grammar alone decides
+        # (else the model); one control alone never empties a row (a grammar always allows something)
+        risky = [i for i, p in enumerate(params)
+                 if (rows[i].bitmask is not None) + (p.allowed_token_ids is not None) + bool(banned[i])
+                 + bool(p.logit_bias) > 1]
+        for i in risky:
+            if bool((x[i] == float("-inf")).all()):
+                x[i] = raw[i]
+                if rows[i].bitmask is not None:
+                    x[i] = x[i].masked_fill(disallowed[grammar.index(i)], float("-inf"))
 
         samp = [i for i, p in enumerate(params) if not p.greedy]
         all_rows = len(samp) == len(rows)

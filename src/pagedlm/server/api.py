@@ -50,6 +50,7 @@ from pagedlm.server import protocol as P
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.protocol import APIError
 from pagedlm.server.routing import AutoRoute
+from pagedlm.server.tools import TOOL_PARSERS, HermesToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,15 @@ D = TypeVar("D")
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 RETRY_AFTER_S = 1
+UNKNOWN_FIELDS_HEADER = "x-pagedlm-unknown-fields"
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # union members in pydantic error paths
 
 
 def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str] | None = None,
               max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None, *,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
-              allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False) -> FastAPI:
+              allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
+              strict_request_fields: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -73,7 +76,11 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     allowed_hosts: if not None, Host headers other than loopback names and these are refused (DNS rebinding);
     "*" allows any.
     prefix_cache_per_key: salt the prefix cache with the API key, so tenants never share cached blocks.
+    strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
+    tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: tools are refused).
     """
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
         raise ValueError("build_app needs at least one engine")
     if max_prompts_per_request < 1:
@@ -81,9 +88,10 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or () if k]
     app = FastAPI(title="pagedlm", version=__version__)
     metrics = ServerMetrics(engines, router=route.router if route is not None else None)
-    servers = {name: _Server(engine, name, max_prompts_per_request, prefix_cache_per_key)
+    servers = {name: _Server(engine, name, max_prompts_per_request, prefix_cache_per_key,
+                             TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None)
                for name, engine in engines.items()}
-    front = _Frontend(servers, metrics, route)
+    front = _Frontend(servers, metrics, route, strict_request_fields)
     app.state.server = front
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     app.add_middleware(_Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts)
@@ -173,8 +181,10 @@ def _shutting_down() -> APIError:
 class _Frontend:
     """Resolves each request's model and, for the route name, routes it (with fallback)."""
 
-    def __init__(self, servers: dict[str, _Server], metrics: ServerMetrics, route: AutoRoute | None) -> None:
+    def __init__(self, servers: dict[str, _Server], metrics: ServerMetrics, route: AutoRoute | None,
+                 strict_request_fields: bool = False) -> None:
         self.servers, self.metrics, self.route = servers, metrics, route
+        self.strict_request_fields = strict_request_fields
         self.default = next(iter(servers.values()))
         self.created = int(time.time())
         self.draining = False  # set by a graceful shutdown: new generation requests get 503
@@ -220,10 +230,11 @@ class _Frontend:
         if self.draining:
             raise _shutting_down()
         req = await _parse(request, P.CompletionRequest)
+        unknown = self._unknown_fields(req)
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
-            return await srv.completions(request, req, arrival)
+            return _flag_unknown(await srv.completions(request, req, arrival), unknown)
         req.check_supported()
         text = _routing_text(req.prompt)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
@@ -231,17 +242,19 @@ class _Frontend:
                        (req.max_tokens or self.route.max_model_len) * _width(req) * len(prompts))
         r = _RoutedRequest(request, text, req.max_tokens, cost_tokens, len(prompts), "cmpl")
         run = functools.partial(_Server.completions, request=request, arrival=arrival, routed=True)
-        return await self._routed(r, req, run, cascade=len(prompts) == 1 and not req.echo)
+        return _flag_unknown(await self._routed(r, req, run, cascade=len(prompts) == 1 and not req.echo),
+                             unknown)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         if self.draining:
             raise _shutting_down()
         req = await _parse(request, P.ChatCompletionRequest)
+        unknown = self._unknown_fields(req)
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
-            return await srv.chat_completions(request, req, arrival)
+            return _flag_unknown(await srv.chat_completions(request, req, arrival), unknown)
         req.check_supported()
         users = [m.text() for m in req.messages if m.role == "user"]
         text = users[-1] if users else "\n".join(m.text() for m in req.messages)
@@ -250,7 +263,15 @@ class _Frontend:
                        (max_tokens or self.route.max_model_len) * _width(req))
         r = _RoutedRequest(request, text, max_tokens, cost_tokens, 1, "chatcmpl")
         run = functools.partial(_Server.chat_completions, request=request, arrival=arrival, routed=True)
-        return await self._routed(r, req, run, cascade=True)
+        return _flag_unknown(await self._routed(r, req, run, cascade=True), unknown)
+
+    def _unknown_fields(self, req: BaseModel) -> list[str]:
+        """The request's fields this server does not know; with --strict-request-fields they are a 400."""
+        unknown = _extra_fields(req)
+        if unknown and self.strict_request_fields:
+            raise APIError(400, f"Unknown request fields: {', '.join(unknown)} (the server runs with "
+                                "--strict-request-fields).", param=unknown[0], code="unknown_fields")
+        return unknown
 
     async def _routed(self, r: _RoutedRequest, req: P.CompletionRequest | P.ChatCompletionRequest,
                       run: Callable[..., Awaitable[Response]], cascade: bool) -> Response:
@@ -337,6 +358,23 @@ class _Frontend:
                            headers={"Retry-After": str(math.ceil(e.retry_after_s))}) from None
         finally:
             self.metrics.router_decision.observe(time.perf_counter() - t0)
+
+
+def _extra_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields `model` (and the models inside it) let through unparsed, without duplicates."""
+    found = [prefix + k for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                found += _extra_fields(item, f"{prefix}{name}.")
+    return list(dict.fromkeys(found))
+
+
+def _flag_unknown(response: Response, unknown: list[str]) -> Response:
+    if unknown:
+        response.headers[UNKNOWN_FIELDS_HEADER] = _header_text(",".join(unknown), limit=1024)
+    return response
 
 
 def _routing_text(prompt: str | list[int] | list[str] | list[list[int]]) -> str:
@@ -442,8 +480,9 @@ class _Server:
     failure then is still `_Unavailable`."""
 
     def __init__(self, engine: AsyncLLMEngine, name: str, max_prompts_per_request: int = 256,
-                 prefix_cache_per_key: bool = False) -> None:
+                 prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None) -> None:
         self.engine, self.name = engine, name
+        self.tool_parser = tool_parser
         self.tok = engine.tokenizer
         self.created = int(time.time())
         self.max_prompts_per_request = max_prompts_per_request
@@ -473,8 +512,10 @@ class _Server:
                           routed: bool = False, rid: str | None = None) -> Response:
         prompts = await self._completion_prompts(req)
         k = req.logprobs
-        params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=k if req.echo else None)
+        params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=req.prompt_logprobs
+                                     if req.prompt_logprobs is not None else k if req.echo else None)
         self._check_fits([len(p.token_ids) for p in prompts], params)
+        await self._prepare(req, params)
         rid = rid or f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival,
                                      self._cache_salt(request, req))
@@ -485,6 +526,9 @@ class _Server:
         finals = await _collect(request, streams)
         choices = [self._completion_choice(i * params.n + o.index, req, params, prompt, out, o, _ChoiceState())
                    for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
+        if req.prompt_logprobs is not None:
+            for c in choices:
+                c.prompt_logprobs = _prompt_logprobs(finals[c.index // params.n])
         return _json(P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage(finals)))
 
     async def _completion_prompts(self, req: P.CompletionRequest) -> list[_Prompt]:
@@ -518,7 +562,7 @@ class _Server:
             raise APIError(400, f"n={params.n} exceeds this server's max_num_seqs ({cfg.max_num_seqs}).", param="n")
         blocks = self.engine.engine.block_manager.num_total_blocks  # one replica's, with several
         for p in prompt_lens:
-            length = min(p + (params.max_tokens or max_len), max_len)
+            length = min(p + max(1, max_len if params.max_tokens is None else params.max_tokens), max_len)
             if params.n * self.engine.engine.block_manager.max_blocks_needed(
                     length, length, 1, cfg.max_num_batched_tokens) > blocks:
                 bm = self.engine.engine.block_manager
@@ -597,11 +641,21 @@ class _Server:
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
                                routed: bool = False, rid: str | None = None) -> Response:
         self._check_fan_out(1, req)
-        ids = await asyncio.to_thread(self._chat_prompt, req.messages, req.add_generation_prompt)
+        if req.tools_active and self.tool_parser is None:
+            raise APIError(400, "This server does not parse tool calls (start it with --tool-call-parser).",
+                           param="tools")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools_active else None
+        ids = await asyncio.to_thread(self._chat_prompt, req.messages, req.add_generation_prompt, tools)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k)
+        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k,
+                                     prompt_logprobs=req.prompt_logprobs)
+        functions = req.called_functions()
+        if functions is not None:  # tool_choice "required" or a named function: the decoder enforces the calls
+            params.structured_outputs = self.tool_parser.call_grammar(
+                functions, parallel=req.parallel_tool_calls and not isinstance(req.tool_choice, P.NamedToolChoice))
         self._check_fits([len(ids)], params)
+        await self._prepare(req, params)
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [ids], params, req.priority, arrival, self._cache_salt(request, req))
         if req.stream:
@@ -609,15 +663,46 @@ class _Server:
                 await _first_outputs(request, streams)
             return _sse(self._chat_events(req, rid, streams, params), streams)
         (out,) = await _collect(request, streams)
-        choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
-                                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None,
-                                finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
-        return _json(P.ChatCompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage([out])))
+        choices = []
+        for o in out.outputs:
+            message, finish = P.AssistantMessage(content=o.text), o.finish_reason
+            if req.tools_active:
+                content, calls = self.tool_parser.parse(o.text)
+                if calls:
+                    message = P.AssistantMessage(content=content, tool_calls=[
+                        P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
+                        for c in calls])
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append(P.ChatChoice(
+                index=o.index, message=message, finish_reason=finish, stop_reason=o.stop_reason,
+                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None))
+        return _json(P.ChatCompletionResponse(
+            id=rid, model=self.name, choices=choices, usage=_usage([out]),
+            prompt_logprobs=_prompt_logprobs(out) if req.prompt_logprobs is not None else None))
 
-    def _chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool) -> list[int]:
-        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    def _chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids. Assistant tool calls and tool results are rendered: by the template where it
+        knows them (its `tool_calls`), else as Hermes-style text in the turn's content."""
+        knows_calls = "tool_calls" in (self.tok.hf.chat_template or "")
+        msgs = []
+        for m in messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                calls = [{"id": c.id, "type": "function",
+                          "function": {"name": c.function.name, "arguments": _json_arguments(c.function.arguments)}}
+                         for c in m.tool_calls]
+                if knows_calls:
+                    msg["tool_calls"] = calls
+                else:
+                    msg["content"] += "".join(
+                        f'\n<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+                        f'{json.dumps(c["function"]["arguments"])}}}\n</tool_call>' for c in calls)
+            msgs.append(msg)
         try:
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
         except Exception as e:  # noqa: BLE001 - no template, or the template rejected the messages
             raise APIError(400, f"Cannot apply the chat template: {e}", param="messages") from None
         return self.tok.encode(text, add_special_tokens=False)
@@ -656,6 +741,10 @@ class _Server:
                     st = states[o.index]
                     if st.done:
                         continue
+                    if req.tools_active:
+                        for event in self._tool_events(st, o, stops, chunk):
+                            yield event
+                        continue
                     text, t0, t1 = _advance(st, o, stops)
                     lps = None
                     if k is not None and t1 > t0:
@@ -674,6 +763,48 @@ class _Server:
             yield "data: [DONE]\n\n"
         finally:
             _abort_all(streams)
+
+    def _tool_events(self, st: _ChoiceState, o: CompletionOutput, stops: list[str],
+                     chunk: Callable[..., str]) -> list[str]:
+        """Stream events of one choice when tools are offered: content up to the first tool call as it comes
+        (a possible start of `<tool_call>` held back), then, once the output is complete, its calls in one
+        `delta.tool_calls` and finish_reason "tool_calls"."""
+        parser, text = self.tool_parser, o.text
+        st.done = o.finish_reason is not None
+        cut = text.find(parser.start)
+        events = []
+        if not st.done:
+            end = cut if cut != -1 else len(text) - held_back(text, [parser.start, *stops])
+            end = max(end, st.sent_chars)
+            if end > st.sent_chars:
+                events.append(chunk(o.index, P.DeltaMessage(content=text[st.sent_chars:end])))
+                st.sent_chars = end
+            return events
+        _, calls = parser.parse(text)
+        rest = text[st.sent_chars:cut] if calls else text[st.sent_chars:]
+        if rest:
+            events.append(chunk(o.index, P.DeltaMessage(content=rest)))
+        finish = o.finish_reason
+        if calls:
+            events.append(chunk(o.index, P.DeltaMessage(tool_calls=[
+                P.DeltaToolCall(index=i, id=c.id, type="function",
+                                function=P.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                for i, c in enumerate(calls)])))
+            finish = "tool_calls" if finish == "stop" else finish
+        events.append(chunk(o.index, P.DeltaMessage(), finish_reason=finish, stop_reason=o.stop_reason))
+        return events
+
+    async def _prepare(self, req: P.SamplingRequest, params: SamplingParams) -> None:
+        """Token controls checked against the vocabulary and the constraint compiled (cached) on a worker
+        thread, so that the engine thread finds it compiled; 400 naming the problem."""
+        try:
+            await asyncio.to_thread(self.engine.engine.prepare_params, params)
+        except ValueError as e:
+            fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words", "tools")
+            param = next((f for f in fields if str(e).startswith(f)), None) \
+                or next((f for f in fields if getattr(req, f, None) is not None), None)
+            raise APIError(400, str(e), param=param) from None
 
     # --- submission ---
     async def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int,
@@ -753,6 +884,24 @@ def _advance(st: _ChoiceState, o: CompletionOutput, stops: list[str]) -> tuple[s
     t0, t1 = st.sent_tokens, len(o.token_ids)
     st.sent_chars, st.sent_tokens = end, t1
     return text, t0, t1
+
+
+def _json_arguments(arguments: str | dict) -> dict | str:
+    """A tool call's arguments as an object (templates write it with tojson), or the text if it is not JSON."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None]:
+    return [None if entry is None else {str(t): P.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                                                                decoded_token=lp.decoded_token)
+                                        for t, lp in entry.items()}
+            for entry in out.prompt_logprobs or []]
 
 
 def _token_str(srv: _Server, tid: int, entry: PositionLogprobs) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pagedlm.config import parse_bytes
 from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from pagedlm.server.tools import BUILTIN_TEMPLATES, TOOL_PARSERS
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -51,6 +52,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
                         "loopback, or whenever given; '*': any)")
     s.add_argument("--prefix-cache-per-key", action="store_true",
                    help="separate prefix caches per API key (tenants never share cached blocks)")
+    t = p.add_argument_group("tool calling")
+    t.add_argument("--chat-template", default=None,
+                   help="chat template for every model: a Jinja file, or a built-in name (hermes: ChatML with tools,"
+                        " for models whose own template knows none, e.g. SmolLM2)")
+    t.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="parse tool calls from the output in this format (needed for `tools`)")
+    s.add_argument("--strict-request-fields", action="store_true",
+                   help="refuse requests with fields the server does not know (400) instead of naming them in the "
+                        "x-pagedlm-unknown-fields response header")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may finish before they are ended with an error")
     r = p.add_argument_group("several models and routing")
@@ -124,6 +134,7 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     replicated = args.data_parallel_size > 1 or args.ray_address is not None
     models = model_specs(args)
     router = build_router(args, [name for name, _ in models])
+    template = chat_template(args.chat_template)
     sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
     engines: dict[str, AsyncLLMEngine] = {}
     route = None
@@ -143,6 +154,8 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                     health_timeout=args.replica_health_timeout)
                 continue
             engine = LLMEngine.from_args(**kwargs)  # logs the KV memory report
+            if template is not None:
+                engine.tokenizer.hf.chat_template = template
             engines[name] = AsyncLLMEngine(engine, max_waiting=args.max_waiting, log_interval=args.log_interval,
                                            stall_timeout=args.stream_stall_timeout)
         if router is not None:
@@ -154,7 +167,8 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
         app = build_app(engines, api_keys, args.max_body_bytes, route,
                         max_prompts_per_request=args.max_prompts_per_request,
                         allowed_origins=_names(args.allowed_origins), allowed_hosts=allowed_hosts(args),
-                        prefix_cache_per_key=args.prefix_cache_per_key)
+                        prefix_cache_per_key=args.prefix_cache_per_key,
+                        strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])
@@ -176,6 +190,17 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
 
 def _names(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a built-in template's name, or a Jinja file."""
+    if value is None or value in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES.get(value)
+    try:
+        return Path(value).read_text()
+    except OSError as e:
+        raise SystemExit(f"--chat-template: not a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
+                         f"nor a readable file: {e}") from None
 
 
 def allowed_hosts(args: argparse.Namespace) -> list[str] | None:

@@ -1,7 +1,8 @@
 """OpenAI request/response schemas (plus vLLM's extensions), as pydantic models.
 
 Requests are parsed strictly (a field of the wrong type is an error, NaN/inf are rejected); fields we
-do not know are ignored, as vLLM does, so clients sending newer OpenAI fields keep working.
+do not know are let through (clients sending newer OpenAI fields keep working), and the server names them in the
+`x-pagedlm-unknown-fields` response header, or refuses them with --strict-request-fields.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from pagedlm.sampling.params import SamplingParams
+from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, StructuredOutputsParams
 
 _INT64 = 2**63 - 1
 MAX_N = 128
@@ -43,6 +44,33 @@ class StreamOptions(Request):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(Request):
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Request):
+    """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
 class SamplingRequest(Request):
     """Fields shared by completions and chat completions."""
 
@@ -73,12 +101,70 @@ class SamplingRequest(Request):
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # a separate prefix cache (vLLM)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported.", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true.", param="stream_options")
+        self.token_logit_bias()
+        self.structured_outputs_params()
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys (token ids as strings, as OpenAI sends them) as integers."""
+        if not self.logit_bias:
+            return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise APIError(400, f"logit_bias holds {len(self.logit_bias)} entries; at most "
+                                f"{MAX_LOGIT_BIAS_ENTRIES} are allowed.", param="logit_bias")
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias")
+            out[int(key)] = value
+        return out
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for (None: free text); 400 for several or a bad one."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema.", param="response_format")
+            found.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            if so.structural_tag is not None:
+                raise APIError(400, "structured_outputs.structural_tag is not supported.", param="structured_outputs")
+            found.append(("structured_outputs", {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                                                 "grammar": so.grammar, "json_object": so.json_object}))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                found.append((name, {name.removeprefix("guided_"): getattr(self, name)}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise APIError(400, f"Give one output constraint, not {', '.join(n for n, _ in found)}.",
+                           param=found[1][0])
+        name, spec = found[0]
+        if self.use_beam_search:
+            raise APIError(400, f"{name} is not supported with beam search.", param=name)
+        try:
+            return StructuredOutputsParams(**spec)
+        except ValueError as e:
+            raise APIError(400, str(e).replace("structured_outputs", name, 1), param=name) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -93,7 +179,9 @@ class SamplingRequest(Request):
                 stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens, use_beam_search=self.use_beam_search,
-                beam_width=self.beam_width, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+                beam_width=self.beam_width, length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+                logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words, structured_outputs=self.structured_outputs_params())
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -108,7 +196,7 @@ class SamplingRequest(Request):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (echo, prompt_logprobs)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     best_of: int | None = None
@@ -120,6 +208,11 @@ class CompletionRequest(SamplingRequest):
             raise APIError(400, "suffix is not supported.", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of must be unset or equal to n.", param="best_of")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise APIError(400, "max_tokens 0 scores the prompt only: it needs echo or prompt_logprobs.",
+                           param="max_tokens")
+        if self.max_tokens == 0 and self.stream:
+            raise APIError(400, "max_tokens 0 (scoring) cannot be streamed.", param="max_tokens")
 
 
 class TextPart(Request):
@@ -127,10 +220,23 @@ class TextPart(Request):
     text: str
 
 
+class FunctionCallIn(Request):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": the call this result answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -140,8 +246,32 @@ class ChatMessage(Request):
 
 def check_contents(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
-        if m.content is None:
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise APIError(400, f"messages[{i}] has no content.", param="messages")
+
+
+MAX_TOOLS = 128
+
+
+class FunctionDef(Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Request):
+    name: str
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -151,18 +281,41 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tools_active(self) -> bool:
+        """Tools are offered to the model (and its output is parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def called_functions(self) -> list[dict[str, Any]] | None:
+        """The functions the output must call (tool_choice "required" or a named one), else None."""
+        if not self.tools_active or self.tool_choice in (None, "auto"):
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            functions = [f for f in functions if f["name"] == name]
+            if not functions:
+                raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools.",
+                               param="tool_choice")
+        return functions
 
     def check_supported(self) -> None:
         super().check_supported()
         check_contents(self.messages)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "Only the 'text' response_format is supported.", param="response_format")
-        if self.tools:
-            raise APIError(400, "Tool calling is not supported.", param="tools")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice needs tools.", param="tool_choice")
+        if self.called_functions() is not None and self.use_beam_search:
+            raise APIError(400, "tool_choice 'required' or a named function is not supported with beam search.",
+                           param="tool_choice")
+        if self.called_functions() is not None and self.structured_outputs_params() is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with another output "
+                                "constraint.", param="tool_choice")
 
 
 class TokenizeRequest(Request):
@@ -193,12 +346,22 @@ class CompletionLogprobs(Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(Response):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # vLLM's shape: per prompt position, token id -> logprob
+
+
 class CompletionChoice(Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(Response):
@@ -224,9 +387,40 @@ class ChatLogprobs(Response):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCall(Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class DeltaFunctionCall(Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(Response):
@@ -244,11 +438,13 @@ class ChatCompletionResponse(Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict:

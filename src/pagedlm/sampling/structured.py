@@ -1,0 +1,123 @@
+"""Constrained decoding through llguidance: JSON schema, JSON object, regex, choice and Lark / GBNF grammars.
+
+A constraint compiles once into a template matcher (cached, keyed by the constraint's canonical text); every
+sequence gets a deep copy, which shares the compiled grammar and advances on the tokens the sequence accepts.
+Each step the masks of all constrained rows are computed together (llguidance's thread pool, the GIL dropped).
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import torch
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
+
+from pagedlm.sampling.params import StructuredOutputsParams
+
+DEFAULT_CACHE_SIZE = 256
+# hostile grammars: bounded compile and per-step work (llguidance's defaults are 1M / 200k fuel)
+_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=200_000)
+_GBNF = re.compile(r"::=")
+
+
+class StructuredOutputError(ValueError):
+    """The constraint cannot be compiled (bad schema, regex or grammar, or a feature llguidance lacks)."""
+
+
+@dataclass
+class GrammarStats:
+    compiles: int = 0
+    cache_hits: int = 0
+
+
+def grammar_text(p: StructuredOutputsParams) -> str:
+    """llguidance's grammar for the constraint (not yet checked)."""
+    json_opts = {"whitespace_flexible": p.whitespace_flexible}
+    if p.json is not None:
+        return LLMatcher.grammar_from_json_schema(p.json, defaults=json_opts)
+    if p.json_object:
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=json_opts)
+    if p.regex is not None:
+        return LLMatcher.grammar_from_regex(p.regex)
+    if p.choice is not None:
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
+    lark = p.grammar
+    if _GBNF.search(lark):
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        lark = gbnf_to_lark(lark)
+    return LLMatcher.grammar_from_lark(lark)
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one tokenizer and fills the batch's token bitmasks.
+
+    vocab_size: the logits' width (the bitmask covers it; ids the tokenizer lacks are never allowed);
+    eos_token_ids: all allowed (and only) where the grammar accepts.
+    """
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Iterable[int],
+                 cache_size: int = DEFAULT_CACHE_SIZE, num_threads: int | None = None) -> None:
+        eos = sorted(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.tokenizer: LLTokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=max(vocab_size, len(hf_tokenizer)), eos_token=eos or None)
+        self.words = (self.tokenizer.vocab_size + 31) // 32
+        self.executor = LLExecutor(num_threads)
+        self.limits = LLParserLimits(**_LIMITS)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = GrammarStats()
+
+    def compile(self, p: StructuredOutputsParams) -> LLMatcher:
+        """The template matcher of `p` (compiled once, then from the cache). Thread-safe.
+        Raises StructuredOutputError naming the problem."""
+        key = p.cache_key()
+        with self._lock:
+            m = self._cache.get(key)
+            if m is not None:
+                self._cache.move_to_end(key)
+                self.stats.cache_hits += 1
+                return m
+        try:
+            grammar = grammar_text(p)
+        except (ValueError, TypeError) as e:
+            raise StructuredOutputError(f"Invalid {p.kind} constraint: {e}") from None
+        m = LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        if m.is_error():
+            raise StructuredOutputError(f"Invalid {p.kind} constraint: {_first_line(m.get_error())}")
+        with self._lock:
+            self.stats.compiles += 1
+            self._cache[key] = m
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return m
+
+    def new_matcher(self, p: StructuredOutputsParams) -> LLMatcher:
+        return self.compile(p).deep_copy()
+
+    def replay(self, p: StructuredOutputsParams, tokens: list[int]) -> LLMatcher:
+        """A fresh matcher advanced over `tokens` (a sequence's output so far)."""
+        m = self.new_matcher(p)
+        if tokens and not m.consume_tokens(tokens):
+            raise StructuredOutputError(f"The tokens do not follow the constraint: {m.get_error()}")
+        return m
+
+    def fill_bitmask(self, matchers: list[LLMatcher]) -> torch.Tensor:
+        """[len(matchers), words] int32 bitmasks (bit t of word t // 32: token t allowed), computed in parallel."""
+        bitmask = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
+        if matchers:
+            self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                                  self.words * 4, len(matchers))
+        return bitmask
+
+
+def _first_line(msg: str, limit: int = 500) -> str:
+    return (msg.strip().splitlines() or [""])[0][:limit]

@@ -1,0 +1,112 @@
+"""Tool calling: a built-in tool-aware chat template, tool-call parsers (per model family) and the constraint that
+enforces `tool_choice: "required"` or a named function.
+
+Hermes format (Qwen 2.5, Hermes, and the built-in template): the model writes each call as
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagedlm.sampling.params import StructuredOutputsParams
+
+# ChatML with tools in the system turn, assistant tool calls as <tool_call> blocks, tool results as <tool_response>
+# blocks in a user turn; without tools it renders exactly as SmolLM2's own template.
+HERMES_CHAT_TEMPLATE = (
+    "{%- set default_system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system = messages[0]['content'] -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set system = default_system -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{{ '<|im_start|>system\\n' + system }}"
+    "{%- if tools -%}"
+    "{{ '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call>' }}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') -%}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call.get('function') else call -%}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{- fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -}}"
+    "{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+BUILTIN_TEMPLATES = {"hermes": HERMES_CHAT_TEMPLATE}
+MAX_PARALLEL_CALLS = 8  # calls one constrained (required / named) answer may hold
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+
+class HermesToolParser:
+    """`<tool_call>{json}</tool_call>` blocks; text outside them is the message content."""
+
+    start, end = "<tool_call>", "</tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """(content, calls); a block that is not a {"name", "arguments"} object is left in the content."""
+        calls, kept, pos = [], [], 0
+        for m in self._block.finditer(text):
+            call = _call(m.group(1))
+            if call is None:
+                continue
+            kept.append(text[pos:m.start()])
+            pos = m.end()
+            calls.append(call)
+        kept.append(text[pos:])
+        content = "".join(kept).strip()
+        return (content or None), calls
+
+    def call_grammar(self, functions: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
+        """A Lark grammar (with llguidance's %json) admitting only well-formed calls of `functions`."""
+        options = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                     "arguments": f.get("parameters") or {"type": "object"}},
+                    "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
+                                           "item_separator": ", "}}
+        more = f'("\\n" tc){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        return StructuredOutputsParams(grammar=f'start: tc {more}\ntc: "<tool_call>\\n" call "\\n</tool_call>"\n'
+                                               f"call: %json {json.dumps(schema)}\n")
+
+
+def _call(body: str) -> ParsedToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser}

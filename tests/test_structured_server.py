@@ -1,0 +1,205 @@
+"""Structured outputs and token controls over HTTP (tiny random model, in-process server): OpenAI's
+response_format (with the official client's `chat.completions.parse`), vLLM's structured_outputs and guided_*
+fields, logit_bias / allowed_token_ids / bad_words, prompt_logprobs and echo scoring, and unknown request fields
+(a warning header, or 400 with --strict-request-fields)."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import jsonschema
+import pydantic
+import pytest
+from server_utils import InProcessServer
+
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES
+from pagedlm.server.api import UNKNOWN_FIELDS_HEADER, build_app
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "kind": {"enum": ["cat", "dog"]},
+                   "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+                   "owner": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}},
+                             "required": ["name"], "additionalProperties": False}},
+    "required": ["id", "kind", "flags", "owner"], "additionalProperties": False,
+}
+MSGS = [{"role": "user", "content": "Describe a pet as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=256),
+                         log_interval=0)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = InProcessServer(build_app({"tiny": engine}))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def strict(engine):
+    srv = InProcessServer(build_app({"tiny": engine}, strict_request_fields=True))
+    yield srv
+    srv.stop()
+
+
+def post(server, path: str, body: dict):
+    return server.post(path, json={"model": "tiny", **body})
+
+
+def error(r, status: int = 400) -> str:
+    assert r.status_code == status, (r.status_code, r.text)
+    return r.json()["error"]["message"]
+
+
+class Owner(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=5)
+
+
+class Pet(pydantic.BaseModel):
+    id: int = pydantic.Field(ge=0, le=999)
+    kind: Literal["cat", "dog"]
+    vaccinated: bool
+    owner: Owner
+
+
+def test_openai_parse_with_a_pydantic_model(server):
+    client = server.client()
+    for seed in range(3):
+        r = client.chat.completions.parse(model="tiny", messages=MSGS, response_format=Pet, temperature=1.0,
+                                          seed=seed, max_tokens=200)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "stop", msg.content
+        assert isinstance(msg.parsed, Pet) and msg.parsed.kind in ("cat", "dog")
+
+
+def test_response_format_json_schema_on_chat_and_completions(server):
+    rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+    chat = post(server, "/v1/chat/completions", {"messages": MSGS, "response_format": rf, "n": 4, "seed": 1,
+                                                 "temperature": 1.0, "max_tokens": 200}).json()
+    cmpl = post(server, "/v1/completions", {"prompt": "A pet:", "response_format": rf, "n": 4, "seed": 2,
+                                            "temperature": 1.0, "max_tokens": 200}).json()
+    texts = [c["message"]["content"] for c in chat["choices"]] + [c["text"] for c in cmpl["choices"]]
+    for t in texts:
+        jsonschema.validate(json.loads(t), SCHEMA)
+    obj = post(server, "/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"},
+                                                "temperature": 0, "max_tokens": 60}).json()["choices"][0]
+    assert obj["message"]["content"].startswith("{")
+    if obj["finish_reason"] == "stop":
+        assert isinstance(json.loads(obj["message"]["content"]), dict)
+
+
+def test_vllm_structured_outputs_and_guided_fields(server):
+    def texts(body, n=4):
+        r = post(server, "/v1/completions", {"prompt": "Answer:", "n": n, "seed": 3, "temperature": 1.0,
+                                             "max_tokens": 200, **body})
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in r.json()["choices"]]
+
+    assert set(texts({"structured_outputs": {"choice": ["red", "blue"]}}, n=6)) <= {"red", "blue"}
+    assert set(texts({"guided_choice": ["up", "down"]}, n=6)) <= {"up", "down"}
+    for t in texts({"guided_regex": r"[A-Z][a-z]{2}-\d\d"}) + texts({"structured_outputs": {"regex": r"\d{4}"}}):
+        assert re.fullmatch(r"[A-Z][a-z]{2}-\d\d|\d{4}", t), t
+    for t in texts({"guided_json": SCHEMA}, n=2) + texts({"structured_outputs": {"json": json.dumps(SCHEMA)}}, n=2):
+        jsonschema.validate(json.loads(t), SCHEMA)
+    for t in texts({"guided_grammar": 'start: "go " DIR\nDIR: "north" | "south"'}):
+        assert t in ("go north", "go south"), t
+
+
+def test_streamed_constrained_output(server):
+    client = server.client()
+    chunks = client.chat.completions.create(
+        model="tiny", messages=MSGS, stream=True, temperature=1.0, seed=9, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}})
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_constraint_errors_are_400(server):
+    assert "Invalid json constraint" in error(post(server, "/v1/chat/completions", {
+        "messages": MSGS, "response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "x", "schema": {"type": "nope"}}}}))
+    assert "Invalid regex constraint" in error(post(server, "/v1/completions", {"prompt": "x", "guided_regex": "(a"}))
+    assert "Invalid grammar constraint" in error(post(server, "/v1/completions", {
+        "prompt": "x", "structured_outputs": {"grammar": "start: missing"}}))
+    assert "one output constraint" in error(post(server, "/v1/completions", {
+        "prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}))
+    assert "exactly one" in error(post(server, "/v1/completions", {
+        "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}))
+    assert "beam search" in error(post(server, "/v1/completions", {
+        "prompt": "x", "guided_choice": ["a"], "use_beam_search": True, "beam_width": 2}))
+    assert "json_schema.schema" in error(post(server, "/v1/chat/completions", {
+        "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}))
+    assert "structural_tag" in error(post(server, "/v1/completions", {
+        "prompt": "x", "structured_outputs": {"structural_tag": "{}"}}))
+    assert error(post(server, "/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}))
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200  # still serving
+
+
+def test_token_controls_over_http(server):
+    client = server.client()
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
+                                  logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    tok = server.post("/tokenize", json={"prompt": r.choices[0].text}).json()["tokens"]
+    assert tok == [77] * 4 or r.usage.completion_tokens == 4 and set(tok) == {77}
+    r = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 1,
+                                         "allowed_token_ids": [40, 41], "ignore_eos": True, "logprobs": 0})
+    assert r.status_code == 200
+    ids = server.post("/tokenize", json={"prompt": r.json()["choices"][0]["text"]}).json()["tokens"]
+    assert set(ids) <= {40, 41}
+    assert "token ids" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}))
+    assert "token ids" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": {"\u00b2": 1}}))
+    assert "vocabulary size" in error(post(server, "/v1/completions", {"prompt": "x",
+                                                                        "logit_bias": {"999999": 1}}))
+    assert "logit_bias values" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}))
+    many = {str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}
+    assert "at most" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": many}))
+    assert "vocabulary size" in error(post(server, "/v1/chat/completions", {"messages": MSGS,
+                                                                             "allowed_token_ids": [10**7]}))
+    assert "bad_words" in error(post(server, "/v1/completions", {"prompt": "x", "bad_words": ["x" * 1000]}))
+    ok = post(server, "/v1/completions", {"prompt": "x", "bad_words": ["the", "fox jumps"], "max_tokens": 4})
+    assert ok.status_code == 200
+
+
+def test_echo_scoring_and_prompt_logprobs(server):
+    prompt = "The quick brown fox"
+    ids = server.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    r = post(server, "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1})
+    c = r.json()["choices"][0]
+    assert r.status_code == 200 and c["text"] == prompt and c["finish_reason"] == "length"
+    lp = c["logprobs"]["token_logprobs"]
+    assert len(lp) == len(ids) and lp[0] is None and all(v < 0 for v in lp[1:])
+    assert r.json()["usage"]["completion_tokens"] == 0
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert [e[str(t)]["logprob"] for e, t in zip(plp[1:], ids[1:])] == pytest.approx(lp[1:], abs=1e-4)
+    assert all(len(e) >= 2 for e in plp[1:])  # the prompt token plus the top 2
+    chat = post(server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 5
+    assert "streamed" in error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "stream": True,
+                                                                "echo": True}))
+    assert "needs echo" in error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0}))
+
+
+def test_unknown_fields_header_and_strict_mode(server, strict):
+    body = {"prompt": "x", "max_tokens": 1, "frobnicate": 1, "response_format": {"type": "text", "extra_thing": 2}}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200
+    assert r.headers[UNKNOWN_FIELDS_HEADER] == "frobnicate,response_format.extra_thing"
+    known = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "guided_choice": ["a"],
+                                             "prompt_logprobs": 0, "bad_words": ["zz"]})
+    assert known.status_code == 200 and UNKNOWN_FIELDS_HEADER not in known.headers
+    msg = error(post(strict, "/v1/completions", body))
+    assert "frobnicate" in msg and "response_format.extra_thing" in msg
+    assert "functions" in error(post(strict, "/v1/chat/completions", {"messages": MSGS, "functions": []}))
+    assert post(strict, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200

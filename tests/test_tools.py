@@ -1,0 +1,176 @@
+"""Tool calling: the Hermes parser, the built-in tool-aware template, and (tiny random model, in-process server)
+tool_choice "required" / named enforced by the constrained decoder, streamed and not, and a call -> tool result ->
+answer round trip with the history rendered."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from server_utils import InProcessServer
+
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.server.api import build_app
+from pagedlm.server.tools import HERMES_CHAT_TEMPLATE, HermesToolParser
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_hermes_parser():
+    p = HermesToolParser()
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    content, calls = p.parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"zone": "UTC"})]
+    assert len({c.id for c in calls}) == 2
+    assert p.parse("no calls here") == ("no calls here", [])
+    content, calls = p.parse("<tool_call>not json</tool_call>")
+    assert calls == [] and content == "<tool_call>not json</tool_call>"
+    _, calls = p.parse('<tool_call>{"name": "f", "arguments": {"a": 1}}')  # cut off by max_tokens: still parsed
+    assert calls[0].name == "f"
+
+
+@pytest.mark.slow
+def test_builtin_template_matches_smollm2_without_tools(smollm2_path):
+    from pagedlm.model.tokenizer import load_tokenizer
+
+    hf = load_tokenizer(smollm2_path).hf
+    for msgs in (MSGS, [{"role": "system", "content": "Be brief."}, *MSGS,
+                        {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}]):
+        assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+            hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, chat_template=HERMES_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def long_tiny_dir(tmp_path_factory):
+    """The tiny random LLaMA with a 2048-token context (the tool instructions alone take ~750 tiny tokens)."""
+    import torch
+    from conftest import build_tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_llama_2k")
+    tok = build_tiny_tokenizer()
+    tok.model_max_length = 2048
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def servers(long_tiny_dir):
+    eng = LLMEngine.from_args(str(long_tiny_dir), dtype="float32", num_kv_blocks=1024)
+    eng.tokenizer.hf.chat_template = HERMES_CHAT_TEMPLATE
+    engine = AsyncLLMEngine(eng, log_interval=0)
+    tools = InProcessServer(build_app({"tiny": engine}, tool_call_parser="hermes"))
+    plain = InProcessServer(build_app({"tiny": engine}))
+    yield tools, plain
+    tools.stop()
+    plain.stop()
+    engine.shutdown()
+
+
+def check_calls(calls, names=None):
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id
+        assert names is None or c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+def test_named_and_required_tool_choice_are_enforced(servers):
+    client = servers[0].client()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named,
+                                           temperature=1.0, seed=seed, max_tokens=120)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls, {"get_weather"})
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="required", n=4,
+                                       temperature=1.0, seed=5, max_tokens=400)
+    for choice in r.choices:
+        if choice.finish_reason == "tool_calls":
+            check_calls(choice.message.tool_calls, set(SCHEMAS))
+    assert sum(c.finish_reason == "tool_calls" for c in r.choices) >= 2
+
+
+def test_streamed_tool_calls(servers):
+    client = servers[0].client()
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=MSGS, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=1.0, seed=2, max_tokens=120, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_time" and calls[0].index == 0
+    assert TIME["properties"]["zone"]["enum"].count(json.loads(calls[0].function.arguments)["zone"]) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in text
+
+
+def test_round_trip_renders_the_history(servers):
+    client = servers[0].client()
+    first = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=120,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    history = [*MSGS, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    final = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, temperature=0, max_tokens=8,
+                                           extra_body={"ignore_eos": True})
+    assert final.choices[0].finish_reason == "length" and final.choices[0].message.content
+    srv = servers[0].server.config.app.state.server.servers["tiny"]
+    from pagedlm.server import protocol as P
+
+    msgs = [P.ChatMessage.model_validate(m) for m in history]
+    prompt = srv.tok.decode(srv._chat_prompt(msgs, True, TOOLS), skip_special_tokens=False)
+    assert '"name": "get_weather"' in prompt and "<tools>" in prompt  # the tools, in the system turn
+    assert f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(json.loads(call.function.arguments))}}}' \
+        in prompt
+    assert "<tool_response>\n18 degrees, sunny\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    from conftest import TINY_CHAT_TEMPLATE  # a template that knows no tools: the calls become Hermes text
+
+    hermes, srv.tok.hf.chat_template = srv.tok.hf.chat_template, TINY_CHAT_TEMPLATE
+    try:
+        plain = srv.tok.decode(srv._chat_prompt(msgs, True), skip_special_tokens=False)
+    finally:
+        srv.tok.hf.chat_template = hermes
+    assert '<|im_start|>assistant\n\n<tool_call>\n{"name": "get_weather", "arguments": ' in plain
+    assert "<|im_start|>tool\n18 degrees, sunny<|im_end|>" in plain
+
+
+def test_tool_request_errors(servers):
+    tools, plain = servers
+    body = {"model": "tiny", "messages": MSGS, "tools": TOOLS}
+    r = plain.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+    assert plain.post("/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 2}).status_code == 200
+    bad = [{"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+           {"tool_choice": "required", "response_format": {"type": "json_object"}},
+           {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+           {"tools": None, "tool_choice": "required"}]
+    for extra in bad:
+        r = tools.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400, (extra, r.text)
+    r = plain.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
+        *MSGS, {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "c1", "type": "function",
+                                "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]})
+    assert r.status_code == 200  # a history with calls, on a server without a tool parser
