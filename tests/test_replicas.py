@@ -191,6 +191,14 @@ def test_two_replicas_serve_the_same_greedy_answers_as_one_engine(models, server
     # bad input from a replica is still the client's 400
     r = server.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 4})
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    # token controls and grammars are checked by the front end before a replica sees them
+    r = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "logit_bias": {"99999999": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    r = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "("}})
+    assert r.status_code == 400
+    r = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 6, "temperature": 0,
+                                             "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
     m = server.metrics(all_labels=True)
     assert {k for k in m if k.startswith("vllm:num_requests_running{")} == {
         "vllm:num_requests_running{model_name=tiny,replica=0}", "vllm:num_requests_running{model_name=tiny,replica=1}"}

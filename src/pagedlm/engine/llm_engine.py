@@ -181,23 +181,7 @@ class LLMEngine:
     def prepare_params(self, params: SamplingParams) -> None:
         """Check the token controls against this model's vocabulary, tokenize bad_words and compile the
         constraint (cached). Raises ValueError naming the problem. Safe to call from any thread, and again."""
-        vocab = self.model_config.vocab_size
-        unknown = sorted({t for t in (params.logit_bias or {}) if t >= vocab}
-                         | {t for t in (params.allowed_token_ids or []) if t >= vocab})
-        if unknown:
-            name = "logit_bias" if any(t in (params.logit_bias or {}) for t in unknown) else "allowed_token_ids"
-            raise ValueError(f"{name} names token ids this model does not have (vocabulary size {vocab}): "
-                             f"{unknown[:10]}.")
-        if params.bad_words and not params._bad_words_token_ids:
-            words: list[list[int]] = []
-            for w in params.bad_words:
-                for text in (w.lstrip(), " " + w.lstrip()):
-                    ids = self.tokenizer.encode(text, add_special_tokens=False)
-                    if ids and ids not in words:
-                        words.append(ids)
-            params._bad_words_token_ids = words
-        if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)
+        prepare_params(params, self.model_config.vocab_size, self.tokenizer, lambda: self.structured)
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
         params = req.params
@@ -572,3 +556,26 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in self.runner.moe_blocks})
+
+
+def prepare_params(params: SamplingParams, vocab_size: int, tokenizer, structured) -> None:
+    """Check the token controls against this model's vocabulary, tokenize bad_words and compile the
+    constraint (cached) with `structured()`, the model's StructuredOutputManager. Raises ValueError naming the
+    problem. Safe to call from any thread, and again. The engine and a replica's front end both use it."""
+    vocab = vocab_size
+    unknown = sorted({t for t in (params.logit_bias or {}) if t >= vocab}
+                     | {t for t in (params.allowed_token_ids or []) if t >= vocab})
+    if unknown:
+        name = "logit_bias" if any(t in (params.logit_bias or {}) for t in unknown) else "allowed_token_ids"
+        raise ValueError(f"{name} names token ids this model does not have (vocabulary size {vocab}): "
+                         f"{unknown[:10]}.")
+    if params.bad_words and not params._bad_words_token_ids:
+        words: list[list[int]] = []
+        for w in params.bad_words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        params._bad_words_token_ids = words
+    if params.structured_outputs is not None:
+        structured().compile(params.structured_outputs)

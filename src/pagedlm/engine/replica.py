@@ -34,7 +34,7 @@ from pagedlm.engine.async_engine import (
     RequestStream,
     StepRecord,
 )
-from pagedlm.engine.llm_engine import EngineStats
+from pagedlm.engine.llm_engine import EngineStats, prepare_params
 from pagedlm.kvcache.block_manager import hash_block, max_blocks_needed, max_tokens_per_seq
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling.params import SamplingParams
@@ -74,6 +74,7 @@ class ReplicaInfo:
     pid: int
     node: str
     num_threads: int
+    vocab_size: int = 0
 
 
 @dataclass
@@ -146,7 +147,8 @@ class EngineReplica:
         import torch
         return ReplicaInfo(e.config, Path(e.model_path), e.max_model_len, set(e.eos_token_ids),
                            list(bm.sliding_windows), bm.block_size, bm.num_total_blocks, bm.enable_prefix_caching,
-                           self.engine.stats, os.getpid(), node, torch.get_num_threads())
+                           self.engine.stats, os.getpid(), node, torch.get_num_threads(),
+                           vocab_size=e.model_config.vocab_size)
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
                   age_s: float, cache_salt: str | None) -> tuple[str, str] | None:
@@ -268,8 +270,10 @@ class RemoteStream(RequestStream):
 class _Facts:
     """What the API layer reads from `engine.engine` of a local engine: config, limits, block arithmetic."""
 
-    def __init__(self, info: ReplicaInfo) -> None:
-        self.info = info
+    def __init__(self, info: ReplicaInfo, tokenizer: Any) -> None:
+        self.info, self.tokenizer = info, tokenizer
+        self._structured: Any = None
+        self._lock = threading.Lock()
         self.config = info.config
         self.model_path = info.model_path
         self.eos_token_ids = info.eos_token_ids
@@ -279,6 +283,19 @@ class _Facts:
     @property
     def num_total_blocks(self) -> int:
         return self.info.num_total_blocks
+
+    def prepare_params(self, params: SamplingParams) -> None:
+        """The engine's own checks and constraint compile (llm_engine.prepare_params), here, so that bad token
+        controls or grammars are a 400 before the request crosses to a replica."""
+        prepare_params(params, self.info.vocab_size, self.tokenizer, self._structured_manager)
+
+    def _structured_manager(self) -> Any:
+        with self._lock:
+            if self._structured is None:
+                from pagedlm.sampling.structured import StructuredOutputManager
+                self._structured = StructuredOutputManager(self.tokenizer.hf, self.info.vocab_size,
+                                                           self.info.eos_token_ids)
+            return self._structured
 
     def max_blocks_needed(self, prompt_len: int, total_len: int, width: int = 1, max_chunk: int | None = None) -> int:
         return max_blocks_needed(self.info.sliding_windows, self.info.block_size, prompt_len, total_len, width,
@@ -307,12 +324,12 @@ class ReplicaClient:
         self._ray = ray
         self.actor, self.name = actor, name
         self.info: ReplicaInfo = ray.get(actor.info.remote())
-        self.engine = _Facts(self.info)
         if tokenizer is None:
             from pagedlm.model.registry import resolve_model
             from pagedlm.model.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(resolve_model(self.info.config.model))
         self.tokenizer = tokenizer
+        self.engine = _Facts(self.info, tokenizer)
         self.max_waiting, self.stall_timeout = max_waiting, stall_timeout
         self.poll_timeout, self.health_timeout = poll_timeout, health_timeout
         self.on_lost = on_lost
