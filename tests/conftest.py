@@ -94,14 +94,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF (pulled into the cache on first use)."""
-    from pagedlm.model.registry import resolve_model
+    from pagedlm.hub.registry import resolve_model
 
     return resolve_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path: Path):
+    """HF transformers' SmolLM2, fp32, from the same GGUF through transformers' own loading code: the reference
+    model of the parity, beam-search and weight tests (loaded once per session: loading takes ~30 s)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     """The real Gemma 3 270M (pretrained base) Q4_K_M GGUF (pulled into the cache on first use)."""
-    from pagedlm.model.registry import resolve_model
+    from pagedlm.hub.registry import resolve_model
 
     return resolve_model("gemma3-270m")

@@ -17,13 +17,10 @@ def beam(k, lp=1.0, es=False, max_tokens=16):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k,lp,es", [(2, 1.0, False), (4, 0.6, True)])
-def test_matches_hf_beam_search(smollm2_path, k, lp, es):
-    from transformers import AutoModelForCausalLM
-
+def test_matches_hf_beam_search(smollm2_path, smollm2_hf, k, lp, es):
     llm = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=256)
     tok = llm.get_tokenizer()
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
-                                              dtype=torch.float32).eval()
+    hf = smollm2_hf
     prompts = [tok.encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, beam(k, lp, es), use_tqdm=False)  # all 8 beam searches batched together
     for ids, out in zip(prompts, outs):

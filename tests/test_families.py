@@ -14,9 +14,9 @@ from hf_reference import assert_matches_hf, hf_greedy
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
+from pagedlm.hub.loader import load_hf_config
 from pagedlm.model.llama import LlamaForCausalLM
 from pagedlm.model.llama_decode import LlamaDecodeKernel, load_decode_kernel
-from pagedlm.model.loader import load_hf_config
 
 NEW_TOKENS = 16
 PROMPT_LENS = (5, 12, 23, 30)  # all below 32, the original context of the dynamic / longrope models
@@ -248,7 +248,7 @@ def write_gguf(model_dir: Path, out: Path, name: str) -> Path:
 def test_gguf_matches_hf(family, tmp_path):
     """The family written as GGUF: every weight bit-identical to the safetensors load, the same architecture facts,
     and greedy tokens / logprobs equal to HF's."""
-    from pagedlm.model.loader import iter_weights
+    from pagedlm.hub.loader import iter_weights
 
     name, path, prompts, reference, _ = family
     if name not in GGUF_ARCH:

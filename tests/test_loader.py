@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -16,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from pagedlm.model import registry
-from pagedlm.model.loader import iter_weights, load_hf_config
-from pagedlm.model.registry import (
+from pagedlm.hub import registry
+from pagedlm.hub.loader import iter_weights, load_hf_config
+from pagedlm.hub.registry import (
     MODELS,
     ModelLoadError,
     ModelNotFoundError,
@@ -28,7 +27,7 @@ from pagedlm.model.registry import (
     pull,
     resolve_model,
 )
-from pagedlm.model.tokenizer import Tokenizer, load_tokenizer
+from pagedlm.hub.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world, how are you?",
@@ -329,23 +328,9 @@ def test_smollm2_config(smollm2_path: Path) -> None:
     assert cfg["rms_norm_eps"] == pytest.approx(1e-5)
 
 
-def _transformers_gguf_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """transformers' own GGUF dequantization: from_pretrained(gguf_file=...) needs accelerate; without it,
-    call the function from_pretrained uses."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if importlib.util.find_spec("accelerate") is None:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
-        return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.state_dict()
-
-
 @pytest.mark.slow
-def test_smollm2_weights_bit_identical_to_transformers(smollm2_path: Path) -> None:
-    ref = _transformers_gguf_state_dict(smollm2_path)
+def test_smollm2_weights_bit_identical_to_transformers(smollm2_path: Path, smollm2_hf) -> None:
+    ref = smollm2_hf.state_dict()  # transformers' own GGUF dequantization
     seen = set()
     for name, t in iter_weights(smollm2_path, torch.float32):
         assert t.dtype == torch.float32 and t.shape == ref[name].shape, name

@@ -9,7 +9,7 @@ from hf_reference import assert_matches_hf, hf_greedy
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
-from pagedlm.model.loader import iter_weights, load_hf_config
+from pagedlm.hub.loader import iter_weights, load_hf_config
 
 NEW_TOKENS = 24
 

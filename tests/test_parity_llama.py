@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hf_reference import assert_matches_hf, hf_greedy
 
 from pagedlm import LLM, SamplingParams
@@ -40,15 +39,9 @@ def prompts(llm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path, prompts):
+def hf_reference(smollm2_hf, prompts):
     """Greedy continuation with HF transformers (its own GGUF loading and modeling code), step by step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
-                                                 torch_dtype=torch.float32).eval()
-    results = hf_greedy(model, prompts, NEW_TOKENS)
-    del model
-    return results
+    return hf_greedy(smollm2_hf, prompts, NEW_TOKENS)
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)

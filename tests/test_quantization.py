@@ -142,7 +142,7 @@ def test_write_kv_quantizes_into_the_slots(kv_dtype):
 
 def test_kv_budget_holds_more_tokens(tiny_model_dir):
     from pagedlm.config import ModelConfig
-    from pagedlm.model.loader import load_hf_config
+    from pagedlm.hub.loader import load_hf_config
     cfg = ModelConfig.from_hf(load_hf_config(tiny_model_dir))
     budget = 64 * 2**20
     blocks = {k: KVCacheSpec.for_model(cfg, 16, torch.float32, k).num_blocks_for(budget)
@@ -241,7 +241,7 @@ def test_default_runs_the_checkpoints_int4_blocks(tiny_q4_gguf, monkeypatch):
     plan, model = llm.engine.plan, llm.engine.runner.model
     assert plan.quantization == "int4" and plan.dtype == torch.float32 and not model.native_weights
     native = _linear_weights(model)
-    from pagedlm.model.loader import iter_weights
+    from pagedlm.hub.loader import iter_weights
     ref = dict(iter_weights(tiny_q4_gguf, torch.float32))  # dequantized by gguf-py, q/k rows un-permuted
     assert len(native) == 2 * 4
     for name, w in native.items():

@@ -44,7 +44,7 @@ def test_hermes_parser():
 
 @pytest.mark.slow
 def test_builtin_template_matches_smollm2_without_tools(smollm2_path):
-    from pagedlm.model.tokenizer import load_tokenizer
+    from pagedlm.hub.tokenizer import load_tokenizer
 
     hf = load_tokenizer(smollm2_path).hf
     for msgs in (MSGS, [{"role": "system", "content": "Be brief."}, *MSGS,

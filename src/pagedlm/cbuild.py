@@ -22,6 +22,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pagedlm import paths
+from pagedlm.cpu import cpu_features
+
 logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
@@ -45,8 +48,8 @@ def kernel_error(rc: int, what: str) -> Exception:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDLM_CACHE") or Path.home() / ".cache" / "pagedlm"
-    return Path(root) / "kernels" / str(os.getuid())
+    """This user's kernel cache: `<cache root>/kernels/<uid>`."""
+    return paths.cache_dir() / "kernels" / str(os.getuid())
 
 
 def _private_cache_dir() -> Path:
@@ -73,13 +76,7 @@ def _trusted(path: Path) -> bool:
 
 def _cpu_key() -> str:
     """Kernels are built with -march=native: key the cache on the CPU's flags too."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return platform.machine() + flags
+    return platform.machine() + " ".join(sorted(cpu_features().flags))
 
 
 def _source_bytes(source: Path, seen: set[Path] | None = None) -> bytes:

@@ -46,7 +46,7 @@ def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    from pagedlm.model.registry import DEFAULT_MODEL
+    from pagedlm.hub.registry import DEFAULT_MODEL
     return dict(model=args.model or DEFAULT_MODEL, dtype=args.dtype, device=args.device, block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -58,7 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from pagedlm.model.registry import pull
+    from pagedlm.hub.registry import pull
     print(pull(args.name))
     return 0
 
@@ -79,11 +79,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_memory(args: argparse.Namespace) -> int:
 
     from pagedlm.config import EngineConfig, ModelConfig, parse_bytes
+    from pagedlm.hub.loader import load_hf_config
+    from pagedlm.hub.registry import DEFAULT_MODEL, resolve_model
     from pagedlm.kvcache.kv_cache import KVCacheSpec
     from pagedlm.kvcache.memory import MemoryReport
-    from pagedlm.model.loader import load_hf_config
     from pagedlm.model.plan import plan_execution
-    from pagedlm.model.registry import DEFAULT_MODEL, resolve_model
 
     target = args.model or DEFAULT_MODEL
     path = Path(target)

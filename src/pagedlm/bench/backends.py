@@ -87,7 +87,7 @@ class LlamaCppBackend:
 
 def make_backend(name: str, model: str, dtype: str, engine_kwargs: dict) -> Backend:
     from pagedlm.config import parse_dtype
-    from pagedlm.model.registry import resolve_model
+    from pagedlm.hub.registry import resolve_model
     if name == "pagedlm":
         return PagedlmBackend(model, dtype, **engine_kwargs)
     path = resolve_model(model)

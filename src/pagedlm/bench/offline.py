@@ -242,6 +242,6 @@ def _vocab_size(backends: list[Backend], model: str) -> int:
         if hasattr(b, "vocab_size"):
             return b.vocab_size
     from pagedlm.config import ModelConfig
-    from pagedlm.model.loader import load_hf_config
-    from pagedlm.model.registry import resolve_model
+    from pagedlm.hub.loader import load_hf_config
+    from pagedlm.hub.registry import resolve_model
     return ModelConfig.from_hf(load_hf_config(resolve_model(model))).vocab_size

@@ -14,11 +14,11 @@ from pagedlm.config import EngineConfig, parse_bytes
 from pagedlm.engine.model_runner import Chunk, ModelRunner
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedlm.hub.registry import resolve_model
+from pagedlm.hub.tokenizer import load_tokenizer
 from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.kvcache.memory import MemoryReport
 from pagedlm.model.plan import plan_execution
-from pagedlm.model.registry import resolve_model
-from pagedlm.model.tokenizer import load_tokenizer
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.detokenizer import IncrementalDetokenizer, find_stop

@@ -325,8 +325,8 @@ class ReplicaClient:
         self.actor, self.name = actor, name
         self.info: ReplicaInfo = ray.get(actor.info.remote())
         if tokenizer is None:
-            from pagedlm.model.registry import resolve_model
-            from pagedlm.model.tokenizer import load_tokenizer
+            from pagedlm.hub.registry import resolve_model
+            from pagedlm.hub.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(resolve_model(self.info.config.model))
         self.tokenizer = tokenizer
         self.engine = _Facts(self.info, tokenizer)

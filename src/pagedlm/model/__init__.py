@@ -15,9 +15,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
     rows through a dense copy in `dense_dtype`, see model/quant.py and model/plan.py)."""
+    from pagedlm.hub.loader import iter_weights, load_hf_config
     from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.llama import LlamaForCausalLM
-    from pagedlm.model.loader import iter_weights, load_hf_config
 
     cfg = ModelConfig.from_hf(load_hf_config(path))
     model_cls = Gemma3ForCausalLM if cfg.model_type == "gemma3_text" else LlamaForCausalLM  # + every LLaMA style

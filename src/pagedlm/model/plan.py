@@ -57,7 +57,7 @@ def gguf_linear_types(path: Path) -> set[str]:
     path = Path(path)
     if path.is_dir():
         return set()
-    from pagedlm.model.loader import open_gguf
+    from pagedlm.hub.loader import open_gguf
 
     return {t.tensor_type.name for t in open_gguf(path).tensors
             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}

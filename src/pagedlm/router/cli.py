@@ -71,7 +71,7 @@ def _cache_dir(arg: str | None) -> Path | None:
         return None
     if arg:
         return Path(arg)
-    from pagedlm.model.registry import cache_dir
+    from pagedlm.paths import cache_dir
     return cache_dir() / "router"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedlm.model.loader import load_hf_config
+from pagedlm.hub.loader import load_hf_config
 
 __all__ = ["GEMMA_CHAT_TEMPLATE", "Tokenizer", "load_tokenizer"]
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import gguf
 from tqdm import tqdm
 
+from pagedlm.paths import cache_dir
+
 __all__ = [
     "DEFAULT_MODEL",
     "MODELS",
@@ -90,12 +92,6 @@ _EXPECTED = (
     f"a known model name ({', '.join(sorted(MODELS))}), a .gguf file, "
     "or a directory with config.json and *.safetensors"
 )
-
-
-def cache_dir() -> Path:
-    """`$PAGEDLM_CACHE` if set, else `~/.cache/pagedlm` (not created here)."""
-    env = os.environ.get("PAGEDLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedlm"
 
 
 def cached_path(name: str) -> Path:
