@@ -1,9 +1,19 @@
 """The `pagedlm` command line: memory arithmetic for any config, generate on the tiny model."""
 from __future__ import annotations
 
+import argparse
 import json
+from dataclasses import fields
 
-from pagedlm.cli import main
+import pytest
+import torch
+
+from pagedlm.cli import MEMORY_FIELDS, build_parser, engine_kwargs, main
+from pagedlm.config import DEFAULT_MODEL, EngineConfig, flag_name
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.sampling.params import SamplingParams
+from pagedlm.sampling.sampler import Sampler, SamplingRow
+from pagedlm.server.cli import ServerConfig, apply_config
 
 LLAMA_70B = {
     "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
@@ -111,3 +121,131 @@ def test_memory_counts_every_expert(tmp_path, capsys):
     assert main(["memory", "--model", str(cfg), "--dtype", "bfloat16", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["sliding_layers"] == 32 and r["sliding_window"] == 4096 and r["num_experts"] == 0
+
+
+# --- flags from the config dataclasses -----------------------------------------------------------------------------
+def _subparsers(parser):
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _engine_parsers():
+    """Every `pagedlm` command that takes the engine flags."""
+    sub = _subparsers(build_parser())
+    bench = _subparsers(sub["bench"])
+    return {"generate": sub["generate"], "serve": sub["serve"], "bench throughput": bench["throughput"],
+            "bench latency": bench["latency"]}
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench throughput", "bench latency"])
+def test_every_engine_field_is_a_flag_with_the_field_default(command):
+    """The flags are EngineConfig's fields: names and defaults cannot drift apart (serve's --model repeats, and
+    an absent one means the default model)."""
+    parser = _engine_parsers()[command]
+    actions = {a.dest: a for a in parser._actions}
+    for f in fields(EngineConfig):
+        assert flag_name(f.name) in actions[f.name].option_strings, f.name
+        assert actions[f.name].default == (None if command == "serve" and f.name == "model" else f.default), f.name
+        assert actions[f.name].help, f.name
+    args = parser.parse_args(["Hello"] if command == "generate" else [])
+    assert EngineConfig(**engine_kwargs(args)) == EngineConfig()
+    assert EngineConfig().model == DEFAULT_MODEL
+
+
+def test_memory_takes_the_engine_flags_it_uses():
+    actions = {a.dest: a for a in _subparsers(build_parser())["memory"]._actions}
+    for name in MEMORY_FIELDS:
+        assert actions[name].default == EngineConfig.__dataclass_fields__[name].default
+
+
+def test_every_server_option_is_a_flag_with_the_field_default():
+    actions = {a.dest: a for a in _engine_parsers()["serve"]._actions}
+    for f in fields(ServerConfig):
+        assert flag_name(f.name) in actions[f.name].option_strings and actions[f.name].default == f.default, f.name
+    assert "-dp" in actions["data_parallel_size"].option_strings
+    args = _engine_parsers()["serve"].parse_args(["--max-body-bytes", "1MiB", "-dp", "2", "--api-key", "a",
+                                                  "--api-key", "b", "--prefix-cache-per-key"])
+    cfg = ServerConfig.from_args(args)
+    assert (cfg.max_body_bytes, cfg.data_parallel_size, cfg.api_key, cfg.prefix_cache_per_key) == (
+        2**20, 2, ["a", "b"], True)
+    with pytest.raises(ValueError, match="--max-waiting"):
+        ServerConfig(max_waiting=0)
+
+
+def test_engine_flags_parse_into_the_config():
+    """Short aliases and old spellings keep working; bools go both ways; sizes and dtypes are checked when parsed."""
+    parser = _engine_parsers()["generate"]
+    args = parser.parse_args(["x", "-q", "int4", "--kv-cache-memory", "512MiB", "--num-kv-blocks", "7", "--dtype",
+                              "bf16", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+                              "--scheduling-policy", "priority", "--seed", "5", "--max-logprobs", "3"])
+    cfg = EngineConfig(**engine_kwargs(args))
+    assert (cfg.quantization, cfg.kv_cache_memory, cfg.num_kv_blocks, cfg.dtype) == ("int4", "512MiB", 7, "bf16")
+    assert (cfg.enable_prefix_caching, cfg.enable_chunked_prefill, cfg.scheduling_policy, cfg.seed,
+            cfg.max_logprobs) == (False, False, "priority", 5, 3)
+    assert parser.parse_args(["x", "--enable-prefix-caching"]).enable_prefix_caching is True
+    for bad in (["--kv-cache-memory", "lots"], ["--dtype", "int3"], ["--scheduling-policy", "lifo"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["x", *bad])
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        EngineConfig(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="Cannot parse a memory size"):
+        EngineConfig(swap_space="lots")
+
+
+def test_yaml_config_sets_engine_fields_and_flags_win(tmp_path):
+    parser = _engine_parsers()["serve"]
+    path = tmp_path / "serve.yaml"
+    path.write_text("max-num-seqs: 8\nenable-prefix-caching: false\nkv-cache-memory: 1GiB\nscheduling-policy: "
+                    "priority\nmax-body-bytes: 1MiB\nmodel: {small: smollm2-135m}\n")
+    args = parser.parse_args(["--max-num-seqs", "4"])
+    apply_config(args, parser, str(path))
+    kwargs = engine_kwargs(args)
+    assert (kwargs["max_num_seqs"], kwargs["enable_prefix_caching"], kwargs["kv_cache_memory"]) == (4, False, "1GiB")
+    assert kwargs["scheduling_policy"] == "priority" and args.model == ["small=smollm2-135m"]
+    assert ServerConfig.from_args(args).max_body_bytes == 2**20  # parsed as the flag parses it
+    path.write_text("no-such-option: 1\n")
+    with pytest.raises(ValueError, match="unknown option"):
+        apply_config(parser.parse_args([]), parser, str(path))
+
+
+def test_no_enable_prefix_caching_reaches_the_engine(tiny_model_dir):
+    args = _engine_parsers()["generate"].parse_args(["x", "--model", str(tiny_model_dir), "--dtype", "float32",
+                                                     "--num-kv-blocks", "16", "--no-enable-prefix-caching"])
+    eng = LLMEngine.from_args(**engine_kwargs(args))
+    assert eng.config.enable_prefix_caching is False and eng.block_manager.enable_prefix_caching is False
+    eng = LLMEngine.from_args(**engine_kwargs(_engine_parsers()["generate"].parse_args(
+        ["x", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "16"])))
+    assert eng.block_manager.enable_prefix_caching is True
+
+
+def _sample(tiny_model_dir, seed, params):
+    """Tokens of the requests (one prompt) on a fresh engine seeded `seed`."""
+    eng = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, seed=seed)
+    for i, p in enumerate(params):
+        eng.add_request(str(i), [1, 2, 3, 4], p)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+    return [done[str(i)] for i in range(len(params))]
+
+
+def test_engine_seed_makes_unseeded_requests_reproducible(tiny_model_dir):
+    """vLLM's global seed: requests without a seed draw from the engine's generator, so two engines with the same
+    seed sample the same tokens for the same requests; another seed samples others; a request's own seed wins."""
+    free = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    params = [free, free, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=7)]
+    torch.manual_seed(0)
+    first = _sample(tiny_model_dir, 3, params)
+    torch.manual_seed(1)  # the global RNG plays no part
+    assert _sample(tiny_model_dir, 3, params) == first
+    assert first[0] != first[1]  # one generator for the engine, not a copy per request
+    other = _sample(tiny_model_dir, 4, params)
+    assert other[:2] != first[:2] and other[2] == first[2]
+
+
+def test_sampler_seed_draws_unseeded_rows_from_its_generator():
+    logits = torch.randn(3, 50)
+    rows = [SamplingRow(SamplingParams(temperature=1.0), [1], []) for _ in range(3)]
+    draws = [Sampler(seed=11)(logits, rows).token_ids for _ in range(2)]
+    assert draws[0] == draws[1]
+    s = Sampler(seed=11)
+    assert [s(logits, rows).token_ids for _ in range(4)] != [draws[0]] * 4  # the generator advances

@@ -1,10 +1,15 @@
 """Model and engine configuration."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
+
+from pagedlm.hub.registry import DEFAULT_MODEL
 
 DTYPES = {
     "float32": torch.float32,
@@ -265,67 +270,150 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see model/quant.py
 KERNEL_MAX_ROWS = 16  # the most rows the quantized kernels and the fused decoder stack take
+DEFAULT_KV_CACHE_MEMORY = 2 * 2**30  # the KV budget without kv_cache_memory / num_kv_blocks (off CUDA)
+
+
+def option(default: Any = MISSING, help: str = "", *, choices: Sequence[Any] | None = None,
+           parse: Callable[[str], Any] | None = None, aliases: Sequence[str] = (), metavar: str | None = None,
+           group: str | None = None) -> Any:
+    """A config field that is also a command-line flag (see `add_arguments`): `--name-with-dashes`, plus
+    `aliases`; `parse` turns the flag's text into the value (default: from the annotation)."""
+    meta = dict(help=help, choices=tuple(choices) if choices is not None else None, parse=parse,
+                aliases=tuple(aliases), metavar=metavar, group=group)
+    return field(default=default, metadata=meta)
+
+
+def byte_size(value: str) -> str:
+    """A memory size flag (`2GiB`, `512MiB`, bytes), checked here and kept as written (parse_bytes reads it)."""
+    try:
+        parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+DTYPE_NAMES = ("auto", *DTYPES)
 
 
 @dataclass
 class EngineConfig:
-    """Engine knobs. Defaults follow vLLM where it has the same knob."""
+    """Engine knobs, each a `pagedlm` flag of the same name (cli.py). Defaults follow vLLM where it has the knob."""
 
-    model: str = "smollm2-135m"
-    dtype: str | torch.dtype = "auto"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_memory: int | float | str | None = None  # bytes, or "2GiB"; None -> default budget
-    num_kv_blocks: int | None = None
-    swap_space: int | float | str = "1GiB"  # host memory for swapped-out blocks
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
-    scheduling_policy: str = "fcfs"  # or "priority"
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True  # off for models with sliding-window layers (their blocks are freed)
-    seed: int = 0
-    attention_backend: str = "auto"  # "reference" | "auto"
-    quantization: str | None = None  # weight-only: "int8" (per channel) | "int4" (group-wise)
-    quantization_group_size: int = 32
-    kv_cache_dtype: str = "auto"  # "auto" (the plan picks) | "float32" | "bfloat16" | "int8" | "fp8_e4m3"
-    # Quantized weights: steps of at most this many rows run the quantized kernels (and the fused decoder stack),
-    # larger ones a dense GEMM. None: measured at start-up (model/probe.py, cached per CPU).
-    kernel_max_rows: int | None = None
+    model: str = option(DEFAULT_MODEL, f"model name (e.g. {DEFAULT_MODEL}), .gguf file or HF directory")
+    dtype: str | torch.dtype = option("auto", "weights and activations (auto: bfloat16 where the hardware runs it "
+                                      "natively, else float32)", choices=DTYPE_NAMES)
+    device: str = option("cpu", "cpu | cuda")
+    block_size: int = option(16, "tokens per KV cache block (a power of two)")
+    kv_cache_memory: int | float | str | None = option(
+        None, "KV cache budget, e.g. 2GiB (default: 2 GiB; on CUDA 80%% of the free memory)", parse=byte_size)
+    num_kv_blocks: int | None = option(None, "KV cache blocks (instead of --kv-cache-memory)")
+    swap_space: int | float | str = option("1GiB", "host memory for swapped-out blocks (--preemption-mode swap)",
+                                           parse=byte_size)
+    max_model_len: int | None = option(None, "longest sequence, prompt and output (default: the model's context)")
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int = option(2048, "most tokens in one step")
+    enable_chunked_prefill: bool = option(True, "split prompts longer than the step's token budget over steps")
+    preemption_mode: str = option("recompute", "what a preempted sequence gives up: its KV blocks (recompute) or "
+                                  "their place on the device (swap)", choices=("recompute", "swap"))
+    scheduling_policy: str = option("fcfs", "waiting requests start in arrival order (fcfs) or by request priority, "
+                                    "lowest first (priority)", choices=("fcfs", "priority"))
+    watermark: float = option(0.01, "share of the KV blocks new requests leave free for running ones")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes (off for models with "
+                                         "sliding-window layers: their blocks are freed)")
+    seed: int = option(0, "seed of the engine's sampling generator, which requests without their own seed draw from")
+    attention_backend: str = option("auto", "auto | reference")
+    quantization: str | None = option(None, "weight-only quantization of the linear layers: int8 (per channel) "
+                                      "or int4 (group-wise)", choices=QUANTIZATION_METHODS, aliases=("-q",))
+    quantization_group_size: int = option(32, "int4 group size (a multiple of 32)")
+    kv_cache_dtype: str = option("auto", "KV cache element type (auto: the plan picks)", choices=KV_CACHE_DTYPES)
+    kernel_max_rows: int | None = option(
+        None, "quantized weights: steps of at most this many rows run the quantized kernels (and the fused decoder "
+        "stack), larger ones a dense GEMM (default: measured once per CPU, model/probe.py)")
     # per-request limits (a request beyond them is refused with ValueError before anything is allocated)
-    max_logprobs: int = 20  # logprobs / prompt_logprobs (vLLM's default)
-    max_stop_sequences: int = 32  # stop strings, and stop token ids, each
-    max_stop_length: int = 256  # characters per stop string
+    max_logprobs: int = option(20, "largest logprobs / prompt_logprobs / top_logprobs a request may ask for")
+    max_stop_sequences: int = option(32, "most stop strings (and, separately, stop token ids) per request")
+    max_stop_length: int = option(256, "longest stop string, in characters")
 
     def __post_init__(self) -> None:
+        if self.quantization == "none":
+            self.quantization = None
+        check_choices(self)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
-        if self.quantization not in (None, "none", *QUANTIZATION_METHODS):
-            raise ValueError(f"quantization must be 'int8', 'int4' or None, got {self.quantization!r}.")
-        if self.quantization == "none":
-            self.quantization = None
         if self.quantization == "int4" and (self.quantization_group_size < 32 or self.quantization_group_size % 32):
             raise ValueError(f"int4 quantization needs a group size that is a multiple of 32, "
                              f"got {self.quantization_group_size}.")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
         if self.kernel_max_rows is not None and not 0 <= self.kernel_max_rows <= KERNEL_MAX_ROWS:
             raise ValueError(f"kernel_max_rows must be in [0, {KERNEL_MAX_ROWS}], got {self.kernel_max_rows}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        for name in ("kv_cache_memory", "swap_space"):
+            if getattr(self, name) is not None:
+                parse_bytes(getattr(self, name))
         for name in ("max_logprobs", "max_stop_sequences", "max_stop_length"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+
+
+# --- config dataclasses as command-line flags ----------------------------------------------------------------------
+def check_choices(config: Any) -> None:
+    """ValueError unless every field with `choices` holds one of them (or None where None is the default)."""
+    for f in fields(config):
+        choices, value = f.metadata.get("choices"), getattr(config, f.name)
+        if choices is None or value in choices or isinstance(value, torch.dtype):
+            continue
+        if value is None and f.default is None:
+            continue
+        raise ValueError(f"{f.name} must be one of {list(choices)}{' or None' if f.default is None else ''}, "
+                         f"got {value!r}.")
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | None = None,
+                  exclude: Sequence[str] = (), overrides: dict[str, dict[str, Any]] | None = None) -> None:
+    """Add one flag per `option` field of the dataclass `cls` (`only` / `exclude` by field name): default the field
+    default, bool fields as --flag / --no-flag, `list[...] | None` fields repeatable. `overrides[name]` replaces
+    add_argument keywords of one flag. Fields with a `group` go into an argument group of that title."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for f in fields(cls):
+        if (only is not None and f.name not in only) or f.name in exclude or "help" not in f.metadata:
+            continue
+        meta = f.metadata
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        kw: dict[str, Any] = dict(default=default, help=meta["help"], dest=f.name)
+        kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        if kinds == [bool]:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kinds[0]) is list:
+            kw.update(action="append", type=meta["parse"] or typing.get_args(kinds[0])[0])
+        else:
+            kw["type"] = meta["parse"] or (kinds[0] if len(kinds) == 1 and kinds[0] in (int, float) else str)
+        if meta["choices"] is not None:
+            kw["choices"] = meta["choices"]
+        if meta["metavar"] is not None:
+            kw["metavar"] = meta["metavar"]
+        if default is not None and default is not False and default != "" and kw.get("action") != "append":
+            kw["help"] += " (default: %(default)s)"
+        kw.update((overrides or {}).get(f.name, {}))
+        target = parser
+        if meta["group"]:
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_argument_group(meta["group"])
+            target = groups[meta["group"]]
+        target.add_argument(flag_name(f.name), *meta["aliases"], **kw)
+
+
+def from_args(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of `cls` that `args` holds, as keyword arguments."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

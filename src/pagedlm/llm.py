@@ -10,6 +10,7 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
+from pagedlm.config import DEFAULT_MODEL
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling.params import SamplingParams
@@ -23,7 +24,7 @@ class LLM:
     joins a cluster, else a local Ray is started), over which `generate` spreads its prompts (`replica_policy`);
     `shutdown()` stops them."""
 
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", data_parallel_size: int = 1,
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", data_parallel_size: int = 1,
                  ray_address: str | None = None, replica_policy: str = "prefix", **engine_args: Any) -> None:
         self._ids = itertools.count()
         self.replicas = None

@@ -19,7 +19,7 @@ def add_bench_parser(sub, engine_args: Callable[[argparse.ArgumentParser], None]
         q.add_argument("--input-len", type=int, default=32)
         q.add_argument("--output-len", type=int, default=output_len)
         q.add_argument("--repeats", type=int, default=repeats, help="repetitions per backend; medians reported")
-        q.add_argument("--seed", type=int, default=0)
+        # the engine's --seed also seeds the workload
         q.add_argument("--output-json", default=None)
         return q
 

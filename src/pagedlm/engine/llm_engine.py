@@ -10,7 +10,7 @@ from typing import Iterable
 
 import torch
 
-from pagedlm.config import EngineConfig, parse_bytes
+from pagedlm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, EngineConfig, parse_bytes
 from pagedlm.engine.model_runner import Chunk, ModelRunner
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
@@ -27,8 +27,6 @@ from pagedlm.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
 from pagedlm.sampling.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
 
 
 @dataclass
@@ -88,7 +86,7 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.memory_report = MemoryReport.build(self.model_config, spec, num_blocks, num_cpu_blocks, max_len,
                                                 weight_bytes=self.runner.weight_bytes())
         self.prompt_tokens_total = 0
@@ -114,7 +112,7 @@ class LLMEngine:
             return self._structured
 
     @classmethod
-    def from_args(cls, model: str = "smollm2-135m", **kwargs) -> "LLMEngine":
+    def from_args(cls, model: str = DEFAULT_MODEL, **kwargs) -> "LLMEngine":
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(kwargs) - known
         if unknown:

@@ -91,10 +91,22 @@ def _position_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[in
 
 
 class Sampler:
-    """Picks one token per row. `eos_token_ids` are masked (with stop_token_ids) while min_tokens is unmet."""
+    """Picks one token per row. `eos_token_ids` are masked (with stop_token_ids) while min_tokens is unmet.
+    `seed` (the engine's): rows without a generator of their own draw from one seeded with it (None: torch's
+    global RNG), so the same requests in the same order sample the same tokens."""
 
-    def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+    def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int | None = None) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The engine-seeded generator on `device` (None without a seed)."""
+        if self.seed is None:
+            return None
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab], any float dtype (computed in float32, never modified)."""
@@ -238,20 +250,21 @@ class Sampler:
             x = x.masked_fill(probs < mp * probs.amax(-1, keepdim=True), ninf)
         return x
 
-    @staticmethod
-    def _exponentials(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Exponential(1) noise shaped like probs; seeded rows draw their own row from their generator."""
+    def _exponentials(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exponential(1) noise shaped like probs; seeded rows draw their own row from their generator, the others
+        from the engine's."""
         q = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
+        engine = self.generator(probs.device)
         if len(unseeded) == len(generators):
-            q.exponential_()
+            q.exponential_(generator=engine)
         else:
             for i, g in enumerate(generators):
                 if g is not None:
                     q[i].exponential_(generator=g)
             if unseeded:
                 idx = torch.tensor(unseeded, device=probs.device)
-                q[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+                q[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=engine)
         return q.clamp_min_(1e-20)  # a zero would turn 0/0 into NaN, which argmax would pick
 
     @staticmethod

@@ -11,9 +11,10 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from pagedlm.config import parse_bytes
+from pagedlm.config import add_arguments, check_choices, from_args, option, parse_bytes
 from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedlm.server.tools import BUILTIN_TEMPLATES, TOOL_PARSERS
 
@@ -22,93 +23,112 @@ logger = logging.getLogger("pagedlm.server")
 API_KEY_ENV = "PAGEDLM_API_KEY"
 
 
+def _size(value: str) -> int:
+    """Bytes: a plain integer, or a size such as 8MiB."""
+    return int(value) if value.strip().isdigit() else parse_bytes(value)
+
+
+LIMITS, TOOLS = "limits and security (see README, *Limits and security*)", "tool calling"
+ROUTING, REPLICAS = "several models and routing", "replicas (data parallelism on Ray)"
+
+
+@dataclass
+class ServerConfig:
+    """The server's own options (the engine's are EngineConfig's), each a `pagedlm serve` flag of the same name."""
+
+    host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
+    port: int = option(8000, "port (0: any free port; the URL is logged)")
+    api_key: list[str] | None = option(None, "require `Authorization: Bearer <key>` (repeatable: one key per tenant; "
+                                       f"or set ${API_KEY_ENV}, comma-separated)")
+    served_model_name: str | None = option(None, "model name clients use (default: --model; one model)")
+    max_waiting: int = option(512, "requests allowed to wait for a slot; beyond it requests get 503 + Retry-After")
+    max_body_bytes: int = option(8 * 2**20, "largest request body, e.g. 8MiB (larger: 413)", parse=_size)
+    log_interval: float = option(10.0, "seconds between throughput lines (0: off)")
+    disable_access_log: bool = option(False, "do not log each request")
+    max_prompts_per_request: int = option(DEFAULT_MAX_PROMPTS_PER_REQUEST, "most prompts x n (or beam_width) in one "
+                                          "request; beyond: 400", group=LIMITS)
+    stream_stall_timeout: float = option(60.0, "abort a request whose output nobody read for this many seconds, "
+                                         "freeing its KV blocks (0: never)", group=LIMITS)
+    allowed_origins: str = option("", "comma-separated origins allowed by CORS (default none: browsers cannot use "
+                                  "the API)", group=LIMITS)
+    allowed_hosts: str | None = option(None, "comma-separated Host header names accepted besides loopback ones "
+                                       "(checked when bound to loopback, or whenever given; '*': any)", group=LIMITS)
+    prefix_cache_per_key: bool = option(False, "separate prefix caches per API key (tenants never share cached "
+                                        "blocks)", group=LIMITS)
+    chat_template: str | None = option(None, "chat template for every model: a Jinja file, or a built-in name "
+                                       "(hermes: ChatML with tools, for models whose own template knows none, e.g. "
+                                       "SmolLM2)", group=TOOLS)
+    tool_call_parser: str | None = option(None, "parse tool calls from the output in this format (needed for "
+                                          "`tools`)", choices=sorted(TOOL_PARSERS), group=TOOLS)
+    strict_request_fields: bool = option(False, "refuse requests with fields the server does not know (400) instead "
+                                         "of naming them in the x-pagedlm-unknown-fields response header",
+                                         group=LIMITS)
+    shutdown_timeout: float = option(30.0, "on SIGTERM, seconds running requests may finish before they are ended "
+                                     "with an error", group=LIMITS)
+    config: str | None = option(None, "YAML file of these options (keys: option names without --); command-line "
+                                "flags win", group=ROUTING)
+    router: str | None = option(None, "policy for requests to --router-name (default: heuristic with several "
+                                "models, else none); cascade: the weak model answers first, unconfident answers are "
+                                "re-run on the strong one", choices=("heuristic", "learned", "cascade", "none"),
+                                group=ROUTING)
+    cascade_threshold: float = option(-1.0, "cascade: re-run when the weak answer's mean token logprob is at or "
+                                      "below this (the start point when --strong-fraction is given)", group=ROUTING)
+    router_name: str = option("auto", "model name that asks the router to choose", group=ROUTING)
+    router_classifier: str | None = option(None, "router file from `pagedlm router train` (learned)", group=ROUTING)
+    strong_model: list[str] | None = option(None, "a strong-tier model (repeatable; default: the last --model; the "
+                                            "others are weak)", metavar="NAME", group=ROUTING)
+    strong_fraction: float | None = option(None, "share of requests the quality policy sends strong, held on live "
+                                           "traffic (learned router default 0.5; heuristic: only when given)",
+                                           group=ROUTING)
+    router_threshold: float | None = option(None, "fixed strong-score threshold (overrides --strong-fraction; "
+                                            "heuristic default 0.5)", group=ROUTING)
+    calibration_window: int = option(500, "recent requests whose scores set the live threshold (0: keep the offline "
+                                     "threshold)", group=ROUTING)
+    model_cost: list[str] | None = option(None, "price per 1M input and output tokens (cheapest model of a tier "
+                                          "wins; repeatable)", metavar="NAME=IN,OUT", group=ROUTING)
+    max_ttft_ms: float | None = option(None, "SLO: predicted time to first token", group=ROUTING)
+    max_tpot_ms: float | None = option(None, "SLO: recent time per output token", group=ROUTING)
+    max_queue: int | None = option(None, "SLO: waiting requests at which a model is overloaded", group=ROUTING)
+    max_request_cost: float | None = option(None, "SLO: predicted price of one request", group=ROUTING)
+    max_cost_per_hour: float | None = option(None, "spend cap over the last hour, from --model-cost prices and the "
+                                             "tokens used; near it requests go to cheaper models, past it they get "
+                                             "429", group=ROUTING)
+    max_cost_per_hour_per_key: float | None = option(None, "the same cap for each API key (--api-key)",
+                                                     group=ROUTING)
+    budget_near: float = option(0.8, "share of a spend cap from which requests go to cheaper models", group=ROUTING)
+    data_parallel_size: int = option(1, "engine replicas per model, each a Ray actor on its share of the cores (1: "
+                                     "the engine runs in this process)", aliases=("-dp",), group=REPLICAS)
+    ray_address: str | None = option(None, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of "
+                                     "starting a local one", group=REPLICAS)
+    replica_policy: str = option("prefix", "how requests are spread over replicas (prefix: the replica caching the "
+                                 "longest prefix of the prompt, unless much busier)",
+                                 choices=("prefix", "least-loaded", "round-robin"), group=REPLICAS)
+    threads_per_replica: int | None = option(None, "torch threads (and CPUs reserved) per replica (default: the "
+                                             "cluster's CPUs / replicas)", group=REPLICAS)
+    replica_health_timeout: float = option(10.0, "a replica that does not answer a poll for this many seconds is "
+                                           "taken out and restarted", group=REPLICAS)
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.max_waiting < 1 or self.max_body_bytes < 1 or self.max_prompts_per_request < 1:
+            raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
+        if self.stream_stall_timeout < 0 or self.shutdown_timeout < 0:
+            raise ValueError("--stream-stall-timeout and --shutdown-timeout must be >= 0.")
+        if self.data_parallel_size < 1 or (self.threads_per_replica is not None and self.threads_per_replica < 1):
+            raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        return cls(**from_args(cls, args))
+
+
 def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Callable[..., None],
                      engine_kwargs_fn: Callable[[argparse.Namespace], dict]) -> argparse.ArgumentParser:
-    """`engine_args_fn(parser, multi_model=True)` adds the engine flags with a repeatable `--model`."""
+    """`engine_args_fn(parser, multi_model=True)` adds the engine flags with a repeatable `--model`; ServerConfig's
+    fields add the server's."""
     p = subparsers.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     engine_args_fn(p, multi_model=True)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is logged)")
-    p.add_argument("--api-key", action="append", default=None,
-                   help=f"require `Authorization: Bearer <key>` (repeatable: one key per tenant; or set ${API_KEY_ENV},"
-                        " comma-separated)")
-    p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model; one model)")
-    p.add_argument("--max-waiting", type=int, default=512,
-                   help="requests allowed to wait for a slot; beyond it requests get 503 + Retry-After")
-    p.add_argument("--max-body-bytes", type=_size, default=8 * 2**20,
-                   help="largest request body, e.g. 8MiB (larger: 413)")
-    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput lines (0: off)")
-    p.add_argument("--disable-access-log", action="store_true")
-    s = p.add_argument_group("limits and security (see README, *Limits and security*)")
-    s.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                   help="most prompts x n (or beam_width) in one request; beyond: 400 (default %(default)s)")
-    s.add_argument("--stream-stall-timeout", type=float, default=60.0,
-                   help="abort a request whose output nobody read for this many seconds, freeing its KV blocks "
-                        "(0: never; default %(default)s)")
-    s.add_argument("--allowed-origins", default="",
-                   help="comma-separated origins allowed by CORS (default none: browsers cannot use the API)")
-    s.add_argument("--allowed-hosts", default=None,
-                   help="comma-separated Host header names accepted besides loopback ones (checked when bound to "
-                        "loopback, or whenever given; '*': any)")
-    s.add_argument("--prefix-cache-per-key", action="store_true",
-                   help="separate prefix caches per API key (tenants never share cached blocks)")
-    t = p.add_argument_group("tool calling")
-    t.add_argument("--chat-template", default=None,
-                   help="chat template for every model: a Jinja file, or a built-in name (hermes: ChatML with tools,"
-                        " for models whose own template knows none, e.g. SmolLM2)")
-    t.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="parse tool calls from the output in this format (needed for `tools`)")
-    s.add_argument("--strict-request-fields", action="store_true",
-                   help="refuse requests with fields the server does not know (400) instead of naming them in the "
-                        "x-pagedlm-unknown-fields response header")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds running requests may finish before they are ended with an error")
-    r = p.add_argument_group("several models and routing")
-    r.add_argument("--config", default=None,
-                   help="YAML file of these options (keys: option names without --); command-line flags win")
-    r.add_argument("--router", default=None, choices=["heuristic", "learned", "cascade", "none"],
-                   help="policy for requests to --router-name (default: heuristic with several models, else none); "
-                        "cascade: the weak model answers first, unconfident answers are re-run on the strong one")
-    r.add_argument("--cascade-threshold", type=float, default=-1.0,
-                   help="cascade: re-run when the weak answer's mean token logprob is at or below this (the start "
-                        "point when --strong-fraction is given; default %(default)s)")
-    r.add_argument("--router-name", default="auto", help="model name that asks the router to choose")
-    r.add_argument("--router-classifier", default=None, help="router file from `pagedlm router train` (learned)")
-    r.add_argument("--strong-model", action="append", default=None, metavar="NAME",
-                   help="a strong-tier model (repeatable; default: the last --model; the others are weak)")
-    r.add_argument("--strong-fraction", type=float, default=None,
-                   help="share of requests the quality policy sends strong, held on live traffic (learned router "
-                        "default 0.5; heuristic: only when given)")
-    r.add_argument("--router-threshold", type=float, default=None,
-                   help="fixed strong-score threshold (overrides --strong-fraction; heuristic default 0.5)")
-    r.add_argument("--calibration-window", type=int, default=500,
-                   help="recent requests whose scores set the live threshold (0: keep the offline threshold)")
-    r.add_argument("--model-cost", action="append", default=None, metavar="NAME=IN,OUT",
-                   help="price per 1M input and output tokens (cheapest model of a tier wins; repeatable)")
-    r.add_argument("--max-ttft-ms", type=float, default=None, help="SLO: predicted time to first token")
-    r.add_argument("--max-tpot-ms", type=float, default=None, help="SLO: recent time per output token")
-    r.add_argument("--max-queue", type=int, default=None, help="SLO: waiting requests at which a model is overloaded")
-    r.add_argument("--max-request-cost", type=float, default=None, help="SLO: predicted price of one request")
-    r.add_argument("--max-cost-per-hour", type=float, default=None,
-                   help="spend cap over the last hour, from --model-cost prices and the tokens used; near it "
-                        "requests go to cheaper models, past it they get 429")
-    r.add_argument("--max-cost-per-hour-per-key", type=float, default=None,
-                   help="the same cap for each API key (--api-key)")
-    r.add_argument("--budget-near", type=float, default=0.8,
-                   help="share of a spend cap from which requests go to cheaper models (default %(default)s)")
-    d = p.add_argument_group("replicas (data parallelism on Ray)")
-    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine replicas per model, each a Ray actor on its share of the cores (default 1: the engine "
-                        "runs in this process)")
-    d.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local one")
-    d.add_argument("--replica-policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
-                   help="how requests are spread over replicas (default %(default)s: the replica caching the "
-                        "longest prefix of the prompt, unless much busier)")
-    d.add_argument("--threads-per-replica", type=int, default=None,
-                   help="torch threads (and CPUs reserved) per replica (default: the cluster's CPUs / replicas)")
-    d.add_argument("--replica-health-timeout", type=float, default=10.0,
-                   help="a replica that does not answer a poll for this many seconds is taken out and restarted")
+    add_arguments(p, ServerConfig)
     p.set_defaults(fn=lambda args: serve(args, engine_kwargs_fn, p))
     return p
 
@@ -125,12 +145,7 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
 
     if args.config:
         apply_config(args, parser, args.config)
-    if args.max_waiting < 1 or args.max_body_bytes < 1 or args.max_prompts_per_request < 1:
-        raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
-    if args.stream_stall_timeout < 0 or args.shutdown_timeout < 0:
-        raise ValueError("--stream-stall-timeout and --shutdown-timeout must be >= 0.")
-    if args.data_parallel_size < 1 or (args.threads_per_replica is not None and args.threads_per_replica < 1):
-        raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
+    ServerConfig.from_args(args)  # bad server options fail here
     replicated = args.data_parallel_size > 1 or args.ray_address is not None
     models = model_specs(args)
     router = build_router(args, [name for name, _ in models])
@@ -320,9 +335,16 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
             elif not isinstance(value, list):
                 value = [value]
             value = [str(v) for v in value]
+        action = _actions(parser).get(dest)
+        if action is not None and action.type is not None and isinstance(value, str):
+            value = action.type(value)  # as the flag parses it: `max-body-bytes: 8MiB`
         default = parser.get_default(dest) if parser is not None else None
         if getattr(args, dest) == default:
             setattr(args, dest, value)
+
+
+def _actions(parser: argparse.ArgumentParser | None) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions} if parser is not None else {}
 
 
 def _cost(spec: str, names: list[str]) -> tuple[str, tuple[float, float]]:
@@ -338,11 +360,6 @@ def _cost(spec: str, names: list[str]) -> tuple[str, tuple[float, float]]:
 
 def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
-
-
-def _size(value: str) -> int:
-    """Bytes: a plain integer, or a size such as 8MiB."""
-    return int(value) if value.strip().isdigit() else parse_bytes(value)
 
 
 def _bind(host: str, port: int) -> socket.socket:
