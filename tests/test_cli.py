@@ -195,12 +195,13 @@ def test_yaml_config_sets_engine_fields_and_flags_win(tmp_path):
     parser = _engine_parsers()["serve"]
     path = tmp_path / "serve.yaml"
     path.write_text("max-num-seqs: 8\nenable-prefix-caching: false\nkv-cache-memory: 1GiB\nscheduling-policy: "
-                    "priority\nmax-body-bytes: 1MiB\nmodel: {small: smollm2-135m}\n")
+                    "priority\nmax-body-bytes: 1MiB\nmodel: {small: smollm2-135m}\napi-key: k1\n")
     args = parser.parse_args(["--max-num-seqs", "4"])
     apply_config(args, parser, str(path))
     kwargs = engine_kwargs(args)
     assert (kwargs["max_num_seqs"], kwargs["enable_prefix_caching"], kwargs["kv_cache_memory"]) == (4, False, "1GiB")
     assert kwargs["scheduling_policy"] == "priority" and args.model == ["small=smollm2-135m"]
+    assert args.api_key == ["k1"]  # a repeatable option takes one value too
     assert ServerConfig.from_args(args).max_body_bytes == 2**20  # parsed as the flag parses it
     path.write_text("no-such-option: 1\n")
     with pytest.raises(ValueError, match="unknown option"):

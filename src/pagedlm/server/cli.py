@@ -329,14 +329,14 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
         dest = str(key).replace("-", "_")
         if dest in ("config", "fn") or not hasattr(args, dest):
             raise ValueError(f"{path}: unknown option {key!r}")
-        if dest in ("model", "strong_model", "model_cost"):
+        action = _actions(parser).get(dest)
+        if dest in ("model", "strong_model", "model_cost") or isinstance(action, argparse._AppendAction):
             if isinstance(value, dict):
                 value = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in value.items()]
             elif not isinstance(value, list):
                 value = [value]
             value = [str(v) for v in value]
-        action = _actions(parser).get(dest)
-        if action is not None and action.type is not None and isinstance(value, str):
+        elif action is not None and action.type is not None and isinstance(value, str):
             value = action.type(value)  # as the flag parses it: `max-body-bytes: 8MiB`
         default = parser.get_default(dest) if parser is not None else None
         if getattr(args, dest) == default:
