@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -273,7 +273,7 @@ KERNEL_MAX_ROWS = 16  # the most rows the quantized kernels and the fused decode
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30  # the KV budget without kv_cache_memory / num_kv_blocks (off CUDA)
 
 
-def option(default: Any = MISSING, help: str = "", *, choices: Sequence[Any] | None = None,
+def option(default: Any, help: str, *, choices: Sequence[Any] | None = None,
            parse: Callable[[str], Any] | None = None, aliases: Sequence[str] = (), metavar: str | None = None,
            group: str | None = None) -> Any:
     """A config field that is also a command-line flag (see `add_arguments`): `--name-with-dashes`, plus
@@ -387,7 +387,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, only: Sequence[str
         if (only is not None and f.name not in only) or f.name in exclude or "help" not in f.metadata:
             continue
         meta = f.metadata
-        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default
         kw: dict[str, Any] = dict(default=default, help=meta["help"], dest=f.name)
         kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
         if kinds == [bool]:
