@@ -8,6 +8,11 @@ A request names its model (none: the first served one). With an `AutoRoute`, the
 the router choose; a model that refuses (queue full), fails or is down before anything reached the client is
 replaced by the router's fallback. The choice is in the `x-pagedlm-routed-model` / `x-pagedlm-route-reason`
 headers and in the body's `model`; a routed request past every spend cap gets 429 (`budget_exceeded`).
+
+This file wires the app: routes, exception handlers (every error in OpenAI's shape) and middleware. The rest:
+frontend.py (model resolution, routing with fallback and cascade), openai_handlers.py (one model's endpoints),
+streaming.py (engine streams to responses and SSE), middleware.py (Host, key, Content-Type, body size checks),
+wire.py (request bodies in, JSON out). Engines are seen only through their `EngineFacade` and public methods.
 """
 from __future__ import annotations
 

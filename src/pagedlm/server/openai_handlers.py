@@ -53,8 +53,6 @@ class _Prompt:
     text: str | None = None  # the text the client sent, if it sent text
 
 
-
-
 class ModelServer:
     """One served model: its requests, after the model is resolved (tokenizer, template, limits are its own).
     `routed` requests also wait, when streaming, for the first outputs before the response starts, so that a
