@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedlm.engine.admission import AdmissionError
+from pagedlm.engine.facade import EngineFacade
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow
@@ -118,3 +120,27 @@ def test_request_limits(engine):
     engine.add_request("fits", "Hello", SamplingParams(logprobs=cfg.max_logprobs, max_tokens=2,
                                                        stop=["x" * cfg.max_stop_length] * cfg.max_stop_sequences))
     assert run(engine)["fits"].error is None
+
+
+def test_admission_is_one_check(engine):
+    """The engine refuses exactly what its facade (the server's check) refuses, with the same error: forks
+    that cannot fit in the KV cache together (128 blocks: 8 x 300 tokens do not, 8 x 100 do) and more
+    sequences than max_num_seqs."""
+    facade = EngineFacade.of(engine)
+    prompt = engine.tokenizer.encode("Hello")
+    refused = [(SamplingParams(n=8, max_tokens=300), "n", "do not fit in the KV cache"),
+               (SamplingParams(n=9, max_tokens=2), "n", "max_num_seqs"),
+               (SamplingParams(use_beam_search=True, beam_width=9, max_tokens=2), "beam_width", "max_num_seqs")]
+    for params, param, message in refused:
+        with pytest.raises(AdmissionError, match=message) as server_side:
+            facade.check_admission([len(prompt)], params)
+        with pytest.raises(AdmissionError) as engine_side:
+            engine.add_request("refused", prompt, params)
+        assert str(engine_side.value) == str(server_side.value) and engine_side.value.param == param
+    assert not engine.has_unfinished_requests()
+    fits = SamplingParams(n=8, max_tokens=100)
+    facade.check_admission([len(prompt)], fits)
+    engine.add_request("fits", prompt, fits)
+    assert engine.has_unfinished_requests()
+    engine.abort_request("fits")
+    assert not engine.has_unfinished_requests()

@@ -10,11 +10,12 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess
+from server_utils import InProcessServer, ServerProcess
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestFailedError
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.server.api import build_app
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there was", "Hello! How are you today?",
            "It was the best of times, it was the worst of times"]
@@ -259,6 +260,49 @@ def test_tokenize_detokenize_tokenizer_info(server, tiny_llm):
     assert "tokenizer_class" in info
     assert server.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
     assert server.post("/tokenize", json={}).status_code == 400
+
+
+# A template that writes each message's `name` (the tiny one ignores it) and knows no tool calls.
+NAMED_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] }}{% if m.name %}{{ ' ' + m.name }}{% endif %}"
+                  "{{ '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+NAMED_CHAT = [{"role": "user", "name": "alice", "content": "What is the weather in Paris?"},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+
+
+@pytest.fixture(scope="module")
+def named(tiny_model_dir):
+    """An in-process server whose chat template renders `name`."""
+    engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    engine.tokenizer.hf.chat_template = NAMED_TEMPLATE
+    eng = AsyncLLMEngine(engine, log_interval=0)
+    srv = InProcessServer(build_app({"tiny": eng}))
+    yield srv
+    srv.stop()
+    eng.shutdown()
+
+
+def test_tokenize_renders_messages_as_chat_does(named):
+    """/tokenize of messages is the chat completion's prompt: the `name` and the tool calls are rendered."""
+    r = named.post("/tokenize", json={"messages": NAMED_CHAT, "return_token_strs": True}).json()
+    chat = named.post("/v1/chat/completions", json={"messages": NAMED_CHAT, "max_tokens": 1}).json()
+    assert r["count"] == chat["usage"]["prompt_tokens"]
+    text = "".join(r["token_strs"]).replace("\u0120", " ").replace("\u010a", "\n")
+    assert "user alice" in text and '"name": "get_weather"' in text
+    anon = [{k: v for k, v in m.items() if k != "name"} for m in NAMED_CHAT]
+    assert named.post("/tokenize", json={"messages": anon}).json()["count"] < r["count"]
+
+
+def test_llm_chat_renders_as_the_server(named, tiny_model_dir):
+    """LLM.chat renders through the same render_chat: its prompt is the server's, tool calls as Hermes text."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    llm.get_tokenizer().hf.chat_template = NAMED_TEMPLATE
+    out = llm.chat(NAMED_CHAT, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == named.post("/tokenize", json={"messages": NAMED_CHAT}).json()["tokens"]
+    assert "<tool_call>" in llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
 
 
 # --- errors -------------------------------------------------------------------------------------------------------

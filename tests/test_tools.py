@@ -138,7 +138,7 @@ def test_round_trip_renders_the_history(servers):
     from pagedlm.server import protocol as P
 
     msgs = [P.ChatMessage.model_validate(m) for m in history]
-    prompt = srv.tok.decode(srv._chat_prompt(msgs, True, TOOLS), skip_special_tokens=False)
+    prompt = srv.tok.decode(srv.chat_prompt(msgs, True, TOOLS), skip_special_tokens=False)
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt  # the tools, in the system turn
     assert f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(json.loads(call.function.arguments))}}}' \
         in prompt
@@ -148,7 +148,7 @@ def test_round_trip_renders_the_history(servers):
 
     hermes, srv.tok.hf.chat_template = srv.tok.hf.chat_template, TINY_CHAT_TEMPLATE
     try:
-        plain = srv.tok.decode(srv._chat_prompt(msgs, True), skip_special_tokens=False)
+        plain = srv.tok.decode(srv.chat_prompt(msgs, True), skip_special_tokens=False)
     finally:
         srv.tok.hf.chat_template = hermes
     assert '<|im_start|>assistant\n\n<tool_call>\n{"name": "get_weather", "arguments": ' in plain

@@ -44,7 +44,7 @@ def batch(args: argparse.Namespace) -> dict:
         t = time.perf_counter()
         b = dp.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
-        threads = dp.replicas.engine.info.num_threads
+        threads = next(iter(dp.replicas.replicas.values())).info.num_threads
         out[f"{args.replicas} replicas x {threads} threads"] = round(args.prompts * args.max_tokens / dt, 1)
         same = [next((j for j, (x, y) in enumerate(zip(p.outputs[0].token_ids, q.outputs[0].token_ids)) if x != y),
                      None) for p, q in zip(a, b)]
@@ -108,10 +108,10 @@ def simulate(args: argparse.Namespace) -> dict:
             for i in range(n):
                 rep = object.__new__(ReplicaClient)  # a client without an actor: only what routing reads
                 rep.name, rep.healthy, rep._stop, rep._streams = str(i), True, SimpleNamespace(is_set=lambda: False), {}
-                rep.info = SimpleNamespace(block_size=16, prefix_caching=True)
+                info = SimpleNamespace(kv=SimpleNamespace(block_size=16), prefix_caching=True)
                 rep.stats = EngineStats(rng.randrange(8), 0, 0, 0.5, 5000, 10_000, 0, 0, 0, 0, 0)
                 rep.cached, rep._expected = {rng.getrandbits(64) for _ in range(cache)}, {}
-                rep.on_lost, rep.tokenizer, rep.engine = None, None, SimpleNamespace(info=rep.info)
+                rep.on_lost, rep.tokenizer, rep.facade = None, None, SimpleNamespace(info=info, tokenizer=None)
                 rep.max_waiting, rep.stall_timeout, rep._listeners = 512, 0.0, []
                 reps.append(rep)
             rs = ReplicaSet(reps)

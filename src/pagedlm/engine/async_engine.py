@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from pagedlm.engine.facade import EngineFacade
 from pagedlm.engine.llm_engine import EngineStats, LLMEngine
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling.params import SamplingParams
@@ -150,7 +151,8 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Owns `engine` and the thread that steps it (started here; stop it with `shutdown()`).
+    """Owns `engine` and the thread that steps it (started here; stop it with `shutdown()`). Other threads
+    read the engine only through `facade` (its facts and front-end checks, built here before the thread starts).
 
     max_waiting: requests the scheduler may hold waiting before `add_request` raises QueueFullError.
     log_interval: seconds between throughput log lines while active (0 disables them).
@@ -165,6 +167,7 @@ class AsyncLLMEngine:
         if stall_timeout < 0:
             raise ValueError(f"stall_timeout must be >= 0, got {stall_timeout}.")
         self.engine = engine
+        self.facade = EngineFacade.of(engine)
         self.max_waiting = max_waiting
         self.log_interval = log_interval
         self.stall_timeout = stall_timeout
@@ -184,11 +187,11 @@ class AsyncLLMEngine:
     # --- read-only facts for the API layer ---------------------------------------------------------------
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.facade.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.facade.max_model_len
 
     @property
     def num_open_requests(self) -> int:

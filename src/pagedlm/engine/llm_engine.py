@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from pagedlm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, EngineConfig, parse_bytes
+from pagedlm.engine.admission import AdmissionLimits, KVCacheShape, check_admission
 from pagedlm.engine.model_runner import Chunk, ModelRunner
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
@@ -141,16 +142,8 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"The prompt has {len(token_ids)} tokens; this model's maximum context length is "
                              f"{self.max_model_len} tokens, including at least one generated token.")
-        width = params.beam_width if params.use_beam_search else params.n
-        if width > self.config.max_num_seqs:
-            raise ValueError(f"n / beam_width {width} exceeds max_num_seqs ({self.config.max_num_seqs}).")
-        max_new = self.max_model_len if params.max_tokens is None else params.max_tokens
-        full_len = min(len(token_ids) + max(max_new, 1), self.max_model_len)
-        need = self.block_manager.max_blocks_needed(len(token_ids), full_len, width,
-                                                    self.config.max_num_batched_tokens)
-        if need > self.block_manager.num_total_blocks:
-            raise ValueError(f"{width} sequences of up to {full_len} tokens cannot fit in the KV cache "
-                             f"(they need {need} blocks of {self.block_manager.num_total_blocks}).")
+        kv = KVCacheShape.of(self.block_manager, self.config.max_num_batched_tokens)
+        check_admission([len(token_ids)], params, AdmissionLimits(self.max_model_len, self.config.max_num_seqs, kv))
         req = Request(request_id, text, token_ids, params, priority=priority, cache_salt=cache_salt,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if params.use_beam_search:

@@ -22,10 +22,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from pagedlm.config import EngineConfig
 from pagedlm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -34,8 +32,9 @@ from pagedlm.engine.async_engine import (
     RequestStream,
     StepRecord,
 )
-from pagedlm.engine.llm_engine import EngineStats, prepare_params
-from pagedlm.kvcache.block_manager import hash_block, max_blocks_needed, max_tokens_per_seq
+from pagedlm.engine.facade import EngineFacade, EngineInfo
+from pagedlm.engine.llm_engine import EngineStats
+from pagedlm.kvcache.block_manager import hash_block
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling.params import SamplingParams
 
@@ -60,21 +59,13 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, cache_salt: str |
 
 @dataclass
 class ReplicaInfo:
-    """Static facts of a replica, for the front end's checks (the same ones it makes on a local engine)."""
+    """A replica's engine facts (its front end's `EngineFacade` is built from them) and where it runs."""
 
-    config: EngineConfig
-    model_path: Path
-    max_model_len: int
-    eos_token_ids: set[int]
-    sliding_windows: list[int | None]
-    block_size: int
-    num_total_blocks: int
-    prefix_caching: bool
+    engine: EngineInfo
     stats: EngineStats
     pid: int
     node: str
     num_threads: int
-    vocab_size: int = 0
 
 
 @dataclass
@@ -94,7 +85,9 @@ _ERRORS: dict[str, type[BaseException]] = {"QueueFullError": QueueFullError, "En
 
 def _encode_error(e: BaseException) -> tuple[str, str]:
     name = type(e).__name__
-    return (name if name in _ERRORS else "RequestFailedError"), str(e)
+    if name not in _ERRORS:
+        name = "ValueError" if isinstance(e, ValueError) else "RequestFailedError"
+    return name, str(e)
 
 
 def _decode_error(err: tuple[str, str]) -> BaseException:
@@ -137,18 +130,13 @@ class EngineReplica:
                 self._records.append(rec)
 
     async def info(self) -> ReplicaInfo:
-        e = self.engine.engine
-        bm = e.block_manager
         try:
             import ray
             node = ray.get_runtime_context().get_node_id()
         except Exception:  # noqa: BLE001 - not in Ray
             node = "local"
         import torch
-        return ReplicaInfo(e.config, Path(e.model_path), e.max_model_len, set(e.eos_token_ids),
-                           list(bm.sliding_windows), bm.block_size, bm.num_total_blocks, bm.enable_prefix_caching,
-                           self.engine.stats, os.getpid(), node, torch.get_num_threads(),
-                           vocab_size=e.model_config.vocab_size)
+        return ReplicaInfo(self.engine.facade.info, self.engine.stats, os.getpid(), node, torch.get_num_threads())
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
                   age_s: float, cache_salt: str | None) -> tuple[str, str] | None:
@@ -267,45 +255,6 @@ class RemoteStream(RequestStream):
                 self.client.abort(self.request_id)
 
 
-class _Facts:
-    """What the API layer reads from `engine.engine` of a local engine: config, limits, block arithmetic."""
-
-    def __init__(self, info: ReplicaInfo, tokenizer: Any) -> None:
-        self.info, self.tokenizer = info, tokenizer
-        self._structured: Any = None
-        self._lock = threading.Lock()
-        self.config = info.config
-        self.model_path = info.model_path
-        self.eos_token_ids = info.eos_token_ids
-        self.max_model_len = info.max_model_len
-        self.block_manager = self  # max_blocks_needed / max_tokens_per_seq / num_total_blocks, as BlockManager's
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.info.num_total_blocks
-
-    def prepare_params(self, params: SamplingParams) -> None:
-        """The engine's own checks and constraint compile (llm_engine.prepare_params), here, so that bad token
-        controls or grammars are a 400 before the request crosses to a replica."""
-        prepare_params(params, self.info.vocab_size, self.tokenizer, self._structured_manager)
-
-    def _structured_manager(self) -> Any:
-        with self._lock:
-            if self._structured is None:
-                from pagedlm.sampling.structured import StructuredOutputManager
-                self._structured = StructuredOutputManager(self.tokenizer.hf, self.info.vocab_size,
-                                                           self.info.eos_token_ids)
-            return self._structured
-
-    def max_blocks_needed(self, prompt_len: int, total_len: int, width: int = 1, max_chunk: int | None = None) -> int:
-        return max_blocks_needed(self.info.sliding_windows, self.info.block_size, prompt_len, total_len, width,
-                                 max_chunk)
-
-    def max_tokens_per_seq(self, max_chunk: int | None = None) -> int:
-        return max_tokens_per_seq(self.info.sliding_windows, self.info.block_size, self.info.num_total_blocks,
-                                  max_chunk)
-
-
 class ReplicaClient:
     """One replica actor seen as an engine (the interface `AsyncLLMEngine` gives the server).
 
@@ -327,9 +276,9 @@ class ReplicaClient:
         if tokenizer is None:
             from pagedlm.hub.registry import resolve_model
             from pagedlm.hub.tokenizer import load_tokenizer
-            tokenizer = load_tokenizer(resolve_model(self.info.config.model))
+            tokenizer = load_tokenizer(resolve_model(self.info.engine.model))
         self.tokenizer = tokenizer
-        self.engine = _Facts(self.info, tokenizer)
+        self.facade = EngineFacade.remote(self.info.engine, tokenizer)
         self.max_waiting, self.stall_timeout = max_waiting, stall_timeout
         self.poll_timeout, self.health_timeout = poll_timeout, health_timeout
         self.on_lost = on_lost
@@ -351,7 +300,7 @@ class ReplicaClient:
     # --- the engine interface ------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return self.info.max_model_len
+        return self.facade.max_model_len
 
     @property
     def num_open_requests(self) -> int:

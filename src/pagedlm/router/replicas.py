@@ -59,7 +59,8 @@ class ReplicaSet:
         self.retries = {name: 0 for name in self.replicas}  # requests moved away from each lost replica
         self.decisions = {name: 0 for name in self.replicas}  # requests placed on each replica
         first = replicas[0]
-        self.tokenizer, self.engine = first.tokenizer, first.engine
+        self.facade = first.facade  # the replicas serve one model: the same facts, checks and tokenizer
+        self.tokenizer = self.facade.tokenizer
         self.max_waiting, self.stall_timeout = first.max_waiting, first.stall_timeout
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._placing = 0
@@ -71,7 +72,7 @@ class ReplicaSet:
     # --- the engine interface ------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.facade.max_model_len
 
     @property
     def num_open_requests(self) -> int:
@@ -124,8 +125,7 @@ class ReplicaSet:
         loop = asyncio.get_running_loop()
         stream = RemoteStream(self, request_id, loop)
         ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        block_size = self.engine.info.block_size
-        hashes = prompt_block_hashes(ids, block_size, cache_salt) if self._prefix_caching else []
+        hashes = prompt_block_hashes(ids, self.facade.info.kv.block_size, cache_salt) if self._prefix_caching else []
         n_tokens = len(ids)
         features = RequestFeatures("", n_tokens, params.max_tokens or 16, "open", False, False)
         req = _Request(prompt, params, priority, time.monotonic() if arrival_time is None else arrival_time,
@@ -204,7 +204,7 @@ class ReplicaSet:
     # --- placement -----------------------------------------------------------------------------------
     @property
     def _prefix_caching(self) -> bool:
-        return self.engine.info.prefix_caching
+        return self.facade.info.prefix_caching
 
     def load(self, hashes: list[int] | tuple = ()) -> list[LoadStats]:
         """Each replica's LoadStats for a request whose prompt has these block hashes."""
@@ -214,7 +214,7 @@ class ReplicaSet:
             running = min(s.num_running, open_)
             out.append(LoadStats(queue_len=open_ - running, running=running, kv_usage=s.kv_cache_usage,
                                  healthy=c.is_running, replica=c.name, free_blocks=s.num_free_blocks,
-                                 block_size=c.info.block_size, prefix_blocks=c.prefix_blocks(hashes)))
+                                 block_size=c.facade.info.kv.block_size, prefix_blocks=c.prefix_blocks(hashes)))
         return out
 
     def choose(self, req: _Request, tried: set[str]):

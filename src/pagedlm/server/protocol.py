@@ -30,6 +30,19 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+RETRY_AFTER_S = 1  # the Retry-After of 503s (queue full, no model available, shutting down)
+
+
+class Unavailable(APIError):
+    """The chosen model could not take or finish the request (queue full, failed, stopped) before anything
+    reached the client; a routed request tries another model."""
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down.", type="server_error", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -242,6 +255,17 @@ class ChatMessage(Request):
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template gets it (EngineFacade.render_chat): role, text, name, tool fields."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        return msg
 
 
 def check_contents(messages: list[ChatMessage]) -> None:

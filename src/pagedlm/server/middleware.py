@@ -1,0 +1,105 @@
+"""ASGI middleware that runs before any parsing: Host header, bearer token, JSON Content-Type, body size."""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from typing import Any
+
+from pagedlm.server.protocol import APIError
+from pagedlm.server.wire import error_response
+
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+class Guard:
+    """ASGI middleware, before any parsing: Host header (400, DNS rebinding), bearer token (401), JSON
+    Content-Type (415: no "simple" cross-site form posts) and request-body size (413)."""
+
+    def __init__(self, app: Any, api_keys: list[str], max_body_bytes: int,
+                 allowed_hosts: frozenset[str] | None = None) -> None:
+        self.app, self.api_keys, self.max_body_bytes = app, api_keys, max_body_bytes
+        self.allowed_hosts = allowed_hosts
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.allowed_hosts is not None and not host_allowed(headers.get("host", ""), self.allowed_hosts):
+            return await error_response(APIError(400, "Invalid Host header (see --allowed-hosts).",
+                                                  code="invalid_host"))(scope, receive, send)
+        if self.api_keys and scope["path"] not in PUBLIC_PATHS:
+            key = self._key(headers.get("authorization", ""))
+            if key is None:
+                return await error_response(APIError(401, "Invalid or missing API key (send `Authorization: "
+                                                           "Bearer <key>`).", code="invalid_api_key",
+                                                      headers={"WWW-Authenticate": "Bearer"}))(scope, receive, send)
+            scope.setdefault("state", {})["api_key"] = key
+        if scope["method"] == "POST":
+            media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                return await error_response(APIError(415, "The request body must be JSON (Content-Type: "
+                                                           "application/json).", code="unsupported_media_type"))(
+                    scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await error_response(APIError(400, "Invalid Content-Length."))(scope, receive, send)
+            if int(length) > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+        seen, rejected = 0, False
+
+        async def limited_receive() -> dict:
+            nonlocal seen, rejected
+            msg = await receive()
+            if msg["type"] == "http.request" and not rejected:
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body_bytes:
+                    rejected = True
+                    await self._too_large(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def guarded_send(msg: dict) -> None:
+            if not rejected:
+                await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not rejected:
+                raise
+
+    def _key(self, authorization: str) -> str | None:
+        """The configured key the header carries (scheme `Bearer`, any case), else None."""
+        scheme, _, token = authorization.strip().partition(" ")
+        token = token.strip().encode()
+        found = None
+        for key in self.api_keys:  # compare with every key: the time taken does not tell which matched
+            if hmac.compare_digest(token, key.encode()):
+                found = key
+        return found if scheme.lower() == "bearer" else None
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        await error_response(APIError(413, f"The request body exceeds {self.max_body_bytes} bytes.",
+                                       code="request_too_large"))(scope, receive, send)
+
+
+def host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """`host` (a Host header: name, IPv4 or [IPv6], with an optional port) is in `allowed` or is a loopback
+    address; "*" in `allowed` admits any."""
+    if "*" in allowed:
+        return True
+    host = host.strip().lower()
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    if not host:
+        return False
+    if host in allowed:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback  # 127.0.0.0/8, ::1: loopback names are always allowed
+    except ValueError:
+        return False

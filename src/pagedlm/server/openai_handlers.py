@@ -1,0 +1,458 @@
+"""The OpenAI endpoints of one served model (`ModelServer`), once its model is resolved: prompts tokenized and
+checked, the request submitted to its engine, and the outputs answered as a response or an SSE stream
+(completions, chat with tool calls, logprobs), plus its tokenizer endpoints. The engine is seen only through
+its `EngineFacade` (facts, chat template, admission and parameter checks) and `AsyncLLMEngine`'s public
+methods."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedlm.engine.admission import AdmissionError
+from pagedlm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
+from pagedlm.engine.facade import ChatTemplateError
+from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedlm.sampling.detokenizer import held_back
+from pagedlm.sampling.params import SamplingParams
+from pagedlm.server import protocol as P
+from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable
+from pagedlm.server.streaming import (
+    DONE,
+    ChoiceState,
+    EventStream,
+    abort_all,
+    advance,
+    collect,
+    event,
+    event_error,
+    first_outputs,
+    merge,
+)
+from pagedlm.server.tools import HermesToolParser
+from pagedlm.server.wire import json_response
+
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str | None = None  # the text the client sent, if it sent text
+
+
+class ModelServer:
+    """One served model: its requests, after the model is resolved (tokenizer, template, limits are its own).
+    `routed` requests also wait, when streaming, for the first outputs before the response starts, so that a
+    failure then is still `Unavailable`."""
+
+    def __init__(self, engine: AsyncLLMEngine, name: str, max_prompts_per_request: int = 256,
+                 prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None) -> None:
+        self.engine, self.name = engine, name
+        self.facade = engine.facade
+        self.tool_parser = tool_parser
+        self.tok = self.facade.tokenizer
+        self.created = int(time.time())
+        self.max_prompts_per_request = max_prompts_per_request
+        self.prefix_cache_per_key = prefix_cache_per_key
+
+    def _cache_salt(self, request: Request, req: P.SamplingRequest) -> str | None:
+        """The client's `cache_salt`, prefixed (with --prefix-cache-per-key) by a hash of its API key."""
+        key = getattr(request.state, "api_key", None) if self.prefix_cache_per_key else None
+        if key is None:
+            return req.cache_salt
+        tenant = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return tenant if req.cache_salt is None else f"{tenant}:{req.cache_salt}"
+
+    def _check_fan_out(self, num_prompts: int, req: P.SamplingRequest) -> None:
+        width = (req.beam_width or req.n) if req.use_beam_search else req.n
+        if num_prompts * width > self.max_prompts_per_request:
+            raise APIError(400, f"The request asks for {num_prompts} prompts x {width} sequences; at most "
+                                f"{self.max_prompts_per_request} are allowed per request (max_prompts_per_request).",
+                           param="n" if num_prompts == 1 else "prompt")
+
+    def model_card(self) -> P.ModelCard:
+        return P.ModelCard(id=self.name, created=self.created, root=str(self.facade.model_path),
+                           max_model_len=self.facade.max_model_len)
+
+    # --- completions ---
+    async def completions(self, request: Request, req: P.CompletionRequest, arrival: float,
+                          routed: bool = False, rid: str | None = None) -> Response:
+        prompts = await self._completion_prompts(req)
+        k = req.logprobs
+        params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=req.prompt_logprobs
+                                     if req.prompt_logprobs is not None else k if req.echo else None)
+        self._check_admission([len(p.token_ids) for p in prompts], params)
+        await self._prepare(req, params)
+        rid = rid or f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival,
+                                     self._cache_salt(request, req))
+        if req.stream:
+            if routed:
+                await first_outputs(request, streams)
+            return EventStream(self._completion_events(req, rid, prompts, streams, params), streams,
+                               self.engine.stall_timeout)
+        finals = await collect(request, streams)
+        choices = [self._completion_choice(i * params.n + o.index, req, params, prompt, out, o, ChoiceState())
+                   for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
+        if req.prompt_logprobs is not None:
+            for c in choices:
+                c.prompt_logprobs = _prompt_logprobs(finals[c.index // params.n])
+        return json_response(P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage(finals)))
+
+    async def _completion_prompts(self, req: P.CompletionRequest) -> list[_Prompt]:
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        if len(prompt) > self.engine.max_waiting:
+            raise APIError(400, f"A request may hold at most {self.engine.max_waiting} prompts.", param="prompt")
+        self._check_fan_out(len(prompt), req)
+        out = await asyncio.to_thread(
+            lambda: [_Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
+        for p in out:
+            self._check_prompt(p.token_ids)
+        return out
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        if len(ids) >= self.facade.max_model_len:
+            raise APIError(400, f"The prompt has {len(ids)} tokens; this model's maximum context length is "
+                                f"{self.facade.max_model_len} tokens, including at least one generated token.",
+                           param="prompt", code="context_length_exceeded")
+
+    def _check_admission(self, prompt_lens: list[int], params: SamplingParams) -> None:
+        """Refuse requests the engine could never finish even alone (the engine's own admission check)."""
+        try:
+            self.facade.check_admission(prompt_lens, params)
+        except AdmissionError as e:
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
+
+    def _echo_text(self, prompt: _Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.tok.decode(prompt.token_ids, skip_special_tokens=False)
+
+    def _completion_choice(self, index: int, req: P.CompletionRequest, params: SamplingParams, prompt: _Prompt,
+                           out: RequestOutput, o: CompletionOutput, state: ChoiceState) -> P.CompletionChoice:
+        """The choice for what `state` has not sent yet of `o` (all of it, echo included, for a fresh state)."""
+        text, t0, t1 = advance(state, o, params.stop)
+        echo, state.echoed = req.echo and not state.echoed, True
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = P.CompletionLogprobs()
+            if echo:
+                entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
+                state.text_offset = self._add_completion_logprobs(logprobs, prompt.token_ids, entries,
+                                                                  state.text_offset)
+            state.text_offset = self._add_completion_logprobs(logprobs, o.token_ids[t0:t1],
+                                                              (o.logprobs or [])[t0:t1], state.text_offset)
+        if echo:
+            text = self._echo_text(prompt) + text
+        return P.CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=o.finish_reason if state.done else None,
+                                  stop_reason=o.stop_reason if state.done else None)
+
+    def _add_completion_logprobs(self, lp: P.CompletionLogprobs, token_ids: list[int],
+                                 entries: list[PositionLogprobs | None], offset: int) -> int:
+        for tid, entry in zip(token_ids, entries):
+            if entry is None:
+                token = self.tok.decode([tid], skip_special_tokens=False)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+            else:
+                token = _token_str(self, tid, entry)
+                lp.token_logprobs.append(_clamp(entry[tid].logprob))
+                lp.top_logprobs.append({_token_str(self, t, entry): _clamp(e.logprob) for t, e in entry.items()})
+            lp.tokens.append(token)
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return offset
+
+    async def _completion_events(self, req: P.CompletionRequest, rid: str, prompts: list[_Prompt],
+                                 streams: list[RequestStream], params: SamplingParams) -> AsyncIterator[str]:
+        created, n = int(time.time()), params.n
+        states = [ChoiceState() for _ in range(len(prompts) * n)]
+        latest: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, out in merge(streams):
+                latest[i] = out
+                for o in out.outputs:
+                    st = states[i * n + o.index]
+                    if st.done:
+                        continue
+                    choice = self._completion_choice(i * n + o.index, req, params, prompts[i], out, o, st)
+                    if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
+                        usage = _usage(latest) if req.continuous_usage and req.include_usage else None
+                        yield event(P.CompletionResponse(id=rid, created=created, model=self.name,
+                                                          choices=[choice], usage=usage))
+            if req.include_usage:
+                yield event(P.CompletionResponse(id=rid, created=created, model=self.name, choices=[],
+                                                  usage=_usage(latest)))
+            yield DONE
+        except (RequestFailedError, EngineDeadError) as e:
+            yield event_error(APIError(500, str(e), type="server_error"))
+            yield DONE
+        finally:
+            abort_all(streams)
+
+    # --- chat ---
+    async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
+                               routed: bool = False, rid: str | None = None) -> Response:
+        self._check_fan_out(1, req)
+        if req.tools_active and self.tool_parser is None:
+            raise APIError(400, "This server does not parse tool calls (start it with --tool-call-parser).",
+                           param="tools")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools_active else None
+        ids = await asyncio.to_thread(self.chat_prompt, req.messages, req.add_generation_prompt, tools)
+        self._check_prompt(ids)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k,
+                                     prompt_logprobs=req.prompt_logprobs)
+        functions = req.called_functions()
+        if functions is not None:  # tool_choice "required" or a named function: the decoder enforces the calls
+            params.structured_outputs = self.tool_parser.call_grammar(
+                functions, parallel=req.parallel_tool_calls and not isinstance(req.tool_choice, P.NamedToolChoice))
+        self._check_admission([len(ids)], params)
+        await self._prepare(req, params)
+        rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(rid, [ids], params, req.priority, arrival, self._cache_salt(request, req))
+        if req.stream:
+            if routed:
+                await first_outputs(request, streams)
+            return EventStream(self._chat_events(req, rid, streams, params), streams, self.engine.stall_timeout)
+        (out,) = await collect(request, streams)
+        choices = []
+        for o in out.outputs:
+            message, finish = P.AssistantMessage(content=o.text), o.finish_reason
+            if req.tools_active:
+                content, calls = self.tool_parser.parse(o.text)
+                if calls:
+                    message = P.AssistantMessage(content=content, tool_calls=[
+                        P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
+                        for c in calls])
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append(P.ChatChoice(
+                index=o.index, message=message, finish_reason=finish, stop_reason=o.stop_reason,
+                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None))
+        return json_response(P.ChatCompletionResponse(
+            id=rid, model=self.name, choices=choices, usage=_usage([out]),
+            prompt_logprobs=_prompt_logprobs(out) if req.prompt_logprobs is not None else None))
+
+    def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids, as the engine's chat template renders the messages (EngineFacade.render_chat)."""
+        return self.tok.encode(self._render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+
+    def _render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> str:
+        try:
+            return self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs] | None,
+                       k: int) -> P.ChatLogprobs:
+        content = []
+        for tid, entry in zip(token_ids, entries or []):
+            token = _token_str(self, tid, entry)
+            top = sorted((e.rank, t, e) for t, e in entry.items() if e.rank is not None and e.rank <= k)[:k]
+            content.append(P.ChatLogprob(
+                token=token, logprob=_clamp(entry[tid].logprob), bytes=list(token.encode()),
+                top_logprobs=[P.TopLogprob(token=(s := _token_str(self, t, entry)), logprob=_clamp(e.logprob),
+                                           bytes=list(s.encode())) for _, t, e in top]))
+        return P.ChatLogprobs(content=content)
+
+    async def _chat_events(self, req: P.ChatCompletionRequest, rid: str, streams: list[RequestStream],
+                           params: SamplingParams) -> AsyncIterator[str]:
+        created, n = int(time.time()), params.n
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        stops = params.stop
+        states = [ChoiceState() for _ in range(n)]
+        latest: list[RequestOutput | None] = [None]
+
+        def chunk(index: int, delta: P.DeltaMessage, **kw: Any) -> str:
+            usage = _usage(latest) if req.continuous_usage and req.include_usage else None
+            return event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, usage=usage,
+                                                choices=[P.ChatStreamChoice(index=index, delta=delta, **kw)]))
+
+        try:
+            for j in range(n):
+                yield chunk(j, P.DeltaMessage(role="assistant", content=""))
+            async for _, out in merge(streams):
+                latest[0] = out
+                for o in out.outputs:
+                    st = states[o.index]
+                    if st.done:
+                        continue
+                    if req.tools_active:
+                        for ev in self._tool_events(st, o, stops, chunk):
+                            yield ev
+                        continue
+                    text, t0, t1 = advance(st, o, stops)
+                    lps = None
+                    if k is not None and t1 > t0:
+                        lps = self._chat_logprobs(o.token_ids[t0:t1], (o.logprobs or [])[t0:t1], k)
+                    if text or lps:
+                        yield chunk(o.index, P.DeltaMessage(content=text), logprobs=lps)
+                    if st.done:
+                        yield chunk(o.index, P.DeltaMessage(), finish_reason=o.finish_reason,
+                                    stop_reason=o.stop_reason)
+            if req.include_usage:
+                yield event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[],
+                                                   usage=_usage(latest)))
+            yield DONE
+        except (RequestFailedError, EngineDeadError) as e:
+            yield event_error(APIError(500, str(e), type="server_error"))
+            yield DONE
+        finally:
+            abort_all(streams)
+
+    def _tool_events(self, st: ChoiceState, o: CompletionOutput, stops: list[str],
+                     chunk: Callable[..., str]) -> list[str]:
+        """Stream events of one choice when tools are offered: content up to the first tool call as it comes
+        (a possible start of `<tool_call>` held back), then, once the output is complete, its calls in one
+        `delta.tool_calls` and finish_reason "tool_calls"."""
+        parser, text = self.tool_parser, o.text
+        st.done = o.finish_reason is not None
+        cut = text.find(parser.start)
+        events = []
+        if not st.done:
+            end = cut if cut != -1 else len(text) - held_back(text, [parser.start, *stops])
+            end = max(end, st.sent_chars)
+            if end > st.sent_chars:
+                events.append(chunk(o.index, P.DeltaMessage(content=text[st.sent_chars:end])))
+                st.sent_chars = end
+            return events
+        _, calls = parser.parse(text)
+        rest = text[st.sent_chars:cut] if calls else text[st.sent_chars:]
+        if rest:
+            events.append(chunk(o.index, P.DeltaMessage(content=rest)))
+        finish = o.finish_reason
+        if calls:
+            events.append(chunk(o.index, P.DeltaMessage(tool_calls=[
+                P.DeltaToolCall(index=i, id=c.id, type="function",
+                                function=P.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                for i, c in enumerate(calls)])))
+            finish = "tool_calls" if finish == "stop" else finish
+        events.append(chunk(o.index, P.DeltaMessage(), finish_reason=finish, stop_reason=o.stop_reason))
+        return events
+
+    async def _prepare(self, req: P.SamplingRequest, params: SamplingParams) -> None:
+        """Token controls checked against the vocabulary and the constraint compiled (cached) on a worker
+        thread, so that the engine thread finds it compiled; 400 naming the problem."""
+        try:
+            await asyncio.to_thread(self.facade.prepare_params, params)
+        except ValueError as e:
+            fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words", "tools")
+            param = next((f for f in fields if str(e).startswith(f)), None) \
+                or next((f for f in fields if getattr(req, f, None) is not None), None)
+            raise APIError(400, str(e), param=param) from None
+
+    # --- submission ---
+    async def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                      arrival: float, cache_salt: str | None = None) -> list[RequestStream]:
+        """Queue every prompt or none: on any refusal the accepted ones are aborted and the error raised."""
+        ids = request_ids(rid, len(prompts))
+        streams = [self.engine.submit(i, p, params, priority, arrival, cache_salt) for i, p in zip(ids, prompts)]
+        try:
+            results = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)
+        except BaseException:
+            abort_all(streams)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return streams
+        abort_all(streams)
+        e = errors[0]
+        if isinstance(e, QueueFullError):
+            raise Unavailable(503, str(e), type="server_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        if isinstance(e, EngineDeadError):
+            raise Unavailable(503, str(e), type="server_error")
+        if isinstance(e, ValueError):
+            raise APIError(400, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+        raise e
+
+    # --- tokenizer endpoints ---
+    def tokenize(self, req: P.TokenizeRequest) -> Response:
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give exactly one of `prompt` or `messages`.")
+        if req.messages is not None:
+            P.check_contents(req.messages)
+            text = self._render_chat(req.messages, req.add_generation_prompt)
+            add_special = bool(req.add_special_tokens)
+        else:
+            text, add_special = req.prompt, req.add_special_tokens is not False
+        ids = self.tok.encode(text, add_special_tokens=add_special)
+        strs = [t or "" for t in self.tok.hf.convert_ids_to_tokens(ids)] if req.return_token_strs else None
+        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.facade.max_model_len, tokens=ids,
+                                        token_strs=strs))
+
+    def detokenize(self, req: P.DetokenizeRequest) -> Response:
+        vocab = len(self.tok.hf)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
+        return json_response(P.DetokenizeResponse(prompt=self.tok.decode(req.tokens, skip_special_tokens=False)))
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's shape: the tokenizer's JSON-able init kwargs plus its class, special tokens and template."""
+        hf = self.tok.hf
+        info = {}
+        for key, value in hf.init_kwargs.items():
+            value = getattr(value, "content", value)  # AddedToken -> str
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                continue
+            info[key] = value
+        info.update(tokenizer_class=type(hf).__name__, eos_token=hf.eos_token, bos_token=hf.bos_token,
+                    pad_token=hf.pad_token, unk_token=hf.unk_token, chat_template=hf.chat_template,
+                    model_max_length=self.facade.max_model_len, vocab_size=len(hf),
+                    eos_token_ids=sorted(self.facade.eos_token_ids))
+        return info
+
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None]:
+    return [None if entry is None else {str(t): P.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                                                                decoded_token=lp.decoded_token)
+                                        for t, lp in entry.items()}
+            for entry in out.prompt_logprobs or []]
+
+
+def _token_str(srv: ModelServer, tid: int, entry: PositionLogprobs) -> str:
+    lp = entry.get(tid)
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return srv.tok.decode([tid], skip_special_tokens=False)
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0) if logprob == logprob else -9999.0
+
+
+def _usage(outputs: list[RequestOutput | None]) -> P.UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+
+def request_ids(rid: str, num_prompts: int) -> list[str]:
+    """The engine request ids of a request `rid` with `num_prompts` prompts."""
+    return [rid] if num_prompts == 1 else [f"{rid}-{i}" for i in range(num_prompts)]
+

@@ -1,0 +1,36 @@
+"""JSON in and out: a request body parsed into its schema (400 naming the field), a model or an APIError as the
+response."""
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from pagedlm.server.protocol import APIError
+
+T = TypeVar("T", bound=BaseModel)
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # union members in pydantic error paths
+
+
+async def parse_request(request: Request, model: type[T]) -> T:
+    body = await request.body()
+    try:
+        return await asyncio.to_thread(model.model_validate_json, body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"The request body is not valid JSON: {err['msg']}") from None
+        where = ".".join(x for x in loc if x not in _TYPE_TAGS and "[" not in x) or "body"
+        raise APIError(400, f"Invalid value for `{where}`: {err['msg']}", param=loc[0] if loc else None) from None
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def error_response(e: APIError) -> Response:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
