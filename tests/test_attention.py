@@ -72,7 +72,7 @@ CASES = [
 def test_paged_matches_dense(backend, seq_lens, query_lens, heads, kv_heads, block_size):
     dim = 32
     q, ks, vs, kc, vc, meta = build_case(seq_lens, query_lens, heads, kv_heads, dim, block_size, torch.float32)
-    out = BACKENDS[backend](q, kc, vc, meta, dim ** -0.5)
+    out = BACKENDS[backend].forward(q, kc, vc, meta, dim ** -0.5)
     start = 0
     for k, v, s, lq in zip(ks, vs, seq_lens, query_lens):
         ref = dense_attention(q[start:start + lq], k, v, dim ** -0.5)
@@ -85,7 +85,7 @@ def test_sliding_window(backend):
     dim, window = 16, 8
     seq_lens, query_lens = [30, 12, 25], [1, 12, 5]
     q, ks, vs, kc, vc, meta = build_case(seq_lens, query_lens, 4, 2, dim, 4, torch.float32, seed=3)
-    out = BACKENDS[backend](q, kc, vc, meta, dim ** -0.5, sliding_window=window)
+    out = BACKENDS[backend].forward(q, kc, vc, meta, dim ** -0.5, sliding_window=window)
     start = 0
     for k, v, s, lq in zip(ks, vs, seq_lens, query_lens):
         ref = dense_attention(q[start:start + lq], k, v, dim ** -0.5, window)
@@ -105,13 +105,13 @@ def test_sliding_window_never_reads_freed_blocks(backend, threads):
     try:
         for seq_lens, query_lens in cases:
             q, ks, vs, kc, vc, meta = build_case(seq_lens, query_lens, 4, 2, dim, bs, torch.float32, seed=3)
-            expected = BACKENDS[backend](q, kc, vc, meta, dim ** -0.5, sliding_window=window)
+            expected = BACKENDS[backend].forward(q, kc, vc, meta, dim ** -0.5, sliding_window=window)
             poison = torch.full_like(kc[:1], float("nan"))
             kc, vc = torch.cat([kc, poison]), torch.cat([vc, poison])
             for i, (s, lq) in enumerate(zip(seq_lens, query_lens)):
                 first_live = max(0, s - lq - window + 1) // bs
                 meta.block_tables[i, :first_live] = kc.shape[0] - 1
-            out = BACKENDS[backend](q, kc, vc, meta, dim ** -0.5, sliding_window=window)
+            out = BACKENDS[backend].forward(q, kc, vc, meta, dim ** -0.5, sliding_window=window)
             assert not out.isnan().any()
             torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
             start = 0
@@ -127,7 +127,7 @@ def test_sliding_window_never_reads_freed_blocks(backend, threads):
 def test_bf16(backend):
     dim = 64
     q, ks, vs, kc, vc, meta = build_case([50, 7], [1, 7], 6, 2, dim, 16, torch.bfloat16, seed=1)
-    out = BACKENDS[backend](q, kc, vc, meta, dim ** -0.5)
+    out = BACKENDS[backend].forward(q, kc, vc, meta, dim ** -0.5)
     ref0 = dense_attention(q[:1].float(), ks[0].float(), vs[0].float(), dim ** -0.5)
     torch.testing.assert_close(out[:1].double(), ref0, atol=2e-2, rtol=2e-2)
 
@@ -139,11 +139,12 @@ def test_cpu_kernel_builds():
     import shutil
 
     from pagedlm.attention import get_attention_backend
-    from pagedlm.attention.cpu_kernel import load_kernel, paged_attention_cpu
+    from pagedlm.attention.cpu_kernel import CpuKernelBackend, load_kernel
     if shutil.which("g++") is None:
         pytest.skip("no g++ here: the kernel falls back to sdpa")
     assert load_kernel() is not None
-    assert get_attention_backend("auto", "cpu") is paged_attention_cpu
+    backend = get_attention_backend("auto", "cpu")
+    assert isinstance(backend, CpuKernelBackend) and backend is BACKENDS["cpu"] and backend.supports_fused_decode
 
 
 LONG_CASES = [
@@ -160,8 +161,8 @@ LONG_CASES = [
 def test_cpu_kernel_matches_reference(seq_lens, query_lens, dtype, heads, kv_heads, dim):
     """The fast path against the oracle (same dtype in and out), scattered blocks, GQA, partial blocks."""
     q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, heads, kv_heads, dim, 16, dtype, seed=7)
-    out = BACKENDS["cpu"](q, kc, vc, meta, dim ** -0.5)
-    ref = BACKENDS["reference"](q, kc, vc, meta, dim ** -0.5)
+    out = BACKENDS["cpu"].forward(q, kc, vc, meta, dim ** -0.5)
+    ref = BACKENDS["reference"].forward(q, kc, vc, meta, dim ** -0.5)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
@@ -177,9 +178,9 @@ def test_cpu_kernel_fp32_queries_on_a_bf16_cache(seq_lens, query_lens, monkeypat
     q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, 9, 3, 64, 16, torch.float32, seed=11)
     kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
     monkeypatch.setattr(torch_sdpa, "paged_attention_sdpa", None)  # a fallback would now fail
-    out = BACKENDS["cpu"](q, kc, vc, meta, 0.125)
+    out = BACKENDS["cpu"].forward(q, kc, vc, meta, 0.125)
     assert out.dtype == torch.float32
-    ref = BACKENDS["reference"](q, kc, vc, meta, 0.125)
+    ref = BACKENDS["reference"].forward(q, kc, vc, meta, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
 
 
@@ -191,8 +192,8 @@ def test_cpu_kernel_split_keys_and_window(threads):
     try:
         q, _, _, kc, vc, meta = build_case([2500], [1], 8, 2, 64, 16, torch.float32, seed=5)
         for window in (None, 700):
-            out = BACKENDS["cpu"](q, kc, vc, meta, 0.125, sliding_window=window)
-            ref = BACKENDS["reference"](q, kc, vc, meta, 0.125, sliding_window=window)
+            out = BACKENDS["cpu"].forward(q, kc, vc, meta, 0.125, sliding_window=window)
+            ref = BACKENDS["reference"].forward(q, kc, vc, meta, 0.125, sliding_window=window)
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
     finally:
         torch.set_num_threads(prev)
@@ -200,7 +201,7 @@ def test_cpu_kernel_split_keys_and_window(threads):
 
 def test_cpu_kernel_falls_back_for_unsupported_head_dim():
     q, ks, vs, kc, vc, meta = build_case([20], [3], 2, 1, 24, 4, torch.float32)
-    out = BACKENDS["cpu"](q, kc, vc, meta, 24 ** -0.5)
+    out = BACKENDS["cpu"].forward(q, kc, vc, meta, 24 ** -0.5)
     torch.testing.assert_close(out.double(), dense_attention(q, ks[0], vs[0], 24 ** -0.5), atol=2e-5, rtol=1e-4)
 
 
@@ -265,14 +266,14 @@ def test_cpu_kernel_accepts_freed_blocks_outside_the_window():
     manager leaves them) before the window are fine."""
     _kernel_or_skip()
     q, _, _, kc, vc, meta = build_case([70, 33], [1, 5], 4, 2, 32, 8, torch.float32, seed=4)
-    expected = BACKENDS["reference"](q, kc, vc, meta, 0.2, sliding_window=16)
+    expected = BACKENDS["reference"].forward(q, kc, vc, meta, 0.2, sliding_window=16)
     meta.block_tables[0, :6] = -1  # the window starts at 69 - 16 + 1 = 54, in block 6
     meta.block_tables[1, :1] = -1  # keys 28 - 16 + 1 = 13 .. 32: blocks 1 .. 4
-    out = BACKENDS["cpu"](q, kc, vc, meta, 0.2, sliding_window=16)
+    out = BACKENDS["cpu"].forward(q, kc, vc, meta, 0.2, sliding_window=16)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
     meta.block_tables[0, 6] = -1
     with pytest.raises(ValueError, match="block table entry"):
-        BACKENDS["cpu"](q, kc, vc, meta, 0.2, sliding_window=16)
+        BACKENDS["cpu"].forward(q, kc, vc, meta, 0.2, sliding_window=16)
 
 
 @pytest.mark.parametrize("bad_slot", [64, 10**9, -1])

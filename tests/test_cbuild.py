@@ -1,5 +1,7 @@
 """The kernel cache (cbuild.py): a private per-user directory, only trusted libraries loaded, the compiler's
-identity and the ABI version in the key, the ABI version checked after loading."""
+identity, the included files and the ABI version in the key, the ABI version checked after loading; KernelLibrary's
+gating (disable variables, no compiler, a broken source: None and one warning); the constants the C++ sources
+share with Python."""
 from __future__ import annotations
 
 import ctypes
@@ -24,6 +26,16 @@ def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("PAGEDLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CXX", raising=False)
     return tmp_path / "cache" / "kernels" / str(os.getuid())
+
+
+def tiny_library(source: Path, configured: list | None = None, disable: tuple[str, ...] = ()) -> cbuild.KernelLibrary:
+    """A KernelLibrary for `source` whose configure declares marker() (and records the library in `configured`)."""
+    def configure(lib: ctypes.CDLL) -> None:
+        lib.marker.restype = ctypes.c_int
+        if configured is not None:
+            configured.append(lib)
+
+    return cbuild.KernelLibrary(source, "Tiny kernel", "using torch", configure, disable=disable)
 
 
 def tiny_source(tmp_path: Path, marker: int, abi: int | None = cbuild.ABI_VERSION, name: str = "tiny") -> Path:
@@ -53,7 +65,7 @@ def test_cache_dir_owned_by_someone_else_is_refused(tmp_path, cache, caplog):
     with pytest.raises(RuntimeError, match="not a directory owned by this user"):
         cbuild.build(tiny_source(tmp_path, 1))
     with caplog.at_level(logging.WARNING, logger="pagedlm.cbuild"):
-        assert cbuild.load_optional(tiny_source(tmp_path, 2), "Tiny kernel", "using torch") is None
+        assert tiny_library(tiny_source(tmp_path, 2)).load() is None
     assert "Tiny kernel unavailable" in caplog.text and "using torch" in caplog.text
 
 
@@ -135,7 +147,7 @@ def test_abi_mismatch_is_refused(tmp_path, cache, abi, caplog):
     with pytest.raises(RuntimeError, match=message):
         cbuild.load(src)
     with caplog.at_level(logging.WARNING, logger="pagedlm.cbuild"):
-        assert cbuild.load_optional(src, "Tiny kernel", "using torch") is None
+        assert tiny_library(src).load() is None
     assert "Tiny kernel unavailable (RuntimeError" in caplog.text
 
 
@@ -145,13 +157,60 @@ def test_matching_abi_loads(tmp_path, cache):
 
 def test_disable_variables_skip_loading(tmp_path, cache, monkeypatch, caplog):
     src = tiny_source(tmp_path, 1)
-    monkeypatch.setenv("PAGEDLM_DISABLE_TINY", "1")
-    with caplog.at_level(logging.INFO, logger="pagedlm.cbuild"):
-        assert cbuild.load_optional(src, "Tiny kernel", "using torch", disable=("PAGEDLM_DISABLE_TINY",)) is None
-    assert "disabled by PAGEDLM_DISABLE_TINY" in caplog.text
-    assert not cache.exists() or not list(cache.glob("*.so"))  # not even built
-    monkeypatch.delenv("PAGEDLM_DISABLE_TINY")
-    assert cbuild.load_optional(src, "Tiny kernel", "using torch", disable=("PAGEDLM_DISABLE_TINY",)).marker() == 1
+    for var in ("PAGEDLM_DISABLE_TINY", "PAGEDLM_DISABLE_CPU_KERNEL"):  # its own, and the one for every kernel
+        monkeypatch.setenv(var, "1")
+        with caplog.at_level(logging.INFO, logger="pagedlm.cbuild"):
+            assert tiny_library(src, disable=("PAGEDLM_DISABLE_TINY",)).load() is None
+        assert f"disabled by {var}" in caplog.text
+        assert not cache.exists() or not list(cache.glob("*.so"))  # not even built
+        monkeypatch.delenv(var)
+    assert tiny_library(src, disable=("PAGEDLM_DISABLE_TINY",)).load().marker() == 1
+
+
+def test_library_is_loaded_and_configured_once(tmp_path, cache):
+    configured = []
+    library = tiny_library(tiny_source(tmp_path, 3), configured)
+    lib = library.load()
+    assert lib.marker() == 3 and configured == [lib]
+    assert library.load() is lib and configured == [lib]
+
+
+def test_cache_key_changes_when_an_included_file_changes(tmp_path, cache):
+    """A kernel's key covers the local headers it #includes (recursively), so editing one rebuilds it."""
+    src = tmp_path / "inc" / "kernel.cpp"
+    src.parent.mkdir()
+    (src.parent / "outer.h").write_text('#include "inner.h"\n')
+    (src.parent / "inner.h").write_text("#define MARKER 1\n")
+    src.write_text('#include "outer.h"\nextern "C" { int marker() { return MARKER; }\n'
+                   f'int pagedlm_abi_version() {{ return {cbuild.ABI_VERSION}; }} }}\n')
+    cxx = cbuild.compiler()
+    key = cbuild.cache_key(src, cxx)
+    first = cbuild.build(src)
+    (src.parent / "inner.h").write_text("#define MARKER 2\n")
+    assert cbuild.cache_key(src, cxx) != key
+    second = cbuild.build(src)
+    assert second != first
+    assert tiny_library(src).load().marker() == 2
+
+
+@pytest.mark.parametrize("broken", ["syntax_error", "no_compiler", "missing_entry_point"])
+def test_broken_kernel_gives_none_and_one_warning(tmp_path, cache, monkeypatch, caplog, broken):
+    """A source that does not compile, no compiler at all, or a library without an entry point `configure` declares:
+    load() returns None (no exception) and warns once, naming the kernel and its fallback."""
+    src = tiny_source(tmp_path, 1)
+    if broken == "syntax_error":
+        src.write_text(src.read_text() + "this is not C++;\n")
+    elif broken == "no_compiler":
+        monkeypatch.setenv("CXX", str(tmp_path / "no" / "g++"))
+    else:
+        src.write_text(src.read_text().replace("marker", "other"))
+    library = tiny_library(src)
+    with caplog.at_level(logging.WARNING, logger="pagedlm.cbuild"):
+        assert library.load() is None
+        assert library.load() is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "Tiny kernel unavailable" in warnings[0].getMessage() and "using torch" in warnings[0].getMessage()
 
 
 def test_header_and_python_agree():
@@ -161,6 +220,20 @@ def test_header_and_python_agree():
     codes = {name: int(v) for name, v in re.findall(r"PAGEDLM_(\w+) = (-?\d+)", header)}
     assert codes == {"OK": 0, "UNSUPPORTED": cbuild.UNSUPPORTED, "BAD_BATCH": cbuild.BAD_BATCH,
                      "BAD_BLOCK": cbuild.BAD_BLOCK, "BAD_SLOT": cbuild.BAD_SLOT}
+
+
+def test_kv_format_constants_agree_with_the_kernels():
+    """kvcache/format.py's KVKind codes and quantized-entry scale size are the C++ kernels' numbers."""
+    from pagedlm.attention.cpu_kernel import SOURCE as ATTENTION
+    from pagedlm.kvcache import format
+
+    text = ATTENTION.read_text()
+    kinds = {name: int(v) for name, v in re.findall(r"(KV_\w+) = (\d+)", re.search(r"enum KVKind \{([^}]*)\}",
+                                                                                      text).group(1))}
+    assert kinds == {"KV_F32": format.KV_F32, "KV_BF16": format.KV_BF16, "KV_INT8": format.KV_INT8,
+                     "KV_FP8": format.KV_FP8}
+    assert set(format.KV_KINDS.values()) == set(kinds.values())
+    assert int(re.search(r"constexpr int KV_SCALE_BYTES = (\d+);", text).group(1)) == format.SCALE_BYTES
 
 
 def test_every_kernel_exports_the_abi_version():

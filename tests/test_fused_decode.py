@@ -62,10 +62,10 @@ def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, kv_cache
                 assert lf[tok].logprob == pytest.approx(lp[tok].logprob, abs=tol)
 
 
-def test_fused_decode_forward_matches_on_mixed_batch(tiny_model_dir):
+def test_fused_decode_forward_matches_on_mixed_batch(tiny_model_dir, count_runs):
     """One forward pass over a mixed batch (a 4-token prefill chunk after cached context plus decode tokens of
-    other sequences) gives the same logits through the kernel as through the torch layers, and writes the
-    same K/V into the cache."""
+    other sequences) gives the same logits through the kernel (which must have taken all 6 tokens) as through the
+    torch layers, and writes the same K/V into the cache."""
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
     eng = llm.engine
     runner, model = eng.runner, eng.runner.model
@@ -81,12 +81,14 @@ def test_fused_decode_forward_matches_on_mixed_batch(tiny_model_dir):
             c.normal_()
     before = [tuple(c.clone() for c in kv) for kv in caches.layer_caches()]
     fused = runner.execute(chunks, [3, 4, 5])
+    assert count_runs == [6]
     after_fused = [tuple(c.clone() for c in kv) for kv in caches.layer_caches()]
     for kv, saved in zip(caches.layer_caches(), before):
         for c, s in zip(kv, saved):
             c.copy_(s)
     model._decode_kernel = None
     plain = runner.execute(chunks, [3, 4, 5])
+    assert count_runs == [6]
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
     for kf, kp in zip(after_fused, caches.layer_caches()):
         for a, b in zip(kf, kp):
@@ -101,6 +103,39 @@ def test_fused_decode_steps_aside(tiny_model_dir, count_runs):
         llm = LLM(str(tiny_model_dir), num_kv_blocks=32, **{"dtype": "float32", **kw})
         _generate(llm, prompt)
         assert not count_runs, kw
+
+
+def test_backend_without_fused_decode_runs_the_torch_layers(tiny_model_dir, count_runs):
+    """The model asks the backend: the CPU kernel's lets the fused stack run the batch (no torch layer runs), the
+    reference backend does not (the fused stack is not even built, every torch layer runs), and both give the
+    same logits."""
+    from pagedlm.attention import get_attention_backend
+    from pagedlm.engine.model_runner import Chunk
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    reference = get_attention_backend("reference")
+    assert runner.attn_backend.supports_fused_decode and not reference.supports_fused_decode
+    layers_run = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda *_: layers_run.append(1))
+    torch.manual_seed(0)
+    for kv in runner.layer_caches:
+        for c in kv:
+            c.normal_()
+    saved = [tuple(c.clone() for c in kv) for kv in runner.layer_caches]
+    chunks = [Chunk(token_ids=[7, 8, 9, 10], start=9, block_tables=[[3, 11]]),
+              Chunk(token_ids=[20], start=30, block_tables=[[5, 1, 40, 2]])]
+    fused = runner.execute(chunks, [3, 4])
+    assert count_runs == [5] and not layers_run
+    for kv, before in zip(runner.layer_caches, saved):
+        for c, b in zip(kv, before):
+            c.copy_(b)
+    model._decode_kernel = False  # built again on demand: the reference backend must not ask for it
+    runner.attn_backend = reference
+    plain = runner.execute(chunks, [3, 4])
+    assert count_runs == [5] and model._decode_kernel is False and len(layers_run) == len(model.layers)
+    torch.testing.assert_close(plain, fused, atol=1e-4, rtol=1e-4)
 
 
 def _mixed_batch(tiny_model_dir, kv_cache_dtype="auto"):

@@ -123,8 +123,9 @@ def test_quantized_attention_equals_dequantized_reference(kv_dtype, q_dtype, bac
     q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, 8, 2, 64, 16, torch.float32, seed=case)
     kq, vq = quantize_kv(kc, kv_dtype), quantize_kv(vc, kv_dtype)
     q = q.to(q_dtype)
-    out = BACKENDS[backend](q, kq, vq, meta, 0.125, sliding_window=window)
-    ref = BACKENDS["reference"](q.float(), dequantize_kv(kq), dequantize_kv(vq), meta, 0.125, sliding_window=window)
+    out = BACKENDS[backend].forward(q, kq, vq, meta, 0.125, sliding_window=window)
+    ref = BACKENDS["reference"].forward(q.float(), dequantize_kv(kq), dequantize_kv(vq), meta, 0.125,
+                                        sliding_window=window)
     tol = 1e-5 if q_dtype == torch.float32 else 2e-2  # bf16: only q and the output are rounded
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 

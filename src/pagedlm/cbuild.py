@@ -1,5 +1,6 @@
 """Compile a plain-C++ kernel source (C ABI, no torch headers) with the system's g++ on first use, cache the
-library, and load it with ctypes.
+library, and load it with ctypes. `KernelLibrary` is how a kernel module declares its source: it builds, checks and
+loads it once, or says (once) why not and what runs instead.
 
 The cache is a per-user directory, `$PAGEDLM_CACHE/kernels/<uid>/`, kept at mode 0700. A library's name holds a
 hash of the source (and the local files it #includes), the compiler's path and identity (the first line of
@@ -20,7 +21,9 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable
 
 from pagedlm import paths
 from pagedlm.cpu import cpu_features
@@ -150,16 +153,44 @@ def load(source: Path) -> ctypes.CDLL:
     return lib
 
 
-def load_optional(source: Path, name: str, fallback: str, disable: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """`load(source)`, or None where PAGEDLM_DISABLE_CPU_KERNEL or a variable in `disable` is set, or loading
-    fails; the log says why and what runs instead (`fallback`)."""
-    for var in ("PAGEDLM_DISABLE_CPU_KERNEL", *disable):
-        if os.environ.get(var):
-            logger.info("%s disabled by %s; %s.", name, var, fallback)
+class KernelLibrary:
+    """One kernel source, compiled and loaded on first use (`load()`), or None where that cannot be done. The
+    gating every kernel shares lives here:
+
+    - PAGEDLM_DISABLE_CPU_KERNEL, or a variable in `disable`, set: None, logged at info, nothing built;
+    - not a POSIX system, or no C++ compiler: None with one warning;
+    - a failed build, an untrusted cache, an ABI version other than ABI_VERSION, or an entry point `configure`
+      cannot declare: None with one warning.
+
+    The warning names the kernel (`name`) and what runs instead (`fallback`). `configure(lib)` declares the
+    library's entry points (argtypes, restype). The outcome is kept for the process: one build, one warning."""
+
+    def __init__(self, source: Path, name: str, fallback: str, configure: Callable[[ctypes.CDLL], None],
+                 disable: tuple[str, ...] = ()) -> None:
+        self.source, self.name, self.fallback, self.configure = source, name, fallback, configure
+        self.disable = ("PAGEDLM_DISABLE_CPU_KERNEL", *disable)
+        self._lock = threading.Lock()
+        self._loaded = False
+        self._lib: ctypes.CDLL | None = None
+
+    def load(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._loaded:
+                self._lib, self._loaded = self._try_load(), True
+            return self._lib
+
+    def _try_load(self) -> ctypes.CDLL | None:
+        for var in self.disable:
+            if os.environ.get(var):
+                logger.info("%s disabled by %s; %s.", self.name, var, self.fallback)
+                return None
+        try:
+            if os.name != "posix":
+                raise RuntimeError(f"kernels are built on POSIX systems only, not {platform.system()}")
+            lib = load(self.source)
+            self.configure(lib)
+            return lib
+        except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
+            reason = (str(e).splitlines() or [""])[0]
+            logger.warning("%s unavailable (%s: %s); %s.", self.name, type(e).__name__, reason, self.fallback)
             return None
-    try:
-        return load(source)
-    except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
-        reason = (str(e).splitlines() or [""])[0]
-        logger.warning("%s unavailable (%s: %s); %s.", name, type(e).__name__, reason, fallback)
-        return None

@@ -1,31 +1,26 @@
-"""Paged attention backends. All take q [tokens, heads, dim], the layer's paged K/V cache and the batch's
-AttentionMetadata, and return [tokens, heads, dim].
+"""Paged attention backends: objects with the AttentionBackend contract (backend.py) that write a layer's new K/V
+into the paged cache and read the batch's queries against it, given the batch's AttentionMetadata.
 
-"cpu": the compiled kernel (cpu_kernel.py), K/V read in place; "sdpa": torch SDPA per sequence over gathered
-K/V; "reference": the oracle. "auto" picks "cpu" on CPU where the kernel builds, else "sdpa".
+"cpu": the compiled kernel (cpu_kernel.py), K/V read in place, and the one backend the fused decoder stack may
+replace; "sdpa": torch SDPA per sequence over gathered K/V, on any device; "reference": the oracle. "auto" picks
+"cpu" on CPU where the kernel builds, else "sdpa".
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
-from pagedlm.attention.cpu_kernel import load_kernel, paged_attention_cpu
+from pagedlm.attention.backend import AttentionBackend
+from pagedlm.attention.cpu_kernel import CpuKernelBackend, load_kernel
 from pagedlm.attention.metadata import AttentionMetadata
-from pagedlm.attention.reference import paged_attention_reference, write_kv
-from pagedlm.attention.torch_sdpa import paged_attention_sdpa
+from pagedlm.attention.reference import ReferenceBackend, write_kv
+from pagedlm.attention.torch_sdpa import SdpaBackend
 
 logger = logging.getLogger(__name__)
 
-AttentionFn = Callable[..., "torch.Tensor"]  # noqa: F821
-
-BACKENDS: dict[str, AttentionFn] = {
-    "reference": paged_attention_reference,
-    "sdpa": paged_attention_sdpa,
-    "cpu": paged_attention_cpu,
-}
+BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (ReferenceBackend(), SdpaBackend(), CpuKernelBackend())}
 
 
-def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionFn:
+def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
     if name == "auto":
         if str(device).startswith("cpu") and load_kernel() is not None:
             name = "cpu"
@@ -39,4 +34,4 @@ def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionF
     return BACKENDS[name]
 
 
-__all__ = ["AttentionMetadata", "get_attention_backend", "write_kv", "BACKENDS"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_attention_backend", "write_kv"]

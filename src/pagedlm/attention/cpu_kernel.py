@@ -5,36 +5,40 @@ It is plain C++ behind a C ABI, compiled on first use with the system's g++ (abo
 no ninja) into the kernel cache (cbuild.py) and called through ctypes. `load_kernel()` returns None (and says why
 in the log) where that fails; callers then fall back to the sdpa path. The kernels range-check the batch before
 touching the cache: a block id or slot outside it raises ValueError, with nothing read out of range or written.
+
+`CpuKernelBackend` is the attention backend built on it, and the one backend the fused decoder stack
+(model/llama_decode.py, which compiles the same attention code in) may stand in for.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
 from pagedlm import cbuild
+from pagedlm.attention.backend import AttentionBackend
 from pagedlm.attention.metadata import AttentionMetadata
-from pagedlm.kvcache.quant import entry_dim, is_quantized
+from pagedlm.kvcache.format import KV_KINDS, entry_dim, is_quantized
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 
 
-@functools.lru_cache(maxsize=1)
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot be built or loaded (reason logged)."""
-    lib = cbuild.load_optional(SOURCE, "CPU attention kernel", "attention runs on the sdpa path")
-    if lib is None:
-        return None
+def _configure(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_paged_attention.argtypes = [i, i, p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
     lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, ctypes.c_int64, i]
     lib.pagedlm_paged_attention.restype = lib.pagedlm_rope_write_kv.restype = i
-    return lib
+
+
+KERNEL = cbuild.KernelLibrary(SOURCE, "CPU attention kernel", "attention runs on the sdpa path", _configure)
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot be built or loaded (reason logged)."""
+    return KERNEL.load()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -66,7 +70,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError("paged attention kernel: block tables, seq_lens and query_start_loc must be contiguous "
                          "int32 for the same sequences, and the K and V caches contiguous and alike")
     rc = lib.pagedlm_paged_attention(
-        _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        _DTYPES[q.dtype], KV_KINDS[k_cache.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         out.data_ptr(), tables.data_ptr(), width, seq_lens.data_ptr(), qsl.data_ptr(), num_seqs, tokens, heads,
         kv_heads, dim, block_size, num_blocks, float(scale), int(sliding_window or 0), torch.get_num_threads())
     if rc:
@@ -99,3 +103,15 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
     if rc:
         raise cbuild.kernel_error(rc, f"RoPE + KV write kernel ({num_blocks * block_size} slots)")
     return True
+
+
+class CpuKernelBackend(AttentionBackend):
+    """`paged_attention_cpu` (the sdpa path for what the kernel does not take); the fused decoder stack may
+    stand in for it."""
+
+    name = "cpu"
+    supports_fused_decode = True
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window)

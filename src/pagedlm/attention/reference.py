@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from pagedlm.attention.backend import AttentionBackend
 from pagedlm.attention.metadata import AttentionMetadata
-from pagedlm.kvcache.quant import dequantize_kv, is_quantized, quantize_kv
+from pagedlm.kvcache.format import is_quantized
+from pagedlm.kvcache.quant import dequantize_kv, quantize_kv
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,3 +72,13 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         o = torch.einsum("hgqs,shd->qhgd", probs, v).reshape(q_len, num_heads, -1)
         out[starts[i]:starts[i] + q_len] = o.to(q.dtype)
     return out
+
+
+class ReferenceBackend(AttentionBackend):
+    """`paged_attention_reference`: the oracle, never fused."""
+
+    name = "reference"
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window)

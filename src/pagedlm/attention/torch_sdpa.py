@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedlm.attention.backend import AttentionBackend
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.attention.reference import gather_kv, window_start
 
@@ -33,3 +34,13 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                            enable_gqa=kv_heads != num_heads)
         out[starts[i]:starts[i] + q_len] = o.transpose(0, 1)
     return out
+
+
+class SdpaBackend(AttentionBackend):
+    """`paged_attention_sdpa`: any device torch runs on (the CUDA path, and the CPU one without the kernel)."""
+
+    name = "sdpa"
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        return paged_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)

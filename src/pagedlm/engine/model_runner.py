@@ -35,7 +35,7 @@ class ModelRunner:
         self.dtype = dtype = plan.dtype
         self.model, self.model_config = load_model(model_path, dtype, self.device, plan.quantization, plan.group_size,
                                                    plan.dense_dtype, plan.kernel_max_rows)
-        self.attn_fn = get_attention_backend(config.attention_backend, config.device)
+        self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
         self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, plan.kv_cache_dtype)
         self.layer_group = [0] * self.model_config.num_layers  # layer -> its KV cache group
@@ -43,7 +43,7 @@ class ModelRunner:
             for layer in group.layers:
                 self.layer_group[layer] = g
         self.kv_cache: KVCache | None = None
-        self.moe_blocks = self.model.moe_blocks() if hasattr(self.model, "moe_blocks") else []
+        self.moe_blocks = self.model.moe_blocks()
 
     def weight_bytes(self) -> int:
         """Bytes of the loaded weights as held for the run (quantized, repacked, each storage counted once)."""
@@ -104,5 +104,5 @@ class ModelRunner:
         input_ids, positions, metas = self.prepare(chunks)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         layer_metas = [metas[g] for g in self.layer_group]
-        logits = self.model(input_ids, positions, self.layer_caches, layer_metas, self.attn_fn, idx)
+        logits = self.model(input_ids, positions, self.layer_caches, layer_metas, self.attn_backend, idx)
         return logits.float()

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.config import ModelConfig
-from pagedlm.kvcache.quant import cache_dtype, entry_dim, is_quantized
+from pagedlm.kvcache.format import entry_dim, is_quantized
+from pagedlm.kvcache.quant import cache_dtype
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def make_groups(layer_windows: list[int | None]) -> list[KVCacheGroup]:
 @dataclass
 class KVCacheSpec:
     """`dtype` is the cache's element dtype: the model's, or int8 / float8_e4m3fn for a quantized cache, whose
-    entries then carry a 4-byte scale per token and kv head (`entry_dim` = head_dim + 4)."""
+    entries then carry a scale (format.SCALE_BYTES) per token and kv head (`entry_dim` = head_dim + SCALE_BYTES)."""
 
     num_layers: int
     num_kv_heads: int

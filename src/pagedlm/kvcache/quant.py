@@ -1,6 +1,7 @@
 """Quantized KV cache entries: each (token, kv head) holds `head_dim` 1-byte values (int8 or fp8 e4m3) followed
-by their fp32 scale, so a cache block is `[block_size, kv_heads, head_dim + 4]` bytes and carries its own
-scales: sharing, copy-on-write, swapping and prefix caching move blocks without knowing they are quantized.
+by their fp32 scale (the layout of kvcache/format.py), so a cache block is `[block_size, kv_heads, head_dim +
+SCALE_BYTES]` bytes and carries its own scales: sharing, copy-on-write, swapping and prefix caching move blocks
+without knowing they are quantized.
 
 Values are quantized when written (`quantize_kv`, symmetric, scale = max|x| / qmax per token and head) and
 dequantized inside the attention backends (`dequantize_kv` in the torch ones, the same arithmetic in the C++
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-SCALE_BYTES = 4
+from pagedlm.kvcache.format import SCALE_BYTES, entry_dim, is_quantized
+
 # "float32" / "bfloat16": plain entries of that dtype, whatever the activations' dtype.
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
                    "fp8_e4m3": torch.float8_e4m3fn}
@@ -21,17 +23,8 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
 
 
-def is_quantized(dtype: torch.dtype) -> bool:
-    return dtype in _QMAX
-
-
-def entry_dim(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements per (token, kv head) in the cache: head_dim, plus the 4 bytes of scale when quantized."""
-    return head_dim + SCALE_BYTES if is_quantized(dtype) else head_dim
-
-
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., D] float -> [..., D + 4] of `dtype` (values, then the fp32 scale's bytes)."""
+    """[..., D] float -> [..., D + SCALE_BYTES] of `dtype` (values, then the fp32 scale's bytes)."""
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / _QMAX[dtype]).clamp_min(1e-12)
     q = xf / scale
@@ -43,8 +36,12 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_kv(packed: torch.Tensor) -> torch.Tensor:
-    """[..., D + 4] quantized entries -> [..., D] float32."""
+    """[..., D + SCALE_BYTES] quantized entries -> [..., D] float32."""
     raw = packed.view(torch.uint8)
     values = raw[..., :-SCALE_BYTES].view(packed.dtype).float()
     scale = raw[..., -SCALE_BYTES:].contiguous().view(torch.float32)
     return values * scale
+
+
+__all__ = ["KV_CACHE_DTYPES", "SCALE_BYTES", "cache_dtype", "dequantize_kv", "entry_dim", "is_quantized",
+           "quantize_kv"]  # entry_dim, is_quantized: kvcache/format.py's

@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from pagedlm.config import KERNEL_MAX_ROWS, ModelConfig
+
+if TYPE_CHECKING:
+    from pagedlm.model.base import CausalLM
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
                group_size: int = 32, dense_dtype: torch.dtype | None = None,
-               kernel_max_rows: int = KERNEL_MAX_ROWS) -> tuple[nn.Module, ModelConfig]:
+               kernel_max_rows: int = KERNEL_MAX_ROWS) -> tuple[CausalLM, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
     rows through a dense copy in `dense_dtype`, see model/quant.py and model/plan.py)."""

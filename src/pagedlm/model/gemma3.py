@@ -1,16 +1,16 @@
 """Gemma 3 text decoder written for serving, numerically as HF's Gemma3ForCausalLM: interleaved sliding-window
 and global attention layers with their own RoPE bases, QK-norm, GeGLU, (1 + w) RMSNorms before and after
-attention and MLP, embeddings scaled by sqrt(hidden). Same forward contract as LlamaForCausalLM."""
+attention and MLP, embeddings scaled by sqrt(hidden). Same forward contract as every
+CausalLM (model/base.py)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedlm.attention import AttentionMetadata, write_kv
+from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
+from pagedlm.model.base import CausalLM
 from pagedlm.model.layers import ACTIVATIONS, Linear, rope_inv_freq
-from pagedlm.model.llama import LlamaForCausalLM
 
 
 class GemmaRMSNorm(nn.Module):
@@ -62,7 +62,7 @@ class Gemma3Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, attn_fn) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
@@ -70,8 +70,8 @@ class Gemma3Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -99,27 +99,20 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(cfg)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, positions, x, kv_cache, meta, attn_fn) -> torch.Tensor:
-        h = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, attn_fn)
+    def forward(self, positions, x, kv_cache, meta, backend: AttentionBackend) -> torch.Tensor:
+        h = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """`sliding_window` and `layer_sliding_windows[i]` (None: global layer) tell the engine which layers
-    only ever read the last `sliding_window` positions."""
-
-    FUSED = LlamaForCausalLM.FUSED
-    load_weights = LlamaForCausalLM.load_weights
-    _copy = LlamaForCausalLM._copy
+class Gemma3ForCausalLM(CausalLM):
+    """Its tied LM head stays the embedding table (F.linear), and the final logits are soft-capped where the
+    config says so."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
         if cfg.attn_logit_softcapping is not None:
             raise ValueError("Gemma attention logit soft-capping is not supported by the paged attention backends.")
-        self.cfg = cfg
-        self.sliding_window = cfg.sliding_window
-        self.layer_sliding_windows = cfg.layer_sliding_windows
+        super().__init__(cfg)
         self.rotary_local = Rotary(cfg.head_dim, cfg.rope_local_base_freq)
         self.rotary_global = Rotary(cfg.head_dim, cfg.rope_theta)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -129,27 +122,19 @@ class Gemma3ForCausalLM(nn.Module):
             for w in self.layer_sliding_windows)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.native_weights: dict = {}  # checkpoint int4 blocks by parameter name (see LlamaForCausalLM._copy)
 
-    def process_weights_after_loading(self) -> None:
-        """Let each Linear repack its weight for speed where layers.Linear supports it (the tied head stays)."""
-        for m in self.modules():
-            if isinstance(m, Linear) and hasattr(m, "process_weights_after_loading"):
-                m.process_weights_after_loading()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata], attn_fn,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]; kv_caches[i], metas[i]: layer i's paged K/V and the batch layout of
-        its KV cache group. Returns logits [len(logits_indices), vocab] (all tokens if None)."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype)
+        return x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   metas: list[AttentionMetadata], backend: AttentionBackend) -> tuple[torch.Tensor, bool]:
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
-            x = layer(positions, x, kv_cache, meta, attn_fn)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.norm(x)
-        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+            x = layer(positions, x, kv_cache, meta, backend)
+        return x, False
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(x)
         if (cap := self.cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

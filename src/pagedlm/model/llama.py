@@ -4,18 +4,14 @@ Qwen3 (QK-norm), Phi-3 (checkpoints already fused) and the mixture-of-experts fa
 Qwen3-MoE and OLMoE (model/moe.py), as the ModelConfig of the checkpoint says."""
 from __future__ import annotations
 
-from typing import Iterable, Iterator
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedlm.attention import AttentionMetadata, write_kv
-from pagedlm.attention.cpu_kernel import paged_attention_cpu, rope_write_kv
+from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
+from pagedlm.model.base import CausalLM
 from pagedlm.model.layers import ACTIVATIONS, Linear, RMSNorm, RotaryEmbedding, prefer_transposed
 from pagedlm.model.llama_decode import LlamaDecodeKernel
-from pagedlm.model.quant import Int4Blocks
 
 
 class LlamaAttention(nn.Module):
@@ -32,10 +28,11 @@ class LlamaAttention(nn.Module):
             per_head = cfg.qk_norm == "head"
             self.q_norm = RMSNorm(self.head_dim if per_head else self.q_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else self.kv_size, cfg.rms_norm_eps)
-        self.attn_kwargs = {} if sliding_window is None else {"sliding_window": sliding_window}
+        self.sliding_window = sliding_window
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, attn_fn) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.qk_norm is not None:
@@ -43,15 +40,15 @@ class LlamaAttention(nn.Module):
         if self.clip_qkv is not None:
             qkv = qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         k_cache, v_cache = kv_cache
-        if rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping):
+        if backend.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping):
             q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)  # rotated in place, k/v written
         else:
             # q and k are adjacent in the fused output: rotate them together as one [n, heads + kv_heads, dim] view.
             qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), *rope)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = attn_fn(q, k_cache, v_cache, meta, self.scale, **self.attn_kwargs)
+            backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(n, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -89,26 +86,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.moe_layers and cfg.moe_layers[index] else LlamaMLP(cfg)
 
-    def forward(self, rope, x, kv_cache, meta, attn_fn) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, attn_fn)
+    def forward(self, rope, x, kv_cache, meta, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
-    # HF checkpoint names of the projections we store fused: (fused name, part, index).
-    FUSED = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+class LlamaForCausalLM(CausalLM):
     # Mixtral's checkpoint names for what the other MoE families (and this model) call mlp.experts.E.*_proj.
     RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                (".w2.", ".down_proj."))
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.sliding_window = cfg.sliding_window
-        self.layer_sliding_windows = cfg.layer_sliding_windows
+        super().__init__(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
@@ -116,27 +105,18 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
-        self.native_weights: dict[str, Int4Blocks] = {}  # checkpoint int4 blocks by parameter name (_copy)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata], attn_fn,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]; kv_caches[i], metas[i]: layer i's paged K/V and the batch layout of
-        its KV cache group. Returns logits [len(logits_indices), vocab] (all tokens if None)."""
-        x = self.embed_tokens(input_ids)
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   metas: list[AttentionMetadata], backend: AttentionBackend) -> tuple[torch.Tensor, bool]:
+        """The fused stack (final norm included) where the backend lets it stand in and it takes the batch, else
+        layer by layer."""
         rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, shared by all layers
-        kernel = self.decode_kernel() if attn_fn is paged_attention_cpu else None
-        normed = kernel is not None and kernel.run(x, *rope, kv_caches, metas)
-        if not normed:
-            for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
-                x = layer(rope, x, kv_cache, meta, attn_fn)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        if not normed:
-            x = self.norm(x)
-        if self.lm_head is None:  # tied and not yet processed
-            return F.linear(x, self.embed_tokens.weight)
-        return self.lm_head(x)
+        kernel = self.decode_kernel() if backend.supports_fused_decode else None
+        if kernel is not None and kernel.run(x, *rope, kv_caches, metas):
+            return x, True
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
+            x = layer(rope, x, kv_cache, meta, backend)
+        return x, False
 
     @property
     def supports_fused_decode(self) -> bool:
@@ -145,12 +125,6 @@ class LlamaForCausalLM(nn.Module):
         c = self.cfg
         return not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.clip_qkv is not None or c.is_moe
                     or any(w is not None for w in c.layer_sliding_windows) or c.hidden_act != "silu")
-
-    def moe_blocks(self) -> list[tuple[int, nn.Module]]:
-        """(layer index, SparseMoE) of every layer with experts."""
-        from pagedlm.model.moe import SparseMoE
-
-        return [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)]
 
     def decode_kernel(self) -> LlamaDecodeKernel | None:
         """The fused decoder stack for small steps (llama_decode.py), bound on first use: by then the weights
@@ -166,66 +140,11 @@ class LlamaForCausalLM(nn.Module):
             head = Linear(self.cfg.hidden_size, self.cfg.vocab_size)
             head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)
             self.lm_head = head
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.process_weights_after_loading()
+        super().process_weights_after_loading()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or unexpected tensors."""
-        params = dict(self.named_parameters())
-        pending: dict[str, dict[int, torch.Tensor]] = {}
-        loaded: set[str] = set()
-        for name, tensor in LlamaForCausalLM._expand_experts(weights):
-            if "rotary_emb.inv_freq" in name:
-                continue
-            name = name.removeprefix("model.")
-            if ".block_sparse_moe." in name:
-                for old, new in LlamaForCausalLM.RENAMES:
-                    name = name.replace(old, new)
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in self.FUSED:
-                fused, idx = self.FUSED[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-                group = pending.setdefault(target, {})
-                group[idx] = tensor
-                if len(group) == (3 if fused == "qkv_proj" else 2):
-                    parts = [group[i] for i in sorted(group)]
-                    self._copy(params, target,
-                               Int4Blocks.cat(parts) if isinstance(parts[0], Int4Blocks) else torch.cat(parts, dim=0))
-                    loaded.add(target)
-                    del pending[target]
-                continue
-            if name not in params:
-                raise ValueError(f"Unexpected weight {name!r} in checkpoint.")
-            self._copy(params, name, tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if pending or missing:
-            raise ValueError(f"Checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
-        if hasattr(self, "process_weights_after_loading"):  # models borrowing this loader may not define it
-            self.process_weights_after_loading()
-
-    @staticmethod
-    def _expand_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """transformers 5's fused expert tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])
-        as one tensor per expert, the layout checkpoints are saved in."""
-        for name, tensor in weights:
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                base, _, proj = name.rpartition(".")
-                for e in range(tensor.shape[0]):
-                    yield f"{base}.{e}.{proj}.weight", tensor[e]
-            else:
-                yield name, tensor
-
-    def _copy(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | Int4Blocks) -> None:
-        """Copy a checkpoint tensor into its parameter; int4 blocks kept as stored are set aside in
-        `native_weights` for quantize_model instead."""
-        p = params[name]
-        if tuple(p.shape) != tuple(tensor.shape):
-            raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}.")
-        if isinstance(tensor, Int4Blocks):
-            self.native_weights[name] = tensor
-        else:
-            p.data.copy_(tensor)
+    def param_name(self, name: str) -> str:
+        name = super().param_name(name)
+        if ".block_sparse_moe." in name:
+            for old, new in self.RENAMES:
+                name = name.replace(old, new)
+        return name

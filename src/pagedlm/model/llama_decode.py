@@ -9,7 +9,6 @@ an fp32 or int8 KV cache, the compiled attention backend, at most `max_tokens` n
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -18,12 +17,13 @@ from torch import nn
 from pagedlm import cbuild
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import KERNEL_MAX_ROWS
+from pagedlm.kvcache.format import KV_BF16, KV_F32, KV_INT8, kv_kind
 from pagedlm.model.layers import Linear
 from pagedlm.model.quant import Int4Linear, Int8Linear, QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED = 0, 1, 2, 3
-KV_F32, KV_BF16, KV_INT8 = 0, 1, 2  # the attention kernel's KVKind
+FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_INT8)  # the caches the stack writes (not fp8)
 
 
 class _Linear(ctypes.Structure):
@@ -43,16 +43,18 @@ class _Model(ctypes.Structure):
                 ("final_norm", ctypes.c_void_p)]
 
 
-@functools.lru_cache(maxsize=1)
-def load_decode_kernel() -> ctypes.CDLL | None:
-    lib = cbuild.load_optional(SOURCE, "Fused decode kernel", "decoding layer by layer in torch",
-                               disable=("PAGEDLM_DISABLE_FUSED_DECODE",))
-    if lib is None:
-        return None
+def _configure(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, p, p, i, p, p, i, i]
     lib.pagedlm_llama_decode.restype = i
-    return lib
+
+
+KERNEL = cbuild.KernelLibrary(SOURCE, "Fused decode kernel", "decoding layer by layer in torch", _configure,
+                              disable=("PAGEDLM_DISABLE_FUSED_DECODE",))
+
+
+def load_decode_kernel() -> ctypes.CDLL | None:
+    return KERNEL.load()
 
 
 def _describe(linear: nn.Module) -> _Linear | None:
@@ -69,17 +71,6 @@ def _describe(linear: nn.Module) -> _Linear | None:
     if isinstance(linear, Int4Linear):
         return _Linear(LIN_INT4, linear.in_features, linear.out_features, linear.group_size,
                        linear.qweight.data_ptr(), linear.scale.data_ptr(), linear.mins.data_ptr())
-    return None
-
-
-def _kv_kind(cache: torch.Tensor, head_dim: int) -> int | None:
-    """The kernel's code for a layer's KV cache tensor, or None where it cannot write it (fp8)."""
-    if cache.dtype == torch.float32:
-        return KV_F32
-    if cache.dtype == torch.bfloat16:
-        return KV_BF16
-    if cache.dtype == torch.int8 and cache.shape[-1] == head_dim + 4:
-        return KV_INT8
     return None
 
 
@@ -121,7 +112,7 @@ class LlamaDecodeKernel:
         from pagedlm.attention.cpu_kernel import HEAD_DIMS
 
         cfg = model.cfg
-        if not getattr(model, "supports_fused_decode", True):  # biases, QK-norm, experts, sliding windows
+        if not model.supports_fused_decode:  # biases, QK-norm, experts, sliding windows
             return None
         lib = load_decode_kernel()
         if lib is None or cfg.head_dim not in HEAD_DIMS or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads > 64:
@@ -147,9 +138,9 @@ class LlamaDecodeKernel:
         if key == self._bound_caches:
             self._bound_list = kv_caches
             return True
-        kinds = {_kv_kind(k, self.cfg.head_dim) for k, _ in kv_caches}
+        kinds = {kv_kind(k, self.cfg.head_dim) for k, _ in kv_caches}
         shape = kv_caches[0][0].shape
-        if len(kinds) != 1 or None in kinds or len(kv_caches) != self.cfg.num_layers or not all(
+        if len(kinds) != 1 or not kinds <= set(FUSED_KV_KINDS) or len(kv_caches) != self.cfg.num_layers or not all(
                 k.shape == v.shape == shape and k.dtype == v.dtype and k.is_contiguous() and v.is_contiguous()
                 and k.device.type == "cpu" for k, v in kv_caches) or shape[2] != self.cfg.num_kv_heads:
             return False

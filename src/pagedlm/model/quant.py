@@ -18,7 +18,6 @@ row by row, multiplied through the int8 kernel.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +36,7 @@ SOURCE = Path(__file__).parent / "csrc" / "quant_linear.cpp"
 METHODS = QUANTIZATION_METHODS
 
 
-@functools.lru_cache(maxsize=1)
-def load_quant_kernel() -> ctypes.CDLL | None:
-    """The compiled library, or None where it cannot be built (then every product takes the dense path)."""
-    lib = cbuild.load_optional(SOURCE, "Quantized linear kernel", "using dequantize + GEMM")
-    if lib is None:
-        return None
+def _configure(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_linear_int8.argtypes = [p, p, p, p, i, i, i, i, i]
     lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i]
@@ -50,7 +44,14 @@ def load_quant_kernel() -> ctypes.CDLL | None:
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4):
         fn.restype = ctypes.c_int
-    return lib
+
+
+KERNEL = cbuild.KernelLibrary(SOURCE, "Quantized linear kernel", "using dequantize + GEMM", _configure)
+
+
+def load_quant_kernel() -> ctypes.CDLL | None:
+    """The compiled library, or None where it cannot be built (then every product takes the dense path)."""
+    return KERNEL.load()
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,7 +76,9 @@ inline void from_f(float x, uint16_t* out) {
 
 struct Item { int seq, tile, lo, hi; };  // query tokens [tile*qt, +qt) of seq, keys [lo, hi)
 
+// The cache dtypes and the quantized entry's scale size, as kvcache/format.py numbers them.
 enum KVKind { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+constexpr int KV_SCALE_BYTES = 4;
 
 // fp8 e4m3 (finite, no infinities; 0x7f/0xff are NaN) to float, by table.
 struct Fp8Table {
@@ -163,12 +165,12 @@ void load_rows(const Args& a, const void* cache, int64_t slot, int n, float* buf
     for (int e = 0; e < n * KVD; ++e) buf[e] = to_f(src[e]);
     return;
   }
-  constexpr int E = D + 4;  // quantized entry: D values, then the fp32 scale
+  constexpr int E = D + KV_SCALE_BYTES;  // quantized entry: D values, then the fp32 scale
   const uint8_t* src = static_cast<const uint8_t*>(cache) + slot * a.KVH * E;
   for (int t = 0; t < n * a.KVH; ++t) {
     const uint8_t* e = src + int64_t(t) * E;
     float sc;
-    std::memcpy(&sc, e + D, 4);
+    std::memcpy(&sc, e + D, KV_SCALE_BYTES);
     float* dst = buf + int64_t(t) * D;
     if (a.kv_kind == KV_INT8) {
       const int8_t* qv = reinterpret_cast<const int8_t*>(e);
@@ -206,8 +208,9 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
     if (pos + n < it.hi) {  // the next tile's K/V rows are scattered and cold (the weights evicted them): prefetch
       const int npos = pos + n, nn = std::min(std::min(KT, a.BS - npos % a.BS), it.hi - npos);
       const int64_t nslot = int64_t(table[npos / a.BS]) * a.BS + npos % a.BS;
-      const int64_t row = a.kv_kind == KV_F32 ? int64_t(KVD) * 4 : a.kv_kind == KV_BF16 ? int64_t(KVD) * 2
-                                                                                      : int64_t(a.KVH) * (D + 4);
+      const int64_t row = a.kv_kind == KV_F32    ? int64_t(KVD) * 4
+                          : a.kv_kind == KV_BF16 ? int64_t(KVD) * 2
+                                                 : int64_t(a.KVH) * (D + KV_SCALE_BYTES);
       const char* kp = static_cast<const char*>(kc) + nslot * row;
       const char* vp = static_cast<const char*>(vc) + nslot * row;
       for (int64_t b = 0; b < nn * row; b += 64) {

@@ -119,12 +119,12 @@ void silu_mul(const float* g, const float* u, float* out, int n) {
 void write_int8_entries(const float* x, int KVH, int D, int8_t* dst) {
   for (int h = 0; h < KVH; ++h) {
     const float* xh = x + h * D;
-    int8_t* e = dst + int64_t(h) * (D + 4);
+    int8_t* e = dst + int64_t(h) * (D + KV_SCALE_BYTES);
     float amax = 0.f;
     for (int i = 0; i < D; ++i) amax = std::max(amax, std::fabs(xh[i]));
     const float scale = std::max(amax / 127.f, 1e-12f);
     for (int i = 0; i < D; ++i) e[i] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(xh[i] / scale))));
-    std::memcpy(e + D, &scale, 4);
+    std::memcpy(e + D, &scale, KV_SCALE_BYTES);
   }
 }
 
@@ -169,7 +169,7 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
       }
     } else {
       rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
-      const int64_t entry_row = int64_t(md.KVH) * (D + 4);
+      const int64_t entry_row = int64_t(md.KVH) * (D + KV_SCALE_BYTES);
       for (int m = 0; m < M; ++m) {
         const float* row = &qkv[size_t(m) * qkvd];
         write_int8_entries(row + qd, md.KVH, D, static_cast<int8_t*>(L.k_cache) + slots[m] * entry_row);

@@ -1,0 +1,162 @@
+"""What every model family shares: the serving forward contract, HF checkpoint loading (q/k/v and gate/up fused on
+the way in, int4 blocks set aside for quantization), weight repacking after loading, and the defaults for the
+fused decode path and the MoE layers."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedlm.attention import AttentionBackend, AttentionMetadata
+from pagedlm.config import ModelConfig
+from pagedlm.model.layers import Linear
+from pagedlm.model.quant import Int4Blocks
+
+if TYPE_CHECKING:
+    from pagedlm.model.llama_decode import LlamaDecodeKernel
+
+
+class CausalLM(nn.Module):
+    """A decoder over a flat token batch with K/V in the paged cache.
+
+    A family builds `embed_tokens`, `layers` (each with an `mlp`), `norm` and `lm_head` (None: tied to the
+    embedding) and implements `run_layers`; it may override `embed` and `compute_logits`. `sliding_window` and
+    `layer_sliding_windows[i]` (None: a full-attention layer) tell the engine which layers only ever read the last
+    `sliding_window` positions.
+    """
+
+    # HF checkpoint names of the projections stored fused: part name -> (fused name, index).
+    FUSED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Module | None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.sliding_window = cfg.sliding_window
+        self.layer_sliding_windows = cfg.layer_sliding_windows
+        self.native_weights: dict[str, Int4Blocks] = {}  # checkpoint int4 blocks by parameter name (_copy)
+
+    # ---- forward -------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
+                backend: AttentionBackend, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]; kv_caches[i], metas[i]: layer i's paged K/V and the batch layout of
+        its KV cache group; `backend` writes and reads them. Returns logits [len(logits_indices), vocab] (all
+        tokens if None)."""
+        x = self.embed(input_ids)
+        x, normed = self.run_layers(x, positions, kv_caches, metas, backend)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        if not normed:
+            x = self.norm(x)
+        return self.compute_logits(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   metas: list[AttentionMetadata], backend: AttentionBackend) -> tuple[torch.Tensor, bool]:
+        """The hidden states after every layer, and whether the final norm was applied to them too (a fused
+        stack may do that)."""
+        raise NotImplementedError
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:  # tied and not given a head of its own
+            return F.linear(x, self.embed_tokens.weight)
+        return self.lm_head(x)
+
+    # ---- capabilities --------------------------------------------------------------------------------------
+
+    @property
+    def supports_fused_decode(self) -> bool:
+        """Whether the fused decoder stack (llama_decode.py) can run this model's layers."""
+        return False
+
+    def decode_kernel(self) -> LlamaDecodeKernel | None:
+        """The fused decoder stack bound to this model, or None (the default: layer by layer)."""
+        return None
+
+    def moe_blocks(self) -> list[tuple[int, nn.Module]]:
+        """(layer index, SparseMoE) of every layer with experts."""
+        from pagedlm.model.moe import SparseMoE
+
+        return [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)]
+
+    # ---- weights -------------------------------------------------------------------------------------------
+
+    def process_weights_after_loading(self) -> None:
+        """Let each Linear repack its weight for speed (see `Linear.process_weights_after_loading`)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.process_weights_after_loading()
+
+    def param_name(self, name: str) -> str:
+        """The parameter a checkpoint tensor `name` goes to (before q/k/v and gate/up fusing)."""
+        return name.removeprefix("model.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up, then `process_weights_after_loading`. Raises on
+        missing or unexpected tensors."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for name, tensor in self._expand_experts(weights):
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = self.param_name(name)
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self.FUSED:
+                fused, idx = self.FUSED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+                group = pending.setdefault(target, {})
+                group[idx] = tensor
+                if len(group) == (3 if fused == "qkv_proj" else 2):
+                    parts = [group[i] for i in sorted(group)]
+                    self._copy(params, target,
+                               Int4Blocks.cat(parts) if isinstance(parts[0], Int4Blocks) else torch.cat(parts, dim=0))
+                    loaded.add(target)
+                    del pending[target]
+                continue
+            if name not in params:
+                raise ValueError(f"Unexpected weight {name!r} in checkpoint.")
+            self._copy(params, name, tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if pending or missing:
+            raise ValueError(f"Checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+        self.process_weights_after_loading()
+
+    @staticmethod
+    def _expand_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """transformers 5's fused expert tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])
+        as one tensor per expert, the layout checkpoints are saved in."""
+        for name, tensor in weights:
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                base, _, proj = name.rpartition(".")
+                for e in range(tensor.shape[0]):
+                    yield f"{base}.{e}.{proj}.weight", tensor[e]
+            else:
+                yield name, tensor
+
+    def _copy(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | Int4Blocks) -> None:
+        """Copy a checkpoint tensor into its parameter; int4 blocks kept as stored are set aside in
+        `native_weights` for quantize_model instead."""
+        p = params[name]
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}.")
+        if isinstance(tensor, Int4Blocks):
+            self.native_weights[name] = tensor
+        else:
+            p.data.copy_(tensor)
