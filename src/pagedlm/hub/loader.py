@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from pagedlm.hub.blocks import Int4Blocks
 from pagedlm.hub.registry import ModelLoadError
-from pagedlm.model.quant import Int4Blocks
 
 __all__ = ["iter_weights", "load_hf_config", "open_gguf"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 from tqdm import tqdm
 
+from pagedlm.config import DEFAULT_MODEL
 from pagedlm.paths import cache_dir
 
 __all__ = [
@@ -86,7 +87,6 @@ MODELS: dict[str, ModelSpec] = {
     )
 }
 
-DEFAULT_MODEL = "smollm2-135m"
 
 _EXPECTED = (
     f"a known model name ({', '.join(sorted(MODELS))}), a .gguf file, "

@@ -11,8 +11,8 @@ from torch import nn
 
 from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
+from pagedlm.hub.blocks import Int4Blocks
 from pagedlm.model.layers import Linear
-from pagedlm.model.quant import Int4Blocks
 
 if TYPE_CHECKING:
     from pagedlm.model.llama_decode import LlamaDecodeKernel

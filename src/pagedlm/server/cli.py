@@ -232,7 +232,7 @@ def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
 
 def model_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(served name, model) per `--model` (`NAME=MODEL` or `MODEL`, named as given); default: the default model."""
-    from pagedlm.hub.registry import DEFAULT_MODEL
+    from pagedlm.config import DEFAULT_MODEL
 
     specs = []
     for spec in args.model or [DEFAULT_MODEL]:

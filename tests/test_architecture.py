@@ -1,0 +1,76 @@
+"""The layering the README's *Architecture* table states: each package imports only the packages below it (imports
+inside functions included). Adding an import that runs back up the stack fails here."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "pagedlm"
+
+# package (or top-level module) -> what it may import from pagedlm. Keep in step with the README.
+LEAVES = {"cpu", "paths", "outputs", "__init__"}
+ALLOWED = {
+    "config": {"cpu"},
+    "cbuild": {"cpu", "paths"},
+    "hub": {"config", "paths"},
+    "kvcache": {"config"},
+    "attention": {"kvcache", "cbuild", "config"},
+    "model": {"attention", "kvcache", "hub", "config", "cpu", "cbuild"},
+    "sampling": {"outputs", "config"},
+    "engine": {"model", "kvcache", "attention", "sampling", "hub", "config", "outputs", "cpu", "paths"},
+    "router": {"engine", "sampling", "config", "outputs", "paths"},
+    "server": {"router", "engine", "sampling", "config", "outputs", "__init__"},
+    "llm": {"engine", "router", "sampling", "config", "outputs"},
+}
+TOOLS = {"bench", "cli"}  # the command line and benchmarks sit on top and may use anything
+
+
+def _unit(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path) -> set[str]:
+    """The pagedlm packages / top-level modules a file imports (relative imports are not used in this code)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "pagedlm":
+                continue
+            if len(parts) > 1:
+                found.add(parts[1])
+            else:  # from pagedlm import X: X is a package or a name defined in pagedlm/__init__.py
+                found.update(a.name if (SRC / a.name).exists() or (SRC / f"{a.name}.py").exists() else "__init__"
+                             for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names
+                         if a.name.startswith("pagedlm.") and len(a.name.split(".")) > 1)
+    return found
+
+
+FILES = sorted(p for p in SRC.rglob("*.py") if _unit(p) not in TOOLS)
+
+
+def test_every_unit_has_a_rule():
+    units = {_unit(p) for p in FILES}
+    assert units <= set(ALLOWED) | LEAVES, units - set(ALLOWED) - LEAVES
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_point_down(path: Path):
+    unit = _unit(path)
+    allowed = ALLOWED.get(unit, set()) | {unit}
+    if unit == "__init__":
+        return  # the package's public names re-export from below
+    bad = _imports(path) - allowed
+    assert not bad, f"{path.relative_to(SRC)} ({unit}) imports {sorted(bad)}; allowed: {sorted(allowed - {unit})}"
+
+
+def test_the_check_sees_a_violation(tmp_path):
+    """The scanner finds imports inside functions too (so the test above is not vacuous)."""
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from pagedlm.server.api import build_app\n    import pagedlm.router.policies\n")
+    assert _imports(f) == {"server", "router"}
