@@ -151,30 +151,41 @@ def test_seeded_sampling_is_batch_invariant(tiny_model_dir, reference):
 def test_stop_strings_and_token_ids(tiny_model_dir, reference):
     prompts, expected = reference
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
-    tok = llm.get_tokenizer()
-    full = tok.decode(expected[0])
     stop_tok = expected[0][5]
     out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                   stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected[0][:expected[0].index(stop_tok) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
-    # a stop string taken from the middle of the greedy text
-    needle = full[len(full) // 2: len(full) // 2 + 3]
-    if needle.strip():
-        out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                      stop=[needle]), use_tqdm=False)[0].outputs[0]
-        assert out.text == full[:full.index(needle)] and out.stop_reason == needle
+    # a stop string from the second half of a seeded sample (the greedy texts repeat one token), first seen
+    # after its start: the text ends right before it
+    sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=24, ignore_eos=True)
+    whole = llm.generate(prompts[0], sampled, use_tqdm=False)[0].outputs[0]
+    full = whole.text
+    needle = next((full[i:i + 3] for i in range(len(full) // 2, len(full) - 3)
+                   if full[i:i + 3].isalnum() and full.index(full[i:i + 3]) > 0), None)
+    assert needle is not None, f"no stop string to take from {full!r}"
+    out = llm.generate(prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=24, ignore_eos=True,
+                                                  stop=[needle]), use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:full.index(needle)] and out.stop_reason == needle and out.finish_reason == "stop"
+    assert len(out.token_ids) < len(whole.token_ids) and out.token_ids == whole.token_ids[:len(out.token_ids)]
 
 
 def test_min_tokens_and_max_tokens(tiny_model_dir, reference):
+    """EOS is forced (logit_bias): it ends a sequence at once, unless min_tokens holds it (and the stop token
+    the model picks first) back."""
     prompts, expected = reference
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
     eos = next(iter(llm.engine.eos_token_ids))
-    out = llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) <= 5
-    params = SamplingParams(temperature=0, min_tokens=10, max_tokens=12, stop_token_ids=[expected[1][0]])
+    out = llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected[1][:5] and out.finish_reason == "length"
+    forced = dict(temperature=0, max_tokens=12, logit_bias={eos: 100.0})
+    out = llm.generate(prompts[1], SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
+    params = SamplingParams(**forced, min_tokens=10, stop_token_ids=[expected[1][0]])
     out = llm.generate(prompts[1], params, use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) >= 10 and eos not in out.token_ids[:10]
+    assert len(out.token_ids) == 11 and eos not in out.token_ids[:10] and expected[1][0] not in out.token_ids[:10]
+    assert out.token_ids[10] == eos and out.finish_reason == "stop"
 
 
 def test_prompt_logprobs_with_chunked_prefill(tiny_model_dir, reference):

@@ -1,4 +1,5 @@
-"""The engine loop: schedule -> build the flat batch -> forward -> sample -> append / stop / free."""
+"""The engine loop: schedule -> build the flat batch -> forward -> sample -> append / stop -> finish and free
+(Scheduler.update_from_output). Detokenization, stop checks and outputs are the OutputProcessor's."""
 from __future__ import annotations
 
 import logging
@@ -13,18 +14,18 @@ import torch
 from pagedlm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, EngineConfig, parse_bytes
 from pagedlm.engine.admission import AdmissionLimits, KVCacheShape, check_admission
 from pagedlm.engine.model_runner import Chunk, ModelRunner
-from pagedlm.engine.scheduler import Scheduler
+from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.engine.scheduler import FinishedSeq, ScheduledSeq, Scheduler, SchedulerOutput
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
 from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.kvcache.memory import MemoryReport
 from pagedlm.model.plan import plan_execution
-from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedlm.outputs import PositionLogprobs, RequestOutput
 from pagedlm.sampling.beam_search import BeamSearch
-from pagedlm.sampling.detokenizer import IncrementalDetokenizer, find_stop
 from pagedlm.sampling.params import SamplingParams
-from pagedlm.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
+from pagedlm.sampling.sampler import Sampler, SamplingRow
 from pagedlm.sampling.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,51 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> tokens per expert
+
+
+@dataclass
+class SampleRow:
+    """A scheduled chunk that completes its sequence: the next token is sampled from logits row `index`."""
+
+    sched: ScheduledSeq
+    index: int
+
+    @property
+    def request(self) -> Request:
+        return self.sched.request
+
+    @property
+    def seq(self) -> Sequence:
+        return self.sched.seq
+
+
+@dataclass
+class PromptLogprobRow:
+    """Prompt positions first .. end - 1 computed in this step, at logits rows index .. index + end - first - 1:
+    they give the logprobs of prompt tokens first + 1 .. end."""
+
+    sched: ScheduledSeq
+    index: int
+    first: int
+    end: int
+
+    @property
+    def request(self) -> Request:
+        return self.sched.request
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.index, self.index + self.end - self.first)
+
+
+@dataclass
+class StepBatch:
+    """One step's model input (a chunk per scheduled sequence) and the logits rows it reads back."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    logits_index: list[int] = field(default_factory=list)  # positions in the flat batch whose logits come back
+    prompt_logprobs: list[PromptLogprobRow] = field(default_factory=list)
+    samples: list[SampleRow] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -88,14 +134,15 @@ class LLMEngine:
         self.max_model_len = max_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         self.memory_report = MemoryReport.build(self.model_config, spec, num_blocks, num_cpu_blocks, max_len,
                                                 weight_bytes=self.runner.weight_bytes())
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._requests: dict[str, Request] = {}
         self._failed: dict[str, RequestOutput] = {}  # requests failed in the current step
+        self._finishing: list[FinishedSeq] = []  # sequences that ended in the current step
         self._structured: StructuredOutputManager | None = None
-        self._unsampled: dict[str, Request] = {}  # max_tokens 0 requests finished in the current step
         self.mask_seconds_total = 0.0  # time spent computing grammar masks
         self._mask_thread: ThreadPoolExecutor | None = None
         self._pending_masks: tuple[dict[int, int], Future | torch.Tensor] | None = None
@@ -181,7 +228,7 @@ class LLMEngine:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(params.seed + index)
         seq = Sequence(list(req.prompt_token_ids), index=index, generator=gen, cache_salt=req.cache_salt)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids, params.skip_special_tokens)
+        seq.detokenizer = self.output_processor.detokenizer(req)
         return seq
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -204,31 +251,10 @@ class LLMEngine:
         kv.copy_blocks(sched.blocks_to_copy)
         if sched.is_empty:
             return []
-        now = time.monotonic()
-
-        chunks, logits_idx, rows = [], [], []  # rows: (ScheduledSeq, index into logits, kind)
-        offset = 0
-        for s in sched.scheduled:
-            start = s.seq.num_computed_tokens
-            chunks.append(Chunk(s.seq.token_slice(start, start + s.num_new_tokens), start,
-                                self.block_manager.get_block_tables(s.seq)))
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = now
-                self.prompt_tokens_total += len(s.request.prompt_token_ids)
-            if s.request.wants_prompt_logprobs and start < len(s.request.prompt_token_ids):
-                first = max(start, len(s.request.prompt_logprobs) - 1 if s.request.prompt_logprobs else 0)
-                end = min(start + s.num_new_tokens, len(s.request.prompt_token_ids) - 1)
-                if end > first:
-                    rows.append((s, len(logits_idx), "prompt", first, end))
-                    logits_idx.extend(range(offset + first - start, offset + end - start))
-            if s.completes:
-                rows.append((s, len(logits_idx), "sample", 0, 0))
-                logits_idx.append(offset + s.num_new_tokens - 1)
-            offset += s.num_new_tokens
-
-        self._start_masks(rows)  # on a worker thread, while the forward pass runs
+        batch = self._build_batch(sched)
+        self._start_masks(batch.samples)  # on a worker thread, while the forward pass runs
         try:
-            logits = self.runner.execute(chunks, logits_idx)
+            logits = self.runner.execute(batch.chunks, batch.logits_index)
         finally:  # the matchers are the engine thread's again (forks copy them)
             masks = self._pending_masks[1].result() if self._pending_masks is not None else None
         for s in sched.scheduled:
@@ -237,12 +263,40 @@ class LLMEngine:
         if masks is not None:
             self._pending_masks = (self._pending_masks[0], masks)
         self._failed = {}
-        for req, e in self._mask_errors:
-            self._fail(req, e)
-        self._mask_errors = []
-        self._record_prompt_logprobs(rows, logits)
-        touched = self._sample(rows, logits)
+        try:
+            for req, e in self._mask_errors:
+                self._fail(req, e)
+            self._mask_errors = []
+            self._record_prompt_logprobs(batch.prompt_logprobs, logits)
+            touched = self._sample(batch.samples, logits)
+        finally:
+            self._update_scheduler()
         return self._finish_step(touched)
+
+    def _build_batch(self, sched: SchedulerOutput) -> StepBatch:
+        """The flat batch of the scheduled chunks, and the logits rows the step needs: prompt logprobs of the
+        prompt positions computed now, and one row per chunk that completes its sequence (to sample from)."""
+        batch = StepBatch()
+        now = time.monotonic()
+        offset = 0
+        for s in sched.scheduled:
+            req, start = s.request, s.seq.num_computed_tokens
+            batch.chunks.append(Chunk(s.seq.token_slice(start, start + s.num_new_tokens), start,
+                                      self.block_manager.get_block_tables(s.seq)))
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                self.prompt_tokens_total += len(req.prompt_token_ids)
+            if req.wants_prompt_logprobs and start < len(req.prompt_token_ids):
+                first = max(start, len(req.prompt_logprobs) - 1 if req.prompt_logprobs else 0)
+                end = min(start + s.num_new_tokens, len(req.prompt_token_ids) - 1)
+                if end > first:
+                    batch.prompt_logprobs.append(PromptLogprobRow(s, len(batch.logits_index), first, end))
+                    batch.logits_index.extend(range(offset + first - start, offset + end - start))
+            if s.completes:
+                batch.samples.append(SampleRow(s, len(batch.logits_index)))
+                batch.logits_index.append(offset + s.num_new_tokens - 1)
+            offset += s.num_new_tokens
+        return batch
 
     def _fail(self, req: Request, error: Exception) -> None:
         """End one request of the step with an error (its blocks freed); the other requests go on."""
@@ -250,65 +304,78 @@ class LLMEngine:
             return
         logger.error("Request %s failed (%s: %s); the rest of the batch goes on", req.request_id,
                      type(error).__name__, error, exc_info=error)
+        self._update_scheduler()  # its samples that ended before it failed keep their finish reason
         self.scheduler.abort_request(req.request_id)
         self._requests.pop(req.request_id, None)
-        out = self._request_output(req, True)
+        out = self.output_processor.request_output(req, True)
         out.error = f"{type(error).__name__} while running request {req.request_id}"
         self._failed[req.request_id] = out
 
-    def _record_prompt_logprobs(self, rows, logits: torch.Tensor) -> None:
-        for s, i, kind, first, end in rows:
-            if kind != "prompt":
-                continue
-            req = s.request
-            try:
-                if not req.prompt_logprobs:
-                    req.prompt_logprobs.append(None)
-                targets = req.prompt_token_ids[first + 1:end + 1]
-                entries = prompt_logprobs(logits[i:i + end - first], targets, req.params.prompt_logprobs)
-                req.prompt_logprobs.extend(self._decode_logprobs(e) for e in entries)
-            except Exception as e:  # noqa: BLE001 - isolate the request
-                self._fail(req, e)
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """`seq` ends with `status` at the end of this step (the scheduler frees its blocks then)."""
+        self._finishing.append(FinishedSeq(seq, status))
 
-    def _sample(self, rows, logits: torch.Tensor) -> dict[str, Request]:
+    def _update_scheduler(self) -> None:
+        self.scheduler.update_from_output(self._finishing)
+        self._finishing = []
+
+    def _record_prompt_logprobs(self, rows: list[PromptLogprobRow], logits: torch.Tensor) -> None:
+        for row in rows:
+            try:
+                self.output_processor.add_prompt_logprobs(row.request, logits[row.rows], row.first, row.end)
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self._fail(row.request, e)
+
+    def _fork(self, req: Request, parent: Sequence) -> Sequence:
+        """A new sample of `req` that continues `parent`: its tokens, score and grammar state, sharing all its
+        KV blocks (copied on write). Forks the `n` samples after the prefill, and beams chosen twice."""
+        child = self._new_seq(req, len(req.seqs))
+        child.output_token_ids = list(parent.output_token_ids)
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        if parent.matcher is not None:
+            child.matcher = parent.matcher.deep_copy()
+        self.block_manager.fork(parent, child)
+        req.seqs.append(child)
+        return child
+
+    def _fork_samples(self, req: Request, seq: Sequence) -> list[Sequence]:
+        """The sequences a request samples for: its first sample fans out into `n`."""
+        if req.forked:
+            return [seq]
+        req.forked = True
+        return [seq] + [self._fork(req, seq) for _ in range(1, req.params.n)]
+
+    def _sample(self, rows: list[SampleRow], logits: torch.Tensor) -> dict[str, Request]:
+        touched: dict[str, Request] = {}
         sample_rows: list[SamplingRow] = []
         targets: list[tuple[Request, Sequence]] = []
         index: list[int] = []
-        beams: dict[str, list[tuple[Sequence, int]]] = {}
-        for s, i, kind, _, _ in rows:
-            if kind != "sample" or s.request.request_id in self._failed:
+        beams: dict[str, list[SampleRow]] = {}
+        for row in rows:
+            req = row.request
+            if req.request_id in self._failed:
                 continue
-            req = s.request
             if req.beam is not None:
-                beams.setdefault(req.request_id, []).append((s.seq, i))
+                beams.setdefault(req.request_id, []).append(row)
                 continue
-            if req.params.max_tokens == 0:  # scoring only (echo + prompt_logprobs): nothing to sample
-                self._finish_unsampled(req, s.seq)
+            if req.params.max_tokens == 0:  # scoring only (echo + prompt_logprobs): every sample ends empty
+                for seq in self._fork_samples(req, row.seq):
+                    self.output_processor.finish_text(seq)
+                    self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+                touched[req.request_id] = req
                 continue
             try:
-                seqs = [s.seq]
-                if not req.forked:
-                    req.forked = True
-                    for k in range(1, req.params.n):
-                        child = self._new_seq(req, k)
-                        child.num_computed_tokens = s.seq.num_computed_tokens
-                        child.status = SequenceStatus.RUNNING
-                        if s.seq.matcher is not None:
-                            child.matcher = s.seq.matcher.deep_copy()
-                        self.block_manager.fork(s.seq, child)
-                        req.seqs.append(child)
-                        seqs.append(child)
+                seqs = self._fork_samples(req, row.seq)
             except Exception as e:  # noqa: BLE001 - isolate the request
                 self._fail(req, e)
                 continue
             for seq in seqs:
                 sample_rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator))
                 targets.append((req, seq))
-                index.append(i)
+                index.append(row.index)
         self._fill_masks(sample_rows, targets)
-        touched: dict[str, Request] = {}
-        touched.update(self._unsampled)
-        self._unsampled = {}
         for rid, beam_rows in beams.items():
             req = self._requests[rid]
             try:
@@ -324,40 +391,46 @@ class LLMEngine:
             if req.request_id in self._failed:
                 continue
             try:
-                token = tokens[k]
-                if seq.matcher is not None and not seq.matcher.consume_token(token):
-                    raise RuntimeError(f"token {token} breaks the constraint: {seq.matcher.get_error()}")
-                seq.output_token_ids.append(token)
-                seq.cumulative_logprob += chosen_logprobs[k]
-                if top_logprobs[k] is not None:
-                    seq.logprobs.append(self._decode_logprobs(top_logprobs[k]))
-                self.generation_tokens_total += 1
-                if req.metrics.first_token_time is None:
-                    req.metrics.first_token_time = now
-                req.metrics.last_token_time = now
-                self._check_stop(req, seq, token)
-                if seq.matcher is not None and not seq.status.finished and seq.matcher.is_stopped():
-                    self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)  # the grammar allows nothing more
+                self._append_token(req, seq, tokens[k], chosen_logprobs[k], top_logprobs[k], now)
                 touched[req.request_id] = req
             except Exception as e:  # noqa: BLE001 - isolate the request
                 self._fail(req, e)
         return touched
 
-    def _start_masks(self, rows) -> None:
+    def _append_token(self, req: Request, seq: Sequence, token: int, logprob: float,
+                      top: PositionLogprobs | None, now: float) -> None:
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} breaks the constraint: {seq.matcher.get_error()}")
+        seq.output_token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if top is not None:
+            seq.logprobs.append(self.output_processor.decode_logprobs(top))
+        self.generation_tokens_total += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        status = self.output_processor.check_stop(req, seq, token)
+        if status is None and seq.matcher is not None and seq.matcher.is_stopped():
+            self.output_processor.finish_text(seq)  # the grammar allows nothing more
+            status = SequenceStatus.FINISHED_STOPPED
+        if status is not None:
+            self._finish(seq, status)
+
+    def _start_masks(self, rows: list[SampleRow]) -> None:
         """Start computing the grammar masks of the sequences this step samples for, on the mask thread (the
         library drops the GIL), so that they overlap the forward pass. Sequences without a matcher yet get one
         (a fresh matcher, replayed over the output they already have)."""
         seqs = []
-        for s, _, kind, _, _ in rows:
-            p = s.request.params
-            if kind != "sample" or p.structured_outputs is None or p.max_tokens == 0 or s.request.beam is not None:
+        for row in rows:
+            p = row.request.params
+            if p.structured_outputs is None or p.max_tokens == 0 or row.request.beam is not None:
                 continue
             try:
-                if s.seq.matcher is None:
-                    s.seq.matcher = self.structured.replay(p.structured_outputs, s.seq.output_token_ids)
-                seqs.append(s.seq)
+                if row.seq.matcher is None:
+                    row.seq.matcher = self.structured.replay(p.structured_outputs, row.seq.output_token_ids)
+                seqs.append(row.seq)
             except Exception as e:  # noqa: BLE001 - isolate the request (failed once the batch has run)
-                self._mask_errors.append((s.request, e))
+                self._mask_errors.append((row.request, e))
         self._pending_masks = None
         if seqs:
             if self._mask_thread is None:
@@ -386,23 +459,6 @@ class LLMEngine:
             for j, k in enumerate(late):
                 rows[k].bitmask = extra[j]
 
-    def _finish_unsampled(self, req: Request, seq: Sequence) -> None:
-        """max_tokens 0: every sample ends empty (finish_reason "length") once the prompt is computed."""
-        if not req.forked:
-            req.forked = True
-            for k in range(1, req.params.n):
-                child = self._new_seq(req, k)
-                child.status = SequenceStatus.FINISHED_LENGTH
-                req.seqs.append(child)
-        self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-        self._unsampled[req.request_id] = req
-
-    def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
-        seq.detokenizer.flush()
-        seq.output_text = seq.detokenizer.text
-        seq.status = status
-        self.scheduler.finish_seq(seq)
-
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow],
                      targets: list[tuple[Request, Sequence]]) -> tuple[list, list, list]:
         """The sampler over the whole batch; if it raises, again per request, so that only the requests it
@@ -427,12 +483,13 @@ class LLMEngine:
                 tokens[k], logprobs[k], top[k] = out.token_ids[j], out.logprobs[j], out.top_logprobs[j]
         return tokens, logprobs, top
 
-    def _beam_step(self, req: Request, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+    def _beam_step(self, req: Request, rows: list[SampleRow], logits: torch.Tensor) -> None:
         """Advance a beam search by one token: the chosen continuations reuse their parent's sequence, or
-        fork it (sharing all its blocks) when a parent is chosen twice; unchosen beams free their blocks."""
+        fork it (sharing all its blocks) when a parent is chosen twice; unchosen beams finish (freeing their
+        blocks)."""
         beam: BeamSearch = req.beam
-        parents = [seq for seq, _ in rows]
-        logprobs = torch.log_softmax(logits[[i for _, i in rows]].float(), dim=-1)
+        parents = [row.seq for row in rows]
+        logprobs = torch.log_softmax(logits[[row.index for row in rows]].float(), dim=-1)
         chosen = beam.step(logprobs, [p.cumulative_logprob for p in parents], [p.output_token_ids for p in parents])
         now = time.monotonic()
         if req.metrics.first_token_time is None:
@@ -443,65 +500,19 @@ class LLMEngine:
         for cand in chosen:
             parent = parents[cand.parent]
             if parent.seq_id in used:
-                child = self._new_seq(req, len(req.seqs))
-                child.output_token_ids = list(parent.output_token_ids)
-                child.num_computed_tokens = parent.num_computed_tokens
-                child.status = SequenceStatus.RUNNING
-                self.block_manager.fork(parent, child)
-                req.seqs.append(child)
-                targets.append((child, cand))
+                targets.append((self._fork(req, parent), cand))
             else:
                 used.add(parent.seq_id)
                 targets.append((parent, cand))
         for seq in parents:
             if seq.seq_id not in used:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                self.scheduler.finish_seq(seq)
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
         for seq, cand in targets:
             seq.output_token_ids.append(cand.token)
             seq.cumulative_logprob = cand.logprob
         req.seqs = [seq for seq, _ in targets] or parents
-        if beam.done:
-            for seq in req.live_seqs:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                self.scheduler.finish_seq(seq)
-            req.beam_outputs = [
-                CompletionOutput(index=k, text=self.tokenizer.decode(h.token_ids, req.params.skip_special_tokens),
-                                 token_ids=h.token_ids, cumulative_logprob=h.logprob,
-                                 finish_reason="stop" if h.eos else "length")
-                for k, h in enumerate(beam.best(req.params.n))]
-
-    def _decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
-        for tid, lp in entry.items():
-            if lp.decoded_token is None:
-                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
-        return entry
-
-    def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
-        params = req.params
-        delta = seq.detokenizer.append(token)
-        seq.output_text = seq.detokenizer.text
-        n_out = len(seq.output_token_ids)
-        status = None
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                status = SequenceStatus.FINISHED_STOPPED
-            elif token in params.stop_token_ids:
-                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-            elif params.stop and delta:
-                hit = find_stop(seq.output_text, len(delta), params.stop, params.include_stop_str_in_output)
-                if hit is not None:
-                    seq.output_text, seq.stop_reason = hit
-                    status = SequenceStatus.FINISHED_STOPPED
-        if status is None and ((params.max_tokens is not None and n_out >= params.max_tokens)
-                               or seq.num_tokens >= self.max_model_len):
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            if seq.stop_reason is None or isinstance(seq.stop_reason, int):
-                seq.detokenizer.flush()
-                seq.output_text = seq.detokenizer.text
-            seq.status = status
-            self.scheduler.finish_seq(seq)
+        if beam.done:  # nothing was chosen: every beam finished above
+            req.beam_outputs = self.output_processor.beam_outputs(req)
 
     def _finish_step(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
@@ -513,21 +524,12 @@ class LLMEngine:
             if done:
                 req.metrics.finished_time = now
                 self._requests.pop(req.request_id, None)
-            outputs.append(self._request_output(req, done))
+            outputs.append(self.output_processor.request_output(req, done))
         for out in self._failed.values():
             out.metrics.finished_time = now
             outputs.append(out)
         self._failed = {}
-        self.scheduler.remove_finished()
         return outputs
-
-    def _request_output(self, req: Request, finished: bool) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=req.beam_outputs if req.beam_outputs is not None else
-            [s.to_output() for s in sorted(req.seqs, key=lambda s: s.index)], finished=finished,
-            prompt_logprobs=(req.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,
-            metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
 
     def abort_output(self, request_id: str) -> RequestOutput | None:
         """Abort and return the request's final output (finish_reason 'abort'), or None if unknown."""
@@ -535,7 +537,7 @@ class LLMEngine:
         if req is None:
             return None
         self._requests.pop(request_id, None)
-        return self._request_output(req, True)
+        return self.output_processor.request_output(req, True)
 
     def get_stats(self) -> EngineStats:
         sch = self.scheduler

@@ -5,11 +5,13 @@ prefilled), then swapped-out ones, then waiting ones, all under one token budget
 no room for a running sequence's next tokens, the lowest-priority running request is preempted (recompute:
 its blocks are freed and it is prefilled again later; swap: its blocks move to host memory). Blocks of
 sliding-window layers are freed as soon as they leave the window (BlockManager.free_skipped_blocks).
+After the step, `update_from_output` finishes the sequences that ended and frees their blocks.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from pagedlm.config import EngineConfig
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
@@ -45,6 +47,14 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class FinishedSeq:
+    """A sequence that ended in this step, and how."""
+
+    seq: Sequence
+    status: SequenceStatus
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -71,10 +81,15 @@ class Scheduler:
                     return req
         return None
 
-    def finish_seq(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-
-    def remove_finished(self) -> None:
+    def update_from_output(self, finished: Iterable[FinishedSeq]) -> None:
+        """The step's ended sequences take their final status and free their blocks; requests with no live
+        sequence left leave the running queue. A sequence that finished already (its request aborted in the
+        same step, or listed twice) is left as it is."""
+        for f in finished:
+            if f.seq.status.finished:
+                continue
+            f.seq.status = f.status
+            self.block_manager.free(f.seq)
         self.running = [r for r in self.running if not r.finished]
 
     def has_unfinished(self) -> bool:
