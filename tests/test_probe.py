@@ -1,0 +1,44 @@
+"""The start-up probe of the kernel/GEMM crossover: its rule, its cache, and a disturbed reading not kept."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlm.model import probe
+
+
+def _timings(crossover: int) -> dict[int, tuple[float, float]]:
+    """Kernel faster than the dense GEMM up to `crossover` rows, slower above."""
+    return {r: (1.0, 2.0) if r <= crossover else (2.0, 1.0) for r in probe.ROWS}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLM_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_crossover_is_the_last_row_count_before_the_kernel_loses():
+    assert probe._crossover(_timings(8)) == 8
+    assert probe._crossover(_timings(0)) == 1  # never below one row
+    mixed = {**_timings(16), 4: (2.0, 1.0)}  # a loss at 4 rows ends the run even if 8 and 16 win again
+    assert probe._crossover(mixed) == 2
+
+
+def test_agreeing_rounds_are_cached_and_read_back(cache, monkeypatch):
+    calls = []
+    monkeypatch.setattr(probe, "_time_paths", lambda *a: calls.append(a) or _timings(8))
+    rows, why = probe.measure_kernel_max_rows("int4", 32, torch.float32)
+    assert rows == 8 and "measured" in why and len(calls) == probe.ROUNDS
+    rows, why = probe.measure_kernel_max_rows("int4", 32, torch.float32)
+    assert rows == 8 and "cached" in why and len(calls) == probe.ROUNDS  # no new measurement
+
+
+def test_disagreeing_rounds_take_the_larger_and_are_not_cached(cache, monkeypatch):
+    readings = iter([_timings(1), _timings(8), _timings(8), _timings(8)])  # the first round was disturbed
+    monkeypatch.setattr(probe, "_time_paths", lambda *a: next(readings))
+    rows, why = probe.measure_kernel_max_rows("int4", 32, torch.float32)
+    assert rows == 8 and "not cached" in why
+    assert not list(cache.rglob("probe-*.json"))
+    rows, why = probe.measure_kernel_max_rows("int4", 32, torch.float32)  # probed again, now stable: cached
+    assert rows == 8 and "not cached" not in why and len(list(cache.rglob("probe-*.json"))) == 1
