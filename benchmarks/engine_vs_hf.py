@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from pagedlm.config import DEFAULT_MODEL
+
 WORDS = ("memory block cache page table sequence token attention model engine request batch schedule kernel "
          "latency throughput prefix share copy write swap host device layer head vector matrix").split()
 
@@ -94,7 +96,7 @@ def run_hf(model, tok, reqs, eos_id: int, batch_size: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=64)

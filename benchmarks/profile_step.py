@@ -11,11 +11,12 @@ import torch
 from torch.profiler import profile
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.config import DEFAULT_MODEL
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=160, help="prompt tokens before the profiled decode steps")

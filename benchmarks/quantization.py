@@ -19,7 +19,7 @@ import torch
 from pagedlm import LLM, SamplingParams
 from pagedlm.bench.common import format_table, make_prompts
 from pagedlm.bench.quality import Agreement, greedy_outputs, perplexity, quality_prompts
-from pagedlm.config import parse_bytes
+from pagedlm.config import DEFAULT_MODEL, parse_bytes
 
 SETTINGS = {
     "fp32 (baseline)": dict(dtype="float32"),
@@ -43,7 +43,7 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma list of: " + ", ".join(SETTINGS))
     ap.add_argument("--kv-budget", default="1GiB", help="KV cache budget for the capacity column and every engine")
     ap.add_argument("--repeats", type=int, default=3)

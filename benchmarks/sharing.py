@@ -17,6 +17,7 @@ import statistics
 import time
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.config import DEFAULT_MODEL
 
 INSTRUCTIONS = [
     "Write a short story about a robot who learns to paint.",
@@ -102,7 +103,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn in (("memory", cmd_memory), ("prefix", cmd_prefix)):
         p = sub.add_parser(name)
-        p.add_argument("--model", default="smollm2-135m")
+        p.add_argument("--model", default=DEFAULT_MODEL)
         p.add_argument("--dtype", default="auto")
         p.add_argument("--num-kv-blocks", type=int, default=4096)
         p.set_defaults(fn=fn)

@@ -65,26 +65,19 @@ def build_tiny_gemma3(path: Path, **config) -> Path:
     return path
 
 
+# the tiny LLaMA's LlamaConfig fields (besides vocab_size = the tiny tokenizer's 512, eos = its <|endoftext|>)
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000, tie_word_embeddings=True,
+                  bos_token_id=None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight 2-layer LLaMA (hidden 64, 4 heads, 2 KV heads, tied embeddings) in HF
     safetensors format, with the tiny tokenizer; loads offline with transformers."""
     path = tmp_path_factory.mktemp("tiny_llama")
     tok = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=10000,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=None,
-    )
+    config = LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=None, **TINY_LLAMA)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)

@@ -11,7 +11,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -86,6 +89,28 @@ class InProcessServer(_Endpoint):
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+
+
+@contextmanager
+def routed_server(model_dir: Path, router, **app_kwargs) -> Iterator[tuple[InProcessServer, dict, Any]]:
+    """Two tiny engines, "small" and "big" (float32, 64 KV blocks, 8 waiting at most), behind `router` as the
+    `model: "auto"` route, served in process: yields (server, engines, route) and shuts them all down after."""
+    from pagedlm.engine.async_engine import AsyncLLMEngine
+    from pagedlm.engine.llm_engine import LLMEngine
+    from pagedlm.server.api import build_app
+    from pagedlm.server.routing import AutoRoute
+
+    engines = {name: AsyncLLMEngine(LLMEngine.from_args(str(model_dir), dtype="float32", num_kv_blocks=64),
+                                    max_waiting=8, log_interval=0) for name in ("small", "big")}
+    route = AutoRoute(router, engines)
+    server = InProcessServer(build_app(engines, route=route, **app_kwargs))
+    try:
+        yield server, engines, route
+    finally:
+        server.stop()
+        route.shutdown()
+        for e in engines.values():
+            e.shutdown()
 
 
 class ServerProcess(_Endpoint):

@@ -22,12 +22,22 @@ LLAMA_70B = {
 }
 
 
+def hf_config(tmp_path, config: dict) -> str:
+    """`config` written to tmp_path/config.json; its path, for --model."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def memory_json(capsys, model: str, *flags: str) -> dict:
+    """The report of `pagedlm memory --model MODEL FLAGS --json`."""
+    assert main(["memory", "--model", model, *flags, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def test_memory_for_bare_hf_config(tmp_path, capsys):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(LLAMA_70B))
-    assert main(["memory", "--model", str(cfg), "--dtype", "bfloat16", "--kv-cache-memory", "40GiB",
-                 "--max-model-len", "8192", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    r = memory_json(capsys, hf_config(tmp_path, LLAMA_70B), "--dtype", "bfloat16", "--kv-cache-memory", "40GiB",
+                    "--max-model-len", "8192")
     assert r["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 327_680  # 320 KiB per token
     assert r["num_blocks"] == 40 * 2**30 // (327_680 * 16)
     assert r["tokens_capacity"] == r["num_blocks"] * 16
@@ -35,9 +45,7 @@ def test_memory_for_bare_hf_config(tmp_path, capsys):
 
 
 def test_memory_human_readable(tmp_path, capsys):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(LLAMA_70B))
-    main(["memory", "--model", str(cfg), "--dtype", "bfloat16"])
+    main(["memory", "--model", hf_config(tmp_path, LLAMA_70B), "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert "2 x 80 layers x 8 kv_heads x 128 head_dim x 2 B" in out and "320.0 KiB" in out
 
@@ -54,11 +62,7 @@ def test_unknown_model_is_a_clear_error(capsys):
 
 
 def test_memory_with_quantized_kv_cache(tmp_path, capsys):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(LLAMA_70B))
-    assert main(["memory", "--model", str(cfg), "--kv-cache-dtype", "int8", "--kv-cache-memory", "40GiB",
-                 "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    r = memory_json(capsys, hf_config(tmp_path, LLAMA_70B), "--kv-cache-dtype", "int8", "--kv-cache-memory", "40GiB")
     assert r["kv_bytes_per_token"] == 2 * 80 * 8 * (128 + 4) and r["scale_bytes"] == 4  # values + fp32 scale
 
 
@@ -80,11 +84,8 @@ GEMMA3_270M = {
 
 def test_memory_separates_sliding_window_layers(tmp_path, capsys):
     """Gemma 3 270M: 3 global layers grow with the sequence, 15 sliding layers keep 512 tokens (+ a block)."""
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(GEMMA3_270M))
-    assert main(["memory", "--model", str(cfg), "--dtype", "bfloat16", "--kv-cache-memory", "2GiB",
-                 "--max-model-len", "32768", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    cfg = hf_config(tmp_path, GEMMA3_270M)
+    r = memory_json(capsys, cfg, "--dtype", "bfloat16", "--kv-cache-memory", "2GiB", "--max-model-len", "32768")
     assert (r["full_layers"], r["sliding_layers"], r["sliding_window"]) == (3, 15, 512)
     assert r["full_bytes_per_token"] == 2 * 3 * 256 * 2 and r["sliding_bytes_per_token"] == 2 * 15 * 256 * 2
     assert (r["layers_per_block"], r["num_groups"]) == (3, 6) and r["bytes_per_block"] == 2 * 3 * 256 * 2 * 16
@@ -93,7 +94,7 @@ def test_memory_separates_sliding_window_layers(tmp_path, capsys):
     assert abs(r["max_concurrency"] - r["num_blocks"] / (2048 + 5 * 33)) < 1e-9
     assert abs(r["max_concurrency_without_freeing"] - r["num_blocks"] / (6 * 2048)) < 1e-9
     assert r["max_concurrency"] > 5 * r["max_concurrency_without_freeing"]
-    main(["memory", "--model", str(cfg), "--dtype", "bfloat16"])
+    main(["memory", "--model", cfg, "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert "sliding window   : 15 layers" in out and "if sliding-window blocks were kept" in out
 
@@ -108,18 +109,15 @@ MIXTRAL_8X7B = {
 
 def test_memory_counts_every_expert(tmp_path, capsys):
     """Mixtral 8x7B: 46.7B parameters (all experts), KV as for its 32 layers x 8 KV heads."""
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(MIXTRAL_8X7B))
-    assert main(["memory", "--model", str(cfg), "--dtype", "bfloat16", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    cfg = hf_config(tmp_path, MIXTRAL_8X7B)
+    r = memory_json(capsys, cfg, "--dtype", "bfloat16")
     assert r["weight_params"] == 46_702_792_704 and r["weight_bytes"] == 2 * 46_702_792_704
     assert (r["num_experts"], r["moe_layers"], r["kv_bytes_per_token"]) == (8, 32, 2 * 32 * 8 * 128 * 2)
-    main(["memory", "--model", str(cfg), "--dtype", "bfloat16"])
+    main(["memory", "--model", cfg, "--dtype", "bfloat16"])
     assert "46,702.8M parameters, all 8 experts of 32 MoE layers = 87.0 GiB" in capsys.readouterr().out
-    cfg.write_text(json.dumps({**MIXTRAL_8X7B, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                               "sliding_window": 4096, "num_local_experts": None}))
-    assert main(["memory", "--model", str(cfg), "--dtype", "bfloat16", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    mistral = {**MIXTRAL_8X7B, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+               "sliding_window": 4096, "num_local_experts": None}
+    r = memory_json(capsys, hf_config(tmp_path, mistral), "--dtype", "bfloat16")
     assert r["sliding_layers"] == 32 and r["sliding_window"] == 4096 and r["num_experts"] == 0
 
 

@@ -261,23 +261,10 @@ def test_pip_download_error_names_package(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_config_from_hf_dir(tiny_model_dir: Path) -> None:
+    from conftest import TINY_LLAMA
+
     cfg = load_hf_config(tiny_model_dir)
-    expect = dict(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        head_dim=16,
-        rope_theta=10000,
-        rope_scaling=None,
-        max_position_embeddings=512,
-        vocab_size=512,
-        tie_word_embeddings=True,
-        eos_token_id=0,
-        bos_token_id=None,
-    )
+    expect = dict(TINY_LLAMA, model_type="llama", head_dim=16, rope_scaling=None, vocab_size=512, eos_token_id=0)
     assert {k: cfg[k] for k in expect} == expect
 
 

@@ -6,13 +6,9 @@ import json
 import time
 
 import pytest
-from server_utils import InProcessServer
+from server_utils import routed_server
 
-from pagedlm.engine.async_engine import AsyncLLMEngine
-from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.router import BudgetLimits, CascadePolicy, HeuristicPolicy, ModelEntry, Router, ShareMonitor, SpendLedger
-from pagedlm.server.api import build_app
-from pagedlm.server.routing import AutoRoute
 
 EASY = "Hello! How are you today?"
 HARD = ("```python\ndef solve(n):\n    return n * 2\n```\nExplain step by step why this function computes the "
@@ -22,20 +18,11 @@ PRICES = {"small": (1e-6, 1e-6), "big": (1e-4, 1e-4)}  # dollars per token
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
-    engines = {name: AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
-                                    max_waiting=8, log_interval=0) for name in ("small", "big")}
     router = Router([ModelEntry("small", False, *PRICES["small"]), ModelEntry("big", True, *PRICES["big"])],
                     HeuristicPolicy())
-    route = AutoRoute(router, engines)
-    server = InProcessServer(build_app(engines, api_key=["ka", "kb"], route=route))
-    server.engines = engines
-    try:
+    with routed_server(tiny_model_dir, router, api_key=["ka", "kb"]) as (server, engines, _):
+        server.engines = engines
         yield server, router
-    finally:
-        server.stop()
-        route.shutdown()
-        for e in engines.values():
-            e.shutdown()
 
 
 @pytest.fixture()

@@ -10,13 +10,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from server_utils import InProcessServer, ServerProcess
+from server_utils import ServerProcess, routed_server
 
 from pagedlm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
-from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.router import SLO, HeuristicPolicy, LoadStats, ModelEntry, Router, extract_features
-from pagedlm.server.api import build_app
-from pagedlm.server.routing import AutoRoute
 
 EASY = "Hello! How are you today?"
 HARD = ("```python\ndef solve(n):\n    return n * 2\n```\nExplain step by step why this function computes the "
@@ -99,18 +96,9 @@ def test_cli_auto_completions_and_chat(served):
 # --- in process: fallback, SLA, load -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def inproc(tiny_model_dir):
-    engines = {name: AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
-                                    max_waiting=8, log_interval=0) for name in ("small", "big")}
-    router = Router([ModelEntry("small"), ModelEntry("big", strong=True)], HeuristicPolicy())
-    route = AutoRoute(router, engines)
-    server = InProcessServer(build_app(engines, route=route))
-    try:
-        yield server, engines, route
-    finally:
-        server.stop()
-        route.shutdown()
-        for e in engines.values():
-            e.shutdown()
+    with routed_server(tiny_model_dir, Router([ModelEntry("small"), ModelEntry("big", strong=True)],
+                                              HeuristicPolicy())) as served:
+        yield served
 
 
 @pytest.fixture()

@@ -14,6 +14,7 @@ import statistics
 import time
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.config import DEFAULT_MODEL
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
          "phi chi psi omega").split()
@@ -111,7 +112,7 @@ def simulate(args: argparse.Namespace) -> dict:
                 info = SimpleNamespace(kv=SimpleNamespace(block_size=16), prefix_caching=True)
                 rep.stats = EngineStats(rng.randrange(8), 0, 0, 0.5, 5000, 10_000, 0, 0, 0, 0, 0)
                 rep.cached, rep._expected = {rng.getrandbits(64) for _ in range(cache)}, {}
-                rep.on_lost, rep.tokenizer, rep.facade = None, None, SimpleNamespace(info=info, tokenizer=None)
+                rep.on_lost, rep.facade = None, SimpleNamespace(info=info, tokenizer=None)
                 rep.max_waiting, rep.stall_timeout, rep._listeners = 512, 0.0, []
                 reps.append(rep)
             rs = ReplicaSet(reps)
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("what", choices=["batch", "tenants", "simulate"])
     p.add_argument("--cache-blocks", type=int, default=100_000)
     p.add_argument("--prompt-tokens", type=int, default=2048)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)

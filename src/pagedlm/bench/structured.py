@@ -13,6 +13,7 @@ import time
 import torch
 
 from pagedlm.bench.common import format_table, median
+from pagedlm.config import DEFAULT_MODEL
 from pagedlm.sampling.params import SamplingParams, StructuredOutputsParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow
 
@@ -87,7 +88,7 @@ def _parses(text: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -11,38 +11,16 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from pagedlm.engine.client import EngineClient, RequestStream, StepRecord, deliver
+from pagedlm.engine.errors import EngineDeadError, QueueFullError, RequestFailedError, stalled_error
 from pagedlm.engine.facade import EngineFacade
 from pagedlm.engine.llm_engine import EngineStats, LLMEngine
-from pagedlm.outputs import RequestOutput
 from pagedlm.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue already holds `max_waiting` requests; retry later (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while running this request, which was aborted (its blocks freed)."""
-
-
-@dataclass
-class StepRecord:
-    """What one loop iteration did; handed to listeners on the engine thread (for metrics)."""
-
-    stats: EngineStats
-    ttft: list[float] = field(default_factory=list)  # arrival -> first token, per request that got one now
-    itl: list[float] = field(default_factory=list)  # gap since the request's previous output
-    finished: list[RequestOutput] = field(default_factory=list)  # finished, aborted and failed requests
 
 
 @dataclass
@@ -68,89 +46,7 @@ class _FailAll:
 _STOP = object()
 
 
-class RequestStream:
-    """One request's outputs, as an async iterator on the loop that submitted it.
-
-    Yields cumulative `RequestOutput`s and stops after the finished one; raises `RequestFailedError` /
-    `EngineDeadError` if the engine fails it. `abort()` (idempotent) frees the request at once.
-    Outputs are cumulative, so only the newest one is kept (as vLLM merges pending outputs): a consumer that
-    falls behind skips to the latest state, and a stream nobody reads holds one output, not one per step.
-    """
-
-    def __init__(self, owner: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._owner = owner
-        self._loop = loop
-        self._pending: RequestOutput | BaseException | None = None  # the newest output not yet taken
-        self._ready = asyncio.Event()
-        # monotonic time since which an output waits unread (None: nothing waits); read by the engine thread
-        self.unread_since: float | None = None
-        self._accepted: asyncio.Future = loop.create_future()
-        self._last_output_time: float | None = None  # engine thread only
-        self.buffered = False  # set by a consumer that sends the client nothing before the end (a replica set
-        # may then still retry the request elsewhere after outputs were taken)
-
-    async def accepted(self) -> None:
-        """Wait until the engine queued the request; raises ValueError / QueueFullError / EngineDeadError.
-        If the wait is cancelled, the request is aborted."""
-        try:
-            await asyncio.shield(self._accepted)
-        except BaseException:
-            self.abort()
-            raise
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        await self.wait_output()
-        if self._pending is None:
-            raise StopAsyncIteration
-        item, self._pending, self.unread_since = self._pending, None, None
-        if item.finished:
-            self.finished = True
-        return item
-
-    next_latest = __anext__  # every output is the latest one: pending outputs are merged
-
-    async def wait_output(self) -> None:
-        """Wait until the next output is ready without consuming it (returns at once when the stream ended);
-        raises the failure if that is what came."""
-        while self._pending is None and not self.finished:
-            self._ready.clear()
-            await self._ready.wait()
-        if isinstance(self._pending, BaseException):
-            self.finished = True
-            error, self._pending = self._pending, None
-            raise error
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._ready.set()
-            self._owner._submit(_Abort(self.request_id))
-
-    # --- called on the loop thread, scheduled by the engine thread ---
-    def _accept(self, error: BaseException | None) -> None:
-        if self._accepted.done():
-            return
-        if error is None:
-            self._accepted.set_result(None)
-        else:
-            self.finished = True
-            self._accepted.set_exception(error)
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(self._pending, BaseException):
-            return  # a failure is final
-        self._pending = item
-        if self.unread_since is None:
-            self.unread_since = time.monotonic()
-        self._ready.set()
-
-
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     """Owns `engine` and the thread that steps it (started here; stop it with `shutdown()`). Other threads
     read the engine only through `facade` (its facts and front-end checks, built here before the thread starts).
 
@@ -158,6 +54,7 @@ class AsyncLLMEngine:
     log_interval: seconds between throughput log lines while active (0 disables them).
     stall_timeout: a request whose newest output has waited unread this many seconds (a client that stopped
     reading its stream) is failed and its blocks freed (0 disables).
+    Listeners (`add_listener`) run on the engine thread after every loop iteration.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int = 512, log_interval: float = 10.0,
@@ -184,27 +81,9 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="pagedlm-engine", daemon=True)
         self._thread.start()
 
-    # --- read-only facts for the API layer ---------------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.facade.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.facade.max_model_len
-
-    @property
-    def num_open_requests(self) -> int:
-        """Requests accepted and not yet finished (read from any thread)."""
-        return len(self._streams)
-
     @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
-
-    def add_listener(self, fn: Callable[[StepRecord], None]) -> None:
-        """`fn(record)` runs on the engine thread after every loop iteration (it must be quick)."""
-        self._listeners.append(fn)
 
     # --- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
@@ -217,23 +96,6 @@ class AsyncLLMEngine:
             self._submit(_Add(stream, prompt, params, priority,
                               time.monotonic() if arrival_time is None else arrival_time, cache_salt))
         return stream
-
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
-        """Queue a request; raises ValueError (bad input) or QueueFullError, with nothing queued."""
-        stream = self.submit(request_id, prompt, params, priority, arrival_time)
-        await stream.accepted()
-        return stream
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they are produced. Closing the generator early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if unknown or finished); its blocks are freed before the next step."""
@@ -305,12 +167,11 @@ class AsyncLLMEngine:
     def _fail_stalled(self, record: StepRecord) -> None:
         now = time.monotonic()
         for rid, stream in list(self._streams.items()):
-            since = stream.unread_since
-            if since is not None and now - since > self.stall_timeout:
-                logger.warning("Request %s: nobody read its output for %.0f s; aborting it", rid, now - since)
+            if stream.stalled(self.stall_timeout, now):
+                logger.warning("Request %s: nobody read its output for %.0f s; aborting it", rid,
+                               now - stream.unread_since)
                 self.num_stalled += 1
-                self._fail(rid, RequestFailedError(f"Request {rid} was aborted: its output was not read for "
-                                                   f"{self.stall_timeout:g} s."), record)
+                self._fail(rid, stalled_error(rid, self.stall_timeout), record)
 
     def _wait_for_commands(self, stalled: bool) -> list[object]:
         cmds = []
@@ -409,28 +270,13 @@ class AsyncLLMEngine:
             self._deliver([(stream, error)])
 
     def _deliver(self, items: list[tuple[RequestStream, object]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for stream, item in items:
-            by_loop[stream._loop].append((stream, item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the caller's loop is closed: nobody will read these
-                for stream, _ in batch:
-                    self._inbox.put(_Abort(stream.request_id))
+        deliver(items, lambda stream: self.abort(stream.request_id))
 
     def _call(self, stream: RequestStream, fn: Callable, *args) -> None:
         try:
             stream._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:
             self._inbox.put(_Abort(stream.request_id))
-
-    def _notify(self, record: StepRecord) -> None:
-        for fn in self._listeners:
-            try:
-                fn(record)
-            except Exception:  # noqa: BLE001
-                logger.exception("Engine listener failed")
 
     def _maybe_log(self) -> None:
         t0, p0, g0 = self._log_state
@@ -451,8 +297,3 @@ def _failed(request_id: str, error: BaseException) -> RequestFailedError:
     """The client-facing failure: the class and the request id (the details are in the log)."""
     return RequestFailedError(f"The engine failed ({type(error).__name__}) while running request {request_id}; "
                               "see the server log.")
-
-
-def _put_all(batch: list[tuple[RequestStream, object]]) -> None:
-    for stream, item in batch:
-        stream._put(item)

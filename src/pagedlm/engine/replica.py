@@ -19,19 +19,13 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlm.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    QueueFullError,
-    RequestFailedError,
-    RequestStream,
-    StepRecord,
-)
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.client import EngineClient, RequestStream, StepRecord, deliver
+from pagedlm.engine.errors import EngineDeadError, QueueFullError, RequestFailedError, stalled_error
 from pagedlm.engine.facade import EngineFacade, EngineInfo
 from pagedlm.engine.llm_engine import EngineStats
 from pagedlm.kvcache.block_manager import hash_block
@@ -247,16 +241,13 @@ class RemoteStream(RequestStream):
     def retryable(self) -> bool:
         return self.taken == 0 or self.buffered
 
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._ready.set()
-            if self.client is not None:
-                self.client.abort(self.request_id)
+    def _release(self) -> None:
+        if self.client is not None:
+            self.client.abort(self.request_id)
 
 
-class ReplicaClient:
-    """One replica actor seen as an engine (the interface `AsyncLLMEngine` gives the server).
+class ReplicaClient(EngineClient):
+    """One replica actor seen as an engine (an `EngineClient`, as `AsyncLLMEngine` is).
 
     on_lost(stream, error): called (on the pump thread) for each open stream of a replica that died or hung;
     default: the stream fails with `error`.
@@ -277,7 +268,6 @@ class ReplicaClient:
             from pagedlm.hub.registry import resolve_model
             from pagedlm.hub.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(resolve_model(self.info.engine.model))
-        self.tokenizer = tokenizer
         self.facade = EngineFacade.remote(self.info.engine, tokenizer)
         self.max_waiting, self.stall_timeout = max_waiting, stall_timeout
         self.poll_timeout, self.health_timeout = poll_timeout, health_timeout
@@ -297,22 +287,10 @@ class ReplicaClient:
         self._thread = threading.Thread(target=self._pump, name=f"pagedlm-replica-{name}", daemon=True)
         self._thread.start()
 
-    # --- the engine interface ------------------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        return self.facade.max_model_len
-
-    @property
-    def num_open_requests(self) -> int:
-        return len(self._streams)
-
+    # --- the engine interface (listeners run on the pump thread, after each poll that brought records) ------
     @property
     def is_running(self) -> bool:
         return self.healthy and not self._stop.is_set()
-
-    def add_listener(self, fn: Callable[[StepRecord], None]) -> None:
-        """`fn(record)` runs on the pump thread after each poll that brought latencies or finished requests."""
-        self._listeners.append(fn)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                arrival_time: float | None = None, cache_salt: str | None = None) -> RemoteStream:
@@ -329,12 +307,6 @@ class ReplicaClient:
                 stream._accept(None)
 
         loop.create_task(place())
-        return stream
-
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, arrival_time: float | None = None) -> RemoteStream:
-        stream = self.submit(request_id, prompt, params, priority, arrival_time)
-        await stream.accepted()
         return stream
 
     async def add(self, stream: RemoteStream, prompt: str | list[int], params: SamplingParams, priority: int,
@@ -445,36 +417,21 @@ class ReplicaClient:
             for rid, out in poll.outputs.items():
                 if isinstance(out, tuple) or out.finished:
                     self._streams.pop(rid, None)
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for stream, out in items:
-            if isinstance(out, tuple):
-                out = _decode_error(out)
-            by_loop[stream._loop].append((stream, out))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the caller's loop is closed
-                for stream, _ in batch:
-                    self.abort(stream.request_id)
+        deliver([(stream, _decode_error(out) if isinstance(out, tuple) else out) for stream, out in items],
+                lambda stream: self.abort(stream.request_id))
         if self.stall_timeout > 0:
             self._fail_stalled()
         if rec.ttft or rec.itl or rec.finished:
-            for fn in self._listeners:
-                try:
-                    fn(rec)
-                except Exception:  # noqa: BLE001
-                    logger.exception("Replica listener failed")
+            self._notify(rec)
 
     def _fail_stalled(self) -> None:
         now = time.monotonic()
         for stream in list(self._streams.values()):
-            since = stream.unread_since
-            if since is not None and now - since > self.stall_timeout:
+            if stream.stalled(self.stall_timeout, now):
                 self.num_stalled += 1
                 self._base = (self._base[0], self._base[1], self._base[2] + 1)
                 self.abort(stream.request_id)
-                self._deliver(stream, RequestFailedError(f"Request {stream.request_id} was aborted: its output was "
-                                                         f"not read for {self.stall_timeout:g} s."))
+                self._deliver(stream, stalled_error(stream.request_id, self.stall_timeout))
 
     def _take_streams(self) -> list[RemoteStream]:
         with self._lock:
@@ -482,10 +439,7 @@ class ReplicaClient:
         return streams
 
     def _deliver(self, stream: RemoteStream, item: object) -> None:
-        try:
-            stream._loop.call_soon_threadsafe(_put_all, [(stream, item)])
-        except RuntimeError:
-            pass
+        deliver([(stream, item)], lambda _: None)
 
     def _lost(self, why: str, hung: bool) -> None:
         """Take the replica out, hand over its requests, and wait (on this thread) until Ray restarted it."""
@@ -527,11 +481,6 @@ class ReplicaClient:
             self.healthy = True
             logger.warning("Replica %s is back (pid %d, restarts %d)", self.name, self.pid, self.restarts)
             return
-
-
-def _put_all(batch: list[tuple[RequestStream, object]]) -> None:
-    for stream, item in batch:
-        stream._put(item)
 
 
 @dataclass

@@ -17,7 +17,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pagedlm.engine.async_engine import EngineDeadError, QueueFullError, StepRecord
+from pagedlm.engine.client import EngineClient, StepRecord
+from pagedlm.engine.errors import EngineDeadError, QueueFullError
 from pagedlm.engine.llm_engine import EngineStats
 from pagedlm.engine.replica import RemoteStream, ReplicaClient, prompt_block_hashes
 from pagedlm.router.policies import (
@@ -44,8 +45,8 @@ class _Request:
     hashes: list[int]
 
 
-class ReplicaSet:
-    """`replicas` of one model behind the engine interface the server uses (submit / abort / stats /
+class ReplicaSet(EngineClient):
+    """`replicas` of one model behind the engine interface the server uses (`EngineClient`: submit / abort / stats /
     listeners / fail_all / shutdown). policy: a replica policy (default prefix affinity); max_retries: times a
     request is placed again after losing its replica."""
 
@@ -60,7 +61,6 @@ class ReplicaSet:
         self.decisions = {name: 0 for name in self.replicas}  # requests placed on each replica
         first = replicas[0]
         self.facade = first.facade  # the replicas serve one model: the same facts, checks and tokenizer
-        self.tokenizer = self.facade.tokenizer
         self.max_waiting, self.stall_timeout = first.max_waiting, first.stall_timeout
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._placing = 0
@@ -69,11 +69,7 @@ class ReplicaSet:
             c.on_lost = self._on_lost
             c.add_listener(self._notify)
 
-    # --- the engine interface ------------------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        return self.facade.max_model_len
-
+    # --- the engine interface (listeners run on a replica's pump thread, with its records) -------------
     @property
     def num_open_requests(self) -> int:
         return self._placing + sum(c.num_open_requests for c in self.replicas.values())
@@ -114,10 +110,6 @@ class ReplicaSet:
             prefix_cache_queries=sum(s.prefix_cache_queries for s in snaps),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in snaps), moe_expert_tokens=moe)
 
-    def add_listener(self, fn: Callable[[StepRecord], None]) -> None:
-        """`fn(record)` runs on a replica's pump thread with that replica's step records."""
-        self._listeners.append(fn)
-
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                arrival_time: float | None = None, cache_salt: str | None = None) -> RemoteStream:
         import time
@@ -134,20 +126,6 @@ class ReplicaSet:
         loop.create_task(self._place(stream, req, set(), first=True))
         stream._replica_request = req  # type: ignore[attr-defined]
         return stream
-
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, arrival_time: float | None = None) -> RemoteStream:
-        stream = self.submit(request_id, prompt, params, priority, arrival_time)
-        await stream.accepted()
-        return stream
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0):
-        stream = await self.add_request(request_id, prompt, params, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     def abort(self, request_id: str) -> None:
         for c in self.replicas.values():
@@ -282,10 +260,3 @@ class ReplicaSet:
             stream._pending, stream.unread_since = None, None
         req = replace(req)
         asyncio.get_running_loop().create_task(self._place(stream, req, {lost}, first=False))
-
-    def _notify(self, rec: StepRecord) -> None:
-        for fn in self._listeners:
-            try:
-                fn(rec)
-            except Exception:  # noqa: BLE001
-                logger.exception("Engine listener failed")

@@ -36,6 +36,32 @@ _DECISION_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.
 _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 
 
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+# (kind, name, help, value of (engine, its stats snapshot)), in exposition order
+_ENGINE_FAMILIES: list[tuple[type, str, str, Callable]] = [
+    (_G, "vllm:num_requests_running", "Sequences in the running batch.", lambda e, s: s.num_running),
+    (_G, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda e, s: s.num_waiting),
+    (_G, "vllm:num_requests_swapped", "Requests swapped out to host memory.", lambda e, s: s.num_swapped),
+    (_G, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", lambda e, s: s.kv_cache_usage),
+    (_G, "vllm:gpu_cache_usage_perc", "KV-cache usage (legacy name); 1 means 100 percent.",
+     lambda e, s: s.kv_cache_usage),
+    (_C, "vllm:num_preemptions", "Cumulative number of preemptions.", lambda e, s: s.num_preemptions),
+    (_C, "vllm:prompt_tokens", "Prefill tokens processed.", lambda e, s: s.prompt_tokens),
+    (_C, "vllm:generation_tokens", "Generation tokens processed.", lambda e, s: s.generation_tokens),
+    (_C, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda e, s: s.prefix_cache_queries),
+    (_C, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e, s: s.prefix_cache_hits),
+    (_G, "pagedlm:kv_blocks_total", "KV-cache blocks on the device.", lambda e, s: s.num_total_blocks),
+    (_G, "pagedlm:kv_blocks_free", "Free KV-cache blocks.", lambda e, s: s.num_free_blocks),
+    (_G, "pagedlm:kv_blocks_used", "Allocated KV-cache blocks.", lambda e, s: s.num_total_blocks - s.num_free_blocks),
+    (_C, "pagedlm:requests_rejected", "Requests refused because the waiting queue was full.",
+     lambda e, s: e.num_rejected),
+    (_C, "pagedlm:requests_failed", "Requests failed by an engine error.", lambda e, s: e.num_failed),
+    (_C, "pagedlm:requests_stalled", "Requests aborted because their client stopped reading.",
+     lambda e, s: e.num_stalled),
+]
+
+
 class _EngineCollector(Collector):
     """Each engine's stats snapshot, one sample per model (label `model_name`) in every family."""
 
@@ -57,41 +83,18 @@ class _EngineCollector(Collector):
                 f.add_metric(list(key), value(eng, s))
             return f
 
-        G, C = GaugeMetricFamily, CounterMetricFamily
-        yield family(G, "vllm:num_requests_running", "Sequences in the running batch.", lambda e, s: s.num_running)
-        yield family(G, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda e, s: s.num_waiting)
-        yield family(G, "vllm:num_requests_swapped", "Requests swapped out to host memory.",
-                     lambda e, s: s.num_swapped)
-        yield family(G, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.",
-                     lambda e, s: s.kv_cache_usage)
-        yield family(G, "vllm:gpu_cache_usage_perc", "KV-cache usage (legacy name); 1 means 100 percent.",
-                     lambda e, s: s.kv_cache_usage)
-        yield family(C, "vllm:num_preemptions", "Cumulative number of preemptions.", lambda e, s: s.num_preemptions)
-        yield family(C, "vllm:prompt_tokens", "Prefill tokens processed.", lambda e, s: s.prompt_tokens)
-        yield family(C, "vllm:generation_tokens", "Generation tokens processed.", lambda e, s: s.generation_tokens)
-        yield family(C, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                     lambda e, s: s.prefix_cache_queries)
-        yield family(C, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                     lambda e, s: s.prefix_cache_hits)
-        yield family(G, "pagedlm:kv_blocks_total", "KV-cache blocks on the device.", lambda e, s: s.num_total_blocks)
-        yield family(G, "pagedlm:kv_blocks_free", "Free KV-cache blocks.", lambda e, s: s.num_free_blocks)
-        yield family(G, "pagedlm:kv_blocks_used", "Allocated KV-cache blocks.",
-                     lambda e, s: s.num_total_blocks - s.num_free_blocks)
-        yield family(C, "pagedlm:requests_rejected", "Requests refused because the waiting queue was full.",
-                     lambda e, s: e.num_rejected)
-        yield family(C, "pagedlm:requests_failed", "Requests failed by an engine error.", lambda e, s: e.num_failed)
-        yield family(C, "pagedlm:requests_stalled", "Requests aborted because their client stopped reading.",
-                     lambda e, s: e.num_stalled)
+        for kind, name, doc, value in _ENGINE_FAMILIES:
+            yield family(kind, name, doc, value)
         if by_replica:
-            yield family(C, "pagedlm:replica_restarts", "Times Ray restarted the replica after it died or hung.",
+            yield family(_C, "pagedlm:replica_restarts", "Times Ray restarted the replica after it died or hung.",
                          lambda e, s: getattr(e, "restarts", 0))
-            yield family(C, "pagedlm:replica_retries", "Requests moved to another replica after losing this one "
+            yield family(_C, "pagedlm:replica_retries", "Requests moved to another replica after losing this one "
                                                        "before sending anything.",
                          lambda e, s: self._retries(e))
-            yield family(G, "pagedlm:replica_healthy", "1 while the replica is up, 0 while it is out.",
+            yield family(_G, "pagedlm:replica_healthy", "1 while the replica is up, 0 while it is out.",
                          lambda e, s: float(e.is_running))
-        moe = C("pagedlm:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer.",
-                labels=[*labels, "layer", "expert"])
+        moe = _C("pagedlm:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer.",
+                 labels=[*labels, "layer", "expert"])
         for key, eng, s in snaps:
             for layer, counts in s.moe_expert_tokens.items():
                 for expert, n in enumerate(counts):

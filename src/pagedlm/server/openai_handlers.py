@@ -1,7 +1,7 @@
 """The OpenAI endpoints of one served model (`ModelServer`), once its model is resolved: prompts tokenized and
 checked, the request submitted to its engine, and the outputs answered as a response or an SSE stream
 (completions, chat with tool calls, logprobs), plus its tokenizer endpoints. The engine is seen only through
-its `EngineFacade` (facts, chat template, admission and parameter checks) and `AsyncLLMEngine`'s public
+its `EngineFacade` (facts, chat template, admission and parameter checks) and `EngineClient`'s public
 methods."""
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from pagedlm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     QueueFullError,
-    RequestFailedError,
     RequestStream,
 )
 from pagedlm.engine.facade import ChatTemplateError
@@ -32,14 +31,12 @@ from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import protocol as P
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable
 from pagedlm.server.streaming import (
-    DONE,
     ChoiceState,
     EventStream,
     abort_all,
     advance,
     collect,
     event,
-    event_error,
     first_outputs,
     merge,
 )
@@ -100,10 +97,8 @@ class ModelServer:
         streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival,
                                      self._cache_salt(request, req))
         if req.stream:
-            if routed:
-                await first_outputs(request, streams)
-            return EventStream(self._completion_events(req, rid, prompts, streams, params), streams,
-                               self.engine.stall_timeout)
+            return await self._event_stream(request, streams, routed,
+                                            self._completion_events(req, rid, prompts, streams, params))
         finals = await collect(request, streams)
         choices = [self._completion_choice(i * params.n + o.index, req, params, prompt, out, o, ChoiceState())
                    for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
@@ -186,27 +181,20 @@ class ModelServer:
         created, n = int(time.time()), params.n
         states = [ChoiceState() for _ in range(len(prompts) * n)]
         latest: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            async for i, out in merge(streams):
-                latest[i] = out
-                for o in out.outputs:
-                    st = states[i * n + o.index]
-                    if st.done:
-                        continue
-                    choice = self._completion_choice(i * n + o.index, req, params, prompts[i], out, o, st)
-                    if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
-                        usage = _usage(latest) if req.continuous_usage and req.include_usage else None
-                        yield event(P.CompletionResponse(id=rid, created=created, model=self.name,
-                                                          choices=[choice], usage=usage))
-            if req.include_usage:
-                yield event(P.CompletionResponse(id=rid, created=created, model=self.name, choices=[],
-                                                  usage=_usage(latest)))
-            yield DONE
-        except (RequestFailedError, EngineDeadError) as e:
-            yield event_error(APIError(500, str(e), type="server_error"))
-            yield DONE
-        finally:
-            abort_all(streams)
+        async for i, out in merge(streams):
+            latest[i] = out
+            for o in out.outputs:
+                st = states[i * n + o.index]
+                if st.done:
+                    continue
+                choice = self._completion_choice(i * n + o.index, req, params, prompts[i], out, o, st)
+                if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
+                    usage = _usage(latest) if req.continuous_usage and req.include_usage else None
+                    yield event(P.CompletionResponse(id=rid, created=created, model=self.name,
+                                                      choices=[choice], usage=usage))
+        if req.include_usage:
+            yield event(P.CompletionResponse(id=rid, created=created, model=self.name, choices=[],
+                                              usage=_usage(latest)))
 
     # --- chat ---
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
@@ -230,9 +218,7 @@ class ModelServer:
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [ids], params, req.priority, arrival, self._cache_salt(request, req))
         if req.stream:
-            if routed:
-                await first_outputs(request, streams)
-            return EventStream(self._chat_events(req, rid, streams, params), streams, self.engine.stall_timeout)
+            return await self._event_stream(request, streams, routed, self._chat_events(req, rid, streams, params))
         (out,) = await collect(request, streams)
         choices = []
         for o in out.outputs:
@@ -288,37 +274,29 @@ class ModelServer:
             return event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, usage=usage,
                                                 choices=[P.ChatStreamChoice(index=index, delta=delta, **kw)]))
 
-        try:
-            for j in range(n):
-                yield chunk(j, P.DeltaMessage(role="assistant", content=""))
-            async for _, out in merge(streams):
-                latest[0] = out
-                for o in out.outputs:
-                    st = states[o.index]
-                    if st.done:
-                        continue
-                    if req.tools_active:
-                        for ev in self._tool_events(st, o, stops, chunk):
-                            yield ev
-                        continue
-                    text, t0, t1 = advance(st, o, stops)
-                    lps = None
-                    if k is not None and t1 > t0:
-                        lps = self._chat_logprobs(o.token_ids[t0:t1], (o.logprobs or [])[t0:t1], k)
-                    if text or lps:
-                        yield chunk(o.index, P.DeltaMessage(content=text), logprobs=lps)
-                    if st.done:
-                        yield chunk(o.index, P.DeltaMessage(), finish_reason=o.finish_reason,
-                                    stop_reason=o.stop_reason)
-            if req.include_usage:
-                yield event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[],
-                                                   usage=_usage(latest)))
-            yield DONE
-        except (RequestFailedError, EngineDeadError) as e:
-            yield event_error(APIError(500, str(e), type="server_error"))
-            yield DONE
-        finally:
-            abort_all(streams)
+        for j in range(n):
+            yield chunk(j, P.DeltaMessage(role="assistant", content=""))
+        async for _, out in merge(streams):
+            latest[0] = out
+            for o in out.outputs:
+                st = states[o.index]
+                if st.done:
+                    continue
+                if req.tools_active:
+                    for ev in self._tool_events(st, o, stops, chunk):
+                        yield ev
+                    continue
+                text, t0, t1 = advance(st, o, stops)
+                lps = None
+                if k is not None and t1 > t0:
+                    lps = self._chat_logprobs(o.token_ids[t0:t1], (o.logprobs or [])[t0:t1], k)
+                if text or lps:
+                    yield chunk(o.index, P.DeltaMessage(content=text), logprobs=lps)
+                if st.done:
+                    yield chunk(o.index, P.DeltaMessage(), finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+        if req.include_usage:
+            yield event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[],
+                                               usage=_usage(latest)))
 
     def _tool_events(self, st: ChoiceState, o: CompletionOutput, stops: list[str],
                      chunk: Callable[..., str]) -> list[str]:
@@ -386,6 +364,13 @@ class ModelServer:
         if isinstance(e, ValueError):
             raise APIError(400, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
         raise e
+
+    async def _event_stream(self, request: Request, streams: list[RequestStream], routed: bool,
+                            events: AsyncIterator[str]) -> EventStream:
+        """The SSE response of `events`; a routed request first waits for its first outputs (see the class)."""
+        if routed:
+            await first_outputs(request, streams)
+        return EventStream(events, streams, self.engine.stall_timeout)
 
     # --- tokenizer endpoints ---
     def tokenize(self, req: P.TokenizeRequest) -> Response:

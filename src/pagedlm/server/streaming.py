@@ -139,14 +139,28 @@ def event_error(e: APIError) -> str:
     return f"data: {json.dumps(e.body())}\n\n"
 
 
+async def until_done(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
+    """`events`, then `[DONE]`; an engine failure ends them early with an error event and `[DONE]`. The streams
+    are aborted at the end."""
+    try:
+        async for ev in events:
+            yield ev
+        yield DONE
+    except (RequestFailedError, EngineDeadError) as e:
+        yield event_error(APIError(500, str(e), type="server_error"))
+        yield DONE
+    finally:
+        abort_all(streams)
+
+
 class EventStream(StreamingResponse):
-    """An SSE response of `events` that aborts `streams` when it ends, and ends (closing the connection) once
-    an output of its streams has waited unread longer than `stall_timeout` (the engine's; 0: never): a client
-    that stopped reading then holds nothing."""
+    """An SSE response of `events` and `[DONE]` (`until_done`) that aborts `streams` when it ends, and ends
+    (closing the connection) once an output of its streams has waited unread longer than `stall_timeout` (the
+    engine's; 0: never): a client that stopped reading then holds nothing."""
 
     def __init__(self, events: AsyncIterator[str], streams: list[RequestStream], stall_timeout: float) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                         background=BackgroundTask(abort_all, streams))
+        super().__init__(until_done(events, streams), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"}, background=BackgroundTask(abort_all, streams))
         self.streams = streams
         self.timeout = stall_timeout
 
@@ -156,7 +170,7 @@ class EventStream(StreamingResponse):
 
         def stalled() -> bool:
             now = time.monotonic()
-            return any(s.unread_since is not None and now - s.unread_since > self.timeout for s in self.streams)
+            return any(s.stalled(self.timeout, now) for s in self.streams)
 
         async def receive_or_stall() -> dict:  # Starlette ends the response when this says "disconnect"
             msg = asyncio.ensure_future(receive())
