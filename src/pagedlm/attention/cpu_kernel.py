@@ -5,6 +5,8 @@ It is plain C++ behind a C ABI, compiled on first use with the system's g++ (abo
 no ninja) into the kernel cache (cbuild.py) and called through ctypes. `load_kernel()` returns None (and says why
 in the log) where that fails; callers then fall back to the sdpa path. The kernels range-check the batch before
 touching the cache: a block id or slot outside it raises ValueError, with nothing read out of range or written.
+The inner loop is compiled for the build's ISA (-march=native): AVX-512, AVX2 + FMA or portable C++;
+`kernel_variant(march)` builds the others this CPU can run, and `attention_isa(lib)` says which a build has.
 
 `CpuKernelBackend` is the attention backend built on it, and the one backend the fused decoder stack
 (model/llama_decode.py, which compiles the same attention code in) may stand in for.
