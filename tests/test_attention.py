@@ -295,3 +295,65 @@ def test_fused_rope_write_kv_rejects_slots_outside_the_cache(bad_slot):
     slots[3] = 0
     assert rope_write_kv(qkv, cos, sin, h, kvh, kc, vc, slots)
     assert not torch.equal(kc, saved[1])
+
+
+# ---- every ISA path of the kernel ------------------------------------------------------------------------------
+
+def _expected_isa(march):
+    """The inner loop a -march=<march> build must compile here, or None where this CPU cannot run that build."""
+    import platform
+
+    from pagedlm.attention import cpu_kernel
+    from pagedlm.cpu import cpu_features
+
+    flags = cpu_features().flags
+    avx2 = {"avx2", "fma", "f16c", "bmi2"} <= flags
+    if march == "native":
+        return (cpu_kernel.ISA_AVX512 if "avx512f" in flags else cpu_kernel.ISA_AVX2 if avx2
+                else cpu_kernel.ISA_PORTABLE)
+    if platform.machine() != "x86_64":
+        return None
+    return {"haswell": cpu_kernel.ISA_AVX2 if avx2 else None, "x86-64": cpu_kernel.ISA_PORTABLE}[march]
+
+
+ISA_CASES = [
+    # (seq_lens, query_lens, heads, kv_heads, dim, window, kv dtype)
+    ([1, 16, 40, 161, 1000], [1] * 5, 9, 3, 64, None, torch.float32),  # decode, GQA, partial tiles
+    ([70, 9, 300], [37, 9, 1], 9, 3, 64, None, torch.float32),  # prefill chunks and decode
+    ([2500], [1], 8, 2, 128, None, torch.float32),  # long decode: split key ranges
+    ([90, 33], [1, 20], 4, 1, 32, 24, torch.float32),  # sliding window
+    ([161, 50], [1, 7], 9, 3, 64, None, torch.bfloat16),
+    ([161, 50], [1, 7], 6, 2, 80, None, torch.int8),
+    ([161, 50], [1, 7], 6, 2, 16, 8, torch.float8_e4m3fn),
+]
+
+
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"])
+def test_cpu_kernel_isa_paths_match_reference(march):
+    """The AVX-512, AVX2 + FMA and portable inner loops, each compiled on its own (-march), against the oracle:
+    fp32 and bf16 queries, every cache kind, decode, prefill chunks, GQA, windows, split key ranges."""
+    import shutil
+
+    from pagedlm.attention import cpu_kernel
+    from pagedlm.kvcache.quant import quantize_kv
+
+    expected = _expected_isa(march)
+    if shutil.which("g++") is None or expected is None:
+        pytest.skip(f"no g++, or this CPU cannot run a -march={march} build")
+    lib = cpu_kernel.kernel_variant(march).load()
+    assert lib is not None and cpu_kernel.attention_isa(lib) == expected
+    for seq_lens, query_lens, heads, kv_heads, dim, window, kv_dtype in ISA_CASES:
+        for q_dtype in (torch.float32, torch.bfloat16):
+            if q_dtype == torch.bfloat16 and kv_dtype == torch.float32:
+                continue  # fp32 caches take fp32 queries
+            q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, heads, kv_heads, dim, 16, torch.float32, seed=9)
+            if kv_dtype in (torch.int8, torch.float8_e4m3fn):
+                kc, vc = quantize_kv(kc, kv_dtype), quantize_kv(vc, kv_dtype)
+            else:
+                kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+            q = q.to(q_dtype)
+            assert cpu_kernel.supports(q, kc)  # the kernel, not the sdpa fallback, runs
+            out = cpu_kernel.paged_attention_cpu(q, kc, vc, meta, dim ** -0.5, window, lib=lib)
+            ref = BACKENDS["reference"].forward(q, kc, vc, meta, dim ** -0.5, sliding_window=window)
+            tol = dict(atol=1e-5, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+            torch.testing.assert_close(out.float(), ref.float(), **tol)

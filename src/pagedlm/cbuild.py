@@ -112,24 +112,29 @@ def compiler_identity(cxx: str) -> str:
     return res.stdout.splitlines()[0]
 
 
-def cache_key(source: Path, cxx: str) -> str:
-    parts = [_source_bytes(source), *(s.encode() for s in (cxx, compiler_identity(cxx), " ".join(FLAGS), _cpu_key(),
-                                                          f"abi {ABI_VERSION}"))]
+def flags(march: str = "native") -> list[str]:
+    """FLAGS, with `-march=<march>` (e.g. "haswell" for an AVX2-only build, "x86-64" for the portable one)."""
+    return [f"-march={march}" if f.startswith("-march=") else f for f in FLAGS]
+
+
+def cache_key(source: Path, cxx: str, march: str = "native") -> str:
+    parts = [_source_bytes(source), *(s.encode() for s in (cxx, compiler_identity(cxx), " ".join(flags(march)),
+                                                          _cpu_key(), f"abi {ABI_VERSION}"))]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def build(source: Path) -> Path:
-    """Compile `source` (unless a trusted build is cached) and return the shared library's path. Raises on
-    failure."""
+def build(source: Path, march: str = "native") -> Path:
+    """Compile `source` with flags(march) (unless a trusted build is cached) and return the shared library's path.
+    Raises on failure."""
     cxx = compiler()
-    out = _private_cache_dir() / f"{source.stem}_{cache_key(source, cxx)}.so"
+    out = _private_cache_dir() / f"{source.stem}_{cache_key(source, cxx, march)}.so"
     if _trusted(out):
         return out
     if os.path.lexists(out):
         logger.warning("Rebuilding %s: it is not a file owned by this user that only this user can write.", out)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        res = subprocess.run([cxx, *FLAGS, str(source), "-o", str(tmp_out)], capture_output=True, text=True,
+        res = subprocess.run([cxx, *flags(march), str(source), "-o", str(tmp_out)], capture_output=True, text=True,
                              timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed:\n{res.stderr[-2000:]}")
@@ -138,9 +143,9 @@ def build(source: Path) -> Path:
     return out
 
 
-def load(source: Path) -> ctypes.CDLL:
+def load(source: Path, march: str = "native") -> ctypes.CDLL:
     """Build (or find) and load `source`'s library; raises if its ABI version is not ABI_VERSION."""
-    path = build(source)
+    path = build(source, march)
     lib = ctypes.CDLL(str(path))
     try:
         version_fn = lib.pagedlm_abi_version
@@ -163,11 +168,12 @@ class KernelLibrary:
       cannot declare: None with one warning.
 
     The warning names the kernel (`name`) and what runs instead (`fallback`). `configure(lib)` declares the
-    library's entry points (argtypes, restype). The outcome is kept for the process: one build, one warning."""
+    library's entry points (argtypes, restype). The outcome is kept for the process: one build, one warning.
+    `march` other than "native" builds for that target instead (tests of the AVX2 and portable code paths)."""
 
     def __init__(self, source: Path, name: str, fallback: str, configure: Callable[[ctypes.CDLL], None],
-                 disable: tuple[str, ...] = ()) -> None:
-        self.source, self.name, self.fallback, self.configure = source, name, fallback, configure
+                 disable: tuple[str, ...] = (), march: str = "native") -> None:
+        self.source, self.name, self.fallback, self.configure, self.march = source, name, fallback, configure, march
         self.disable = ("PAGEDLM_DISABLE_CPU_KERNEL", *disable)
         self._lock = threading.Lock()
         self._loaded = False
@@ -187,7 +193,7 @@ class KernelLibrary:
         try:
             if os.name != "posix":
                 raise RuntimeError(f"kernels are built on POSIX systems only, not {platform.system()}")
-            lib = load(self.source)
+            lib = load(self.source, self.march)
             self.configure(lib)
             return lib
         except Exception as e:  # noqa: BLE001 - any failure means: use the fallback

@@ -5,6 +5,8 @@ It is plain C++ behind a C ABI, compiled on first use with the system's g++ (abo
 no ninja) into the kernel cache (cbuild.py) and called through ctypes. `load_kernel()` returns None (and says why
 in the log) where that fails; callers then fall back to the sdpa path. The kernels range-check the batch before
 touching the cache: a block id or slot outside it raises ValueError, with nothing read out of range or written.
+The inner loop is compiled for the build's ISA (-march=native): AVX-512, AVX2 + FMA or portable C++;
+`kernel_variant(march)` builds the others this CPU can run, and `attention_isa(lib)` says which a build has.
 
 `CpuKernelBackend` is the attention backend built on it, and the one backend the fused decoder stack
 (model/llama_decode.py, which compiles the same attention code in) may stand in for.
@@ -31,9 +33,27 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_paged_attention.argtypes = [i, i, p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
     lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, ctypes.c_int64, i]
     lib.pagedlm_paged_attention.restype = lib.pagedlm_rope_write_kv.restype = i
+    lib.pagedlm_attention_isa.argtypes, lib.pagedlm_attention_isa.restype = [], i
 
 
 KERNEL = cbuild.KernelLibrary(SOURCE, "CPU attention kernel", "attention runs on the sdpa path", _configure)
+_VARIANTS = {"native": KERNEL}
+
+# What pagedlm_attention_isa() says a build's inner loop is.
+ISA_AVX512, ISA_AVX2, ISA_PORTABLE = 512, 256, 0
+
+
+def kernel_variant(march: str) -> cbuild.KernelLibrary:
+    """The kernel compiled with `-march=<march>` ("native" is KERNEL): "haswell" builds the AVX2 + FMA path and
+    "x86-64" the portable one, so that tests can run every path the CPU supports."""
+    return _VARIANTS.setdefault(march, cbuild.KernelLibrary(SOURCE, f"CPU attention kernel ({march})",
+                                                            "attention runs on the sdpa path", _configure,
+                                                            march=march))
+
+
+def attention_isa(lib: ctypes.CDLL) -> int:
+    """The inner loop a loaded build compiled: ISA_AVX512, ISA_AVX2 or ISA_PORTABLE."""
+    return lib.pagedlm_attention_isa()
 
 
 def load_kernel() -> ctypes.CDLL | None:
@@ -51,9 +71,11 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Same contract as `paged_attention_reference`; falls back to the sdpa path for unsupported inputs."""
-    lib = load_kernel()
+                        scale: float, sliding_window: int | None = None, *,
+                        lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Same contract as `paged_attention_reference`; falls back to the sdpa path for unsupported inputs. `lib`: a
+    loaded build to run (a kernel_variant's), else load_kernel()'s."""
+    lib = lib or load_kernel()
     if lib is None or not supports(q, k_cache):
         from pagedlm.attention.torch_sdpa import paged_attention_sdpa
         return paged_attention_sdpa(q, k_cache, v_cache, meta, scale, sliding_window)

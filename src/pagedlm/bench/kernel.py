@@ -1,7 +1,9 @@
 """Kernel micro-benchmark: paged decode attention (K/V scattered over shuffled blocks) against torch's
-`scaled_dot_product_attention` on the same K/V laid out contiguously. Both sides run alternately; medians."""
+`scaled_dot_product_attention` on the same K/V laid out contiguously. Both sides run alternately; medians.
+`bench_builds` times several builds of the CPU kernel (another -march, an older source) alternately, the same way."""
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -88,3 +90,50 @@ def format_kernel(results: list[KernelResult]) -> str:
 
 def to_json(results: list[KernelResult]) -> list[dict]:
     return [{**asdict(r), "ratio": r.ratio} for r in results]
+
+
+@dataclass
+class BuildsResult:
+    kv_dtype: str
+    batch: int
+    context: int
+    us: dict[str, float]  # build name -> median microseconds
+
+
+def bench_builds(builds: dict[str, ctypes.CDLL], cases=((64, 160), (1, 1024), (1, 4096)),
+                 kv_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+                 repeats: int = 60) -> list[BuildsResult]:
+    """Decode attention (fp32 queries, 9 heads over 3 kv heads, head_dim 64) through each loaded build of the CPU
+    kernel (cpu_kernel.kernel_variant(...).load(), or a library of another source with the same entry point),
+    the builds called in turn on the same batch; they must agree. Medians per build."""
+    from pagedlm.attention.cpu_kernel import paged_attention_cpu
+
+    results = []
+    for kv_dtype in kv_dtypes:
+        for batch, context in cases:
+            q, kc, vc, meta, _, _ = decode_case(batch, context)
+            kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+            outs = {name: paged_attention_cpu(q, kc, vc, meta, 0.125, lib=lib) for name, lib in builds.items()}
+            first = next(iter(outs.values()))
+            for out in outs.values():
+                torch.testing.assert_close(out, first, atol=1e-5, rtol=1e-4)
+            times: dict[str, list[float]] = {name: [] for name in builds}
+            reps = max(5, min(4 * repeats, int(repeats * 64 * 160 / (batch * context))))
+            for _ in range(reps):
+                for name, lib in builds.items():
+                    t0 = time.perf_counter()
+                    paged_attention_cpu(q, kc, vc, meta, 0.125, lib=lib)
+                    times[name].append(time.perf_counter() - t0)
+            results.append(BuildsResult(str(kv_dtype).removeprefix("torch."), batch, context,
+                                        {name: statistics.median(t) * 1e6 for name, t in times.items()}))
+    return results
+
+
+def format_builds(results: list[BuildsResult]) -> str:
+    """One line per case: each build's median and its ratio to the first build's (first / this)."""
+    lines = []
+    for r in results:
+        base = next(iter(r.us.values()))
+        cols = "  ".join(f"{name} {us:9.1f} us ({base / us:4.2f}x)" for name, us in r.us.items())
+        lines.append(f"kv {r.kv_dtype:>8} batch {r.batch:>3} context {r.context:>5}: {cols}")
+    return "\n".join(lines)

@@ -154,34 +154,307 @@ void rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H,
   }
 }
 
-// One item: rows r = token * H + head. Writes unnormalized acc [rows, D] plus running max m and sum l.
-// A token's K/V for all kv heads are contiguous in the cache ([.., KVH, D]), so they are streamed once.
-// Tokens [slot, slot + n) of a cache as fp32 rows [n, KVH * D] in `buf`.
+// ---- the inner loop, one path per ISA level ------------------------------------------------------------------
+// Per key tile and kv head, the query rows of that head are taken RB at a time ("a row block"): each K and V row
+// is loaded once per block, not once per row. Scores: a row's partial dot products with 4 keys are accumulated
+// as vectors (lanes = d), then reduced together by a shuffle tree that leaves key j in lane j (one tree per L keys,
+// instead of one horizontal sum per dot product). P.V: the block's output rows stay in registers over the keys.
+// The AVX-512 (__AVX512F__) and AVX2+FMA paths share that code through AttnSimd; the portable path (no AVX2) is
+// plain loops. All compute the same sums in fp32 (in different orders), under the same tests.
+#if defined(__AVX512F__)
+#define PAGEDLM_ATTN_ISA 512
+struct AttnSimd {
+  static constexpr int L = 16;  // lanes: floats per vector, and keys per reduction tree
+  static constexpr int RB = 3;  // rows per block
+  static constexpr int ACC = 16;  // P.V accumulators per block
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  // Pass p of a tree reduces keys p, p + 4, p + 8, p + 12 (so that the tree ends with key j in lane j).
+  static constexpr int key(int p, int i) { return p + 4 * i; }
+  // 4 keys' partial vectors -> one vector whose 128-bit lane i holds 4 partial sums of key i.
+  static V group(V a, V b, V c, V d) {
+    const V ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    const V cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+  }
+  // The 4 passes' groups -> the 16 keys' dot products, key j in lane j.
+  static V finish(const V* g) {
+    const V wx = _mm512_add_ps(_mm512_unpacklo_ps(g[0], g[1]), _mm512_unpackhi_ps(g[0], g[1]));
+    const V yz = _mm512_add_ps(_mm512_unpacklo_ps(g[2], g[3]), _mm512_unpackhi_ps(g[2], g[3]));
+    const __m512d a = _mm512_castps_pd(wx), b = _mm512_castps_pd(yz);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLM_ATTN_ISA 256
+struct AttnSimd {
+  static constexpr int L = 8;
+  static constexpr int RB = 2;  // 16 ymm registers: 4 keys x 2 rows of accumulators, the 4 key vectors
+  static constexpr int ACC = 8;
+  using V = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static constexpr int key(int p, int i) { return 4 * p + i; }
+  // -> [a b c d (2 partial sums each) | a b c d (the other 2)]
+  static V group(V a, V b, V c, V d) { return _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d)); }
+  static V finish(const V* g) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(g[0], g[1], 0x20), _mm256_permute2f128_ps(g[0], g[1], 0x31));
+  }
+};
+#else
+#define PAGEDLM_ATTN_ISA 0
+#endif
+
+alignas(64) const float kZeroRow[128] = {};  // stands in for the keys past a partial tile
+
+// s[r][j] = q[r] . k[j] for the R rows of a block and j < KT (0 for j >= n); k rows ldk floats apart.
+template <int D, int R>
+void qk_block(const float* const* qp, const float* k, int64_t ldk, int n, float* const* sp) {
+#if PAGEDLM_ATTN_ISA
+  using S = AttnSimd;
+  using V = S::V;
+  constexpr int L = S::L, C = D / L, NG = L / 4;
+  for (int j0 = 0; j0 < KT; j0 += L) {
+    if (j0 >= n) {
+      for (int r = 0; r < R; ++r) S::store(sp[r] + j0, S::zero());
+      continue;
+    }
+    V g[R][NG];
+    for (int p = 0; p < NG; ++p) {
+      const float* kr[4];
+      for (int i = 0; i < 4; ++i) {
+        const int j = j0 + S::key(p, i);
+        kr[i] = j < n ? k + j * ldk : kZeroRow;
+      }
+      V acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = S::zero();
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const V k0 = S::load(kr[0] + c * L), k1 = S::load(kr[1] + c * L), k2 = S::load(kr[2] + c * L),
+                k3 = S::load(kr[3] + c * L);
+        for (int r = 0; r < R; ++r) {
+          const V qv = S::load(qp[r] + c * L);
+          acc[r][0] = S::fma(qv, k0, acc[r][0]);
+          acc[r][1] = S::fma(qv, k1, acc[r][1]);
+          acc[r][2] = S::fma(qv, k2, acc[r][2]);
+          acc[r][3] = S::fma(qv, k3, acc[r][3]);
+        }
+      }
+      for (int r = 0; r < R; ++r) g[r][p] = S::group(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+    }
+    for (int r = 0; r < R; ++r) S::store(sp[r] + j0, S::finish(g[r]));
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    const float* qr = qp[r];
+    float* sr = sp[r];
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {  // four independent dot products at a time
+      const float *k0 = k + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+      float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+      for (int d = 0; d < D; ++d) {
+        d0 += qr[d] * k0[d]; d1 += qr[d] * k1[d]; d2 += qr[d] * k2[d]; d3 += qr[d] * k3[d];
+      }
+      sr[j] = d0; sr[j + 1] = d1; sr[j + 2] = d2; sr[j + 3] = d3;
+    }
+    for (; j < n; ++j) {
+      const float* k0 = k + j * ldk;
+      float d0 = 0.f;
+#pragma omp simd reduction(+ : d0)
+      for (int d = 0; d < D; ++d) d0 += qr[d] * k0[d];
+      sr[j] = d0;
+    }
+    for (; j < KT; ++j) sr[j] = 0.f;
+  }
+#endif
+}
+
+#if PAGEDLM_ATTN_ISA
+// The largest divisor of C not above w (P.V's accumulator width in vectors).
+constexpr int divisor_at_most(int C, int w) { return w <= 1 ? 1 : C % w == 0 ? w : divisor_at_most(C, w - 1); }
+#endif
+
+// o[r] = o[r] * alpha[r] + sum_{j < n} p[r][j] v[j] for the R rows of a block; v rows ldv floats apart.
+template <int D, int R>
+void pv_block(float* const* op, const float* alpha, const float* const* pp, const float* v, int64_t ldv, int n) {
+#if PAGEDLM_ATTN_ISA
+  using S = AttnSimd;
+  using V = S::V;
+  constexpr int L = S::L, C = D / L, W = divisor_at_most(C, S::ACC / R);
+  for (int c0 = 0; c0 < C; c0 += W) {
+    V o[R][W];
+    for (int r = 0; r < R; ++r) {
+      const V a = S::set1(alpha[r]);
+      for (int w = 0; w < W; ++w) o[r][w] = S::mul(S::load(op[r] + (c0 + w) * L), a);
+    }
+    for (int j = 0; j < n; ++j) {
+      const float* vj = v + j * ldv + c0 * L;
+      V vv[W];
+      for (int w = 0; w < W; ++w) vv[w] = S::load(vj + w * L);
+      for (int r = 0; r < R; ++r) {
+        const V p = S::set1(pp[r][j]);
+        for (int w = 0; w < W; ++w) o[r][w] = S::fma(p, vv[w], o[r][w]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w) S::store(op[r] + (c0 + w) * L, o[r][w]);
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float o[D];  // the row kept in registers across the tile's keys
+    float* ar = op[r];
+    const float al = alpha[r];
+#pragma omp simd
+    for (int d = 0; d < D; ++d) o[d] = ar[d] * al;
+    for (int j = 0; j < n; ++j) {
+      const float pj = pp[r][j];
+      const float* vj = v + j * ldv;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) o[d] += pj * vj[d];
+    }
+#pragma omp simd
+    for (int d = 0; d < D; ++d) ar[d] = o[d];
+  }
+#endif
+}
+
+// Online softmax over one row's tile scores s[0, KT): keys pos + j outside [lo, hi] are masked (lo >= pos, and
+// hi <= pos + n - 1 masks the keys past the tile); s becomes exp(s - m_new), m and l are updated; returns the
+// factor exp(m_old - m_new) for the row's accumulator.
+inline float softmax_tile(float* s, int pos, int lo, int hi, float& m, float& l) {
+#if defined(__AVX2__) && defined(__FMA__)
+  static_assert(KT == 16, "two vectors of 8 keys");
+  const __m256i kp0 = _mm256_add_epi32(_mm256_set1_epi32(pos), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i kp1 = _mm256_add_epi32(kp0, _mm256_set1_epi32(8));
+  const __m256i lo1 = _mm256_set1_epi32(lo - 1), hi1 = _mm256_set1_epi32(hi + 1);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  auto masked = [&](const float* x, __m256i kp) {
+    const __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(kp, lo1), _mm256_cmpgt_epi32(hi1, kp));
+    return _mm256_blendv_ps(ninf, _mm256_loadu_ps(x), _mm256_castsi256_ps(ok));
+  };
+  __m256 x0 = masked(s, kp0), x1 = masked(s + 8, kp1);
+  __m256 mx = _mm256_max_ps(x0, x1);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  const float mt = std::max(m, _mm_cvtss_f32(h));
+  const __m256 mv = _mm256_set1_ps(mt);
+  x0 = exp_ps(_mm256_sub_ps(x0, mv));
+  x1 = exp_ps(_mm256_sub_ps(x1, mv));
+  _mm256_storeu_ps(s, x0);
+  _mm256_storeu_ps(s + 8, x1);
+  const __m256 sv = _mm256_add_ps(x0, x1);
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+  const float sum = _mm_cvtss_f32(t);
+#else
+  float mt = m;
+  for (int j = 0; j < KT; ++j) {
+    if (pos + j < lo || pos + j > hi) s[j] = -INFINITY;
+    mt = std::max(mt, s[j]);
+  }
+  for (int j = 0; j < KT; ++j) s[j] -= mt;
+  exp_inplace(s, KT);
+  float sum = 0.f;
+  for (int j = 0; j < KT; ++j) sum += s[j];
+#endif
+  const float alpha = std::exp(m - mt);  // m = -inf -> 0
+  l = l * alpha + sum;
+  m = mt;
+  return alpha;
+}
+
+// Tokens [slot, slot + n) of kv head kvh of a bf16 or quantized cache as fp32 rows [n, D] in `buf`.
 template <int D>
-void load_rows(const Args& a, const void* cache, int64_t slot, int n, float* buf) {
+void load_head(const Args& a, const void* cache, int64_t slot, int n, int kvh, float* buf) {
   const int KVD = a.KVH * D;
   if (a.kv_kind == KV_BF16) {
-    const uint16_t* src = static_cast<const uint16_t*>(cache) + slot * KVD;
-    for (int e = 0; e < n * KVD; ++e) buf[e] = to_f(src[e]);
+    for (int t = 0; t < n; ++t) {
+      const uint16_t* src = static_cast<const uint16_t*>(cache) + (slot + t) * KVD + kvh * D;
+      float* dst = buf + t * D;
+#if defined(__AVX512F__)
+      for (int d = 0; d < D; d += 16) {
+        const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
+        _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (int d = 0; d < D; d += 8) {
+        const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+        _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+      }
+#else
+      for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+#endif
+    }
     return;
   }
   constexpr int E = D + KV_SCALE_BYTES;  // quantized entry: D values, then the fp32 scale
-  const uint8_t* src = static_cast<const uint8_t*>(cache) + slot * a.KVH * E;
-  for (int t = 0; t < n * a.KVH; ++t) {
-    const uint8_t* e = src + int64_t(t) * E;
+  const uint8_t* src = static_cast<const uint8_t*>(cache) + (slot * a.KVH + kvh) * E;
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* e = src + int64_t(t) * a.KVH * E;
     float sc;
     std::memcpy(&sc, e + D, KV_SCALE_BYTES);
-    float* dst = buf + int64_t(t) * D;
+    float* dst = buf + t * D;
     if (a.kv_kind == KV_INT8) {
+#if defined(__AVX512F__)
+      const __m512 sv = _mm512_set1_ps(sc);
+      for (int d = 0; d < D; d += 16) {
+        const __m512i i = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e + d)));
+        _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(i), sv));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 sv = _mm256_set1_ps(sc);
+      for (int d = 0; d < D; d += 8) {
+        const __m256i i = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e + d)));
+        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(i), sv));
+      }
+#else
       const int8_t* qv = reinterpret_cast<const int8_t*>(e);
-#pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = float(qv[d]) * sc;
+#endif
     } else {
       for (int d = 0; d < D; ++d) dst[d] = kFp8.v[e[d]] * sc;
     }
   }
 }
 
+// One row block of a kv head over one key tile: scores, mask + online softmax, P.V.
+template <int D, int R>
+void block_tile(const Args& a, const int* rows, const int* qpos, float (*qf)[D], float (*s)[KT], float* acc,
+                float* m, float* l, const float* kh, const float* vh, int64_t ld, int pos, int n) {
+  const float* qp[R];
+  float *sp[R], *op[R];
+  float alpha[R];
+  for (int i = 0; i < R; ++i) { qp[i] = qf[rows[i]]; sp[i] = s[rows[i]]; op[i] = acc + rows[i] * D; }
+  qk_block<D, R>(qp, kh, ld, n, sp);
+  for (int i = 0; i < R; ++i) {
+    const int r = rows[i], p = qpos[r];
+    const int lo = a.window > 0 ? std::max(pos, p - a.window + 1) : pos;
+    alpha[i] = softmax_tile(sp[i], pos, lo, std::min(p, pos + n - 1), m[r], l[r]);
+  }
+  pv_block<D, R>(op, alpha, sp, vh, ld, n);
+}
+
+#if PAGEDLM_ATTN_ISA
+constexpr int ROW_BLOCK = AttnSimd::RB;
+#else
+constexpr int ROW_BLOCK = 4;
+#endif
+
+// One item: rows r = token * H + head. Writes unnormalized acc [rows, D] plus running max m and sum l.
+// A token's K/V for all kv heads are contiguous in the cache ([.., KVH, D]); each tile of them is read once.
 template <typename T, int D>
 void run_item(const Args& a, const Item& it, const T* q, const void* kc, const void* vc,
               float* acc, float* m, float* l) {
@@ -191,6 +464,7 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
   const int32_t* table = a.tables + int64_t(it.seq) * a.max_blocks;
   alignas(64) float qf[MAX_ROWS][D];
   alignas(64) float s[MAX_ROWS][KT];
+  alignas(64) float kbuf[KT * D], vbuf[KT * D];
   int qpos[MAX_ROWS];
   for (int r = 0; r < nrows; ++r) {
     const T* src = q + (int64_t(q0 + t0) * H + r) * D;
@@ -200,7 +474,6 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
     for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
   }
   const bool f32 = a.kv_kind == KV_F32;
-  std::vector<float> kbuf(f32 ? 0 : size_t(KT) * KVD), vbuf(f32 ? 0 : size_t(KT) * KVD);
   for (int pos = it.lo; pos < it.hi;) {
     const int blk = pos / a.BS, off = pos % a.BS;
     const int n = std::min(std::min(KT, a.BS - off), it.hi - pos);
@@ -224,63 +497,35 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
     if (a.window > 0)
       while (r_hi > r_lo && pos + n - 1 <= qpos[r_hi - 1] - a.window) --r_hi;
     if (r_lo >= r_hi) { pos += n; continue; }
-    // The tile's K/V rows [n, KVH * D]: in place for fp32, converted once otherwise.
-    const float *kt, *vt;
-    if (f32) {
-      kt = static_cast<const float*>(kc) + slot * KVD;
-      vt = static_cast<const float*>(vc) + slot * KVD;
-    } else {
-      load_rows<D>(a, kc, slot, n, kbuf.data());
-      load_rows<D>(a, vc, slot, n, vbuf.data());
-      kt = kbuf.data(); vt = vbuf.data();
-    }
-    for (int r = r_lo; r < r_hi; ++r) {
-      const int kvh = (r % H) / G, p = qpos[r];
-      const float* qr = qf[r];
-      const float* kh = kt + kvh * D;
-      int j = 0;
-      for (; j + 4 <= n; j += 4) {  // four independent dot products at a time
-        const float *k0 = kh + j * KVD, *k1 = k0 + KVD, *k2 = k1 + KVD, *k3 = k2 + KVD;
-        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-        for (int d = 0; d < D; ++d) {
-          d0 += qr[d] * k0[d]; d1 += qr[d] * k1[d]; d2 += qr[d] * k2[d]; d3 += qr[d] * k3[d];
+    for (int kvh = 0; kvh < a.KVH; ++kvh) {
+      int rows[MAX_ROWS], nr = 0;  // this kv head's rows among [r_lo, r_hi)
+      for (int t = r_lo / H; t * H < r_hi; ++t)
+        for (int g = 0; g < G; ++g) {
+          const int r = t * H + kvh * G + g;
+          if (r >= r_lo && r < r_hi) rows[nr++] = r;
         }
-        s[r][j] = d0; s[r][j + 1] = d1; s[r][j + 2] = d2; s[r][j + 3] = d3;
+      if (nr == 0) continue;
+      // The head's K/V rows [n, D], ld floats apart: in place for fp32, converted once otherwise.
+      const float *kh, *vh;
+      int64_t ld;
+      if (f32) {
+        kh = static_cast<const float*>(kc) + slot * KVD + kvh * D;
+        vh = static_cast<const float*>(vc) + slot * KVD + kvh * D;
+        ld = KVD;
+      } else {
+        load_head<D>(a, kc, slot, n, kvh, kbuf);
+        load_head<D>(a, vc, slot, n, kvh, vbuf);
+        kh = kbuf; vh = vbuf; ld = D;
       }
-      for (; j < n; ++j) {
-        const float* k0 = kh + j * KVD;
-        float d0 = 0.f;
-#pragma omp simd reduction(+ : d0)
-        for (int d = 0; d < D; ++d) d0 += qr[d] * k0[d];
-        s[r][j] = d0;
+      for (int i = 0; i < nr; i += ROW_BLOCK) {
+        const int* br = rows + i;
+        switch (std::min(ROW_BLOCK, nr - i)) {
+          case 1: block_tile<D, 1>(a, br, qpos, qf, s, acc, m, l, kh, vh, ld, pos, n); break;
+          case 2: block_tile<D, 2>(a, br, qpos, qf, s, acc, m, l, kh, vh, ld, pos, n); break;
+          case 3: block_tile<D, 3>(a, br, qpos, qf, s, acc, m, l, kh, vh, ld, pos, n); break;
+          default: block_tile<D, ROW_BLOCK < 4 ? ROW_BLOCK : 4>(a, br, qpos, qf, s, acc, m, l, kh, vh, ld, pos, n);
+        }
       }
-      float mt = m[r];
-      for (int jj = 0; jj < n; ++jj) {  // mask, then online softmax
-        const int kp = pos + jj;
-        if (kp > p || (a.window > 0 && kp <= p - a.window)) s[r][jj] = -INFINITY;
-        mt = std::max(mt, s[r][jj]);
-      }
-      const float alpha = std::exp(m[r] - mt);  // m = -inf -> 0
-      float sum = 0.f;
-      for (int jj = 0; jj < n; ++jj) s[r][jj] -= mt;
-      exp_inplace(s[r], n);
-      for (int jj = 0; jj < n; ++jj) sum += s[r][jj];
-      l[r] = l[r] * alpha + sum;
-      m[r] = mt;
-      alignas(64) float o[D];  // acc row kept in registers across the tile's keys
-      float* ar = acc + r * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) o[d] = ar[d] * alpha;
-      const float* vh = vt + kvh * D;
-      for (int jj = 0; jj < n; ++jj) {
-        const float pj = s[r][jj];
-        const float* v0 = vh + jj * KVD;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) o[d] += pj * v0[d];
-      }
-#pragma omp simd
-      for (int d = 0; d < D; ++d) ar[d] = o[d];
     }
     pos += n;
   }
@@ -396,6 +641,9 @@ int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* 
   if (dtype == 1) return dispatch<uint16_t>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
   return PAGEDLM_UNSUPPORTED;
 }
+
+// Which inner loop this build compiled: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (portable).
+int pagedlm_attention_isa() { return PAGEDLM_ATTN_ISA; }
 
 // Fused decode helper: rope_write_kv over T tokens into an fp32 cache of num_slots (blocks x BS) token rows.
 // Returns PAGEDLM_BAD_SLOT, having changed nothing, if a slot is outside the cache.
