@@ -16,7 +16,7 @@ run: setup
 	$(VENV)/bin/pagedlm serve
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
