@@ -61,6 +61,42 @@ def test_quant_linear_kernel_and_fallback_agree(monkeypatch, rows):
                                    quant.dequantize_int4(layer.qweight, layer.scale, layer.mins, 32))
 
 
+class _CountingKernel:
+    """The quantized-kernel library with a call counter on its int4 product (so a test sees the kernel ran)."""
+
+    def __init__(self, lib):
+        self.lib, self.int4_calls = lib, 0
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def pagedlm_linear_int4(self, *args):
+        self.int4_calls += 1
+        return self.lib.pagedlm_linear_int4(*args)
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_kernel_rows_do_not_depend_on_the_batch(monkeypatch, group_size):
+    """The int4 kernel takes rows of x in groups that share each unpacked weight block; a row's result must be
+    bit-identical whether it runs alone or with 1..10 other rows (every group size and remainder)."""
+    lib = quant.load_quant_kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the quantized kernels are not built")
+    counting = _CountingKernel(lib)
+    monkeypatch.setattr(quant, "load_quant_kernel", lambda: counting)
+    g = torch.Generator().manual_seed(group_size)
+    layer = quant.make_quant_linear(torch.randn(44, 192, generator=g) * 0.05, "int4", group_size)
+    layer.kernel_max_rows = 64
+    x = torch.randn(11, 192, generator=g)
+    full = layer(x)
+    for size in range(1, 11):
+        for start in range(0, 11 - size + 1, 3):
+            assert torch.equal(layer(x[start:start + size]), full[start:start + size]), (size, start)
+    assert counting.int4_calls > 20  # every product above went through the kernel
+    ref = F.linear(layer.dense_input(x).double(), layer.dequantize().double())
+    torch.testing.assert_close(full.double(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_int8_packed_layout():
     """Packing is a pure permutation: unpack(pack(q)) == q, and row lookups (the embedding) read the right rows."""
     w = torch.randn(40, 48)
@@ -317,3 +353,19 @@ def test_quant_linear_dense_copy_for_big_steps(method, dense, monkeypatch):
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     assert calls == [1, 4]
     assert layer.dense.dtype == dense
+
+
+def test_bf16_dense_copy_is_prepacked_and_bit_identical():
+    """Where oneDNN is there, the bf16 dense copy is reordered once into its blocked layout (an mkldnn tensor,
+    which only the packed product can read) and big steps give exactly F.linear's bf16 result."""
+    g = torch.Generator().manual_seed(5)
+    layer = quant.make_quant_linear(torch.randn(96, 64, generator=g) * 0.05, "int4", 32)
+    layer.kernel_max_rows = 4
+    if quant.prepack_bf16(layer.dequantize().bfloat16()) is None:
+        pytest.skip("no oneDNN bf16 prepacking on this build")
+    layer.set_dense(torch.bfloat16)
+    assert layer.dense_packed and layer.dense.layout == torch._mkldnn
+    w = layer.dequantize().bfloat16()
+    for rows in (5, 17, 64, 300):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.equal(layer(x), F.linear(x.bfloat16(), w).float()), rows

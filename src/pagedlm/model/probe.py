@@ -13,7 +13,6 @@ import logging
 import time
 
 import torch
-import torch.nn.functional as F
 
 from pagedlm import cbuild
 from pagedlm.cpu import cpu_features
@@ -25,12 +24,13 @@ SHAPE = (1024, 3072)  # in, out: a mid-size MLP projection
 REPEATS = 7
 ROUNDS = 2  # the probe is cached only when its rounds agree: a busy machine's reading is taken again next time
 FLUSH_BYTES = 96 * 2**20
+PROBE_VERSION = 2  # 2: the dense side is the layer's own big-step path (prepacked bf16 where oneDNN has it)
 
 
 def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dtype) -> tuple[int, str]:
     """(rows, a sentence saying how they were found)."""
     key = json.dumps([sorted(cpu_features().flags), torch.__version__, method, group_size, str(dense_dtype),
-                      SHAPE, ROWS, torch.get_num_threads()])
+                      SHAPE, ROWS, torch.get_num_threads(), _kernel_version(), PROBE_VERSION])
     path = cbuild.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         rows = int(json.loads(path.read_text())["kernel_max_rows"])
@@ -58,6 +58,16 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
     return rows, f"kernel_max_rows {rows} ({how}: kernel/dense {detail})"
 
 
+def _kernel_version() -> str:
+    """The quantized kernel's source hash: a changed kernel is probed again."""
+    from pagedlm.model.quant import SOURCE
+
+    try:
+        return cbuild.cache_key(SOURCE, cbuild.compiler() or "")
+    except (OSError, RuntimeError):
+        return ""
+
+
 def _crossover(timings: dict[int, tuple[float, float]]) -> int:
     """The most rows up to which the kernel is at least as fast as the dense GEMM at every candidate."""
     rows = 1
@@ -77,13 +87,15 @@ def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype) -> dict[
     w = torch.randn(n, k, generator=gen) * 0.02
     quant = make_quant_linear(w, method, group_size)
     quant.kernel_max_rows = max(ROWS)
-    dense = w.to(dense_dtype)
+    dense = make_quant_linear(w, method, group_size)  # the same layer's big-step path, as the engine runs it
+    dense.kernel_max_rows = 0
+    dense.set_dense(dense_dtype)
     flush = torch.ones(FLUSH_BYTES // 4)
     out: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, k, generator=gen)
-            runs = {"kernel": lambda: quant(x), "dense": lambda: F.linear(x.to(dense_dtype), dense)}
+            runs = {"kernel": lambda: quant(x), "dense": lambda: dense(x)}
             times: dict[str, list[float]] = {name: [] for name in runs}
             for _ in range(REPEATS):
                 for name, fn in runs.items():

@@ -112,6 +112,22 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tenso
     return (q * scale.float()[..., None] + mins.float()[..., None]).reshape(n, k)
 
 
+def prepack_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 weight [N, K] reordered once into oneDNN's blocked layout, or None where that is not available (not
+    bf16, not CPU, no oneDNN). Products of 8-64 rows over it run 1.1-2x faster than `x @ W.t()` or F.linear over
+    the plain tensor (measured on Zen 4: oneDNN reorders a plain weight on every call), with bit-identical results
+    (checked here on a few rows)."""
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        same = torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w))
+    except (RuntimeError, AttributeError):
+        return None
+    return packed if same else None
+
+
 class QuantLinear(nn.Module):
     """Drop-in for layers.Linear ([*, in] -> [*, out]) over a quantized weight; see the module docstring."""
 
@@ -122,16 +138,20 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.dense: torch.Tensor | None = None  # see set_dense
         self.dense_transposed = False
+        self.dense_packed = False  # dense is a oneDNN-blocked bf16 weight (prepack_bf16)
 
     def set_dense(self, dtype: torch.dtype | None) -> None:
         """Keep (or with None drop) a dense copy of the dequantized weight in `dtype` for products with more than
         `kernel_max_rows` rows, in the layout layers.Linear would use."""
         from pagedlm.model.layers import prefer_transposed
 
-        self.dense = None
+        self.dense, self.dense_packed = None, False
         if dtype is None:
             return
         w = self.dequantize().to(dtype)
+        if (packed := prepack_bf16(w)) is not None:
+            self.dense, self.dense_packed, self.dense_transposed = packed, True, False
+            return
         self.dense_transposed = prefer_transposed(dtype, w.device)
         self.dense = w.t().contiguous() if self.dense_transposed else w
 
@@ -146,7 +166,10 @@ class QuantLinear(nn.Module):
         elif self.dense is not None:
             w = self.dense  # activations as they are: rounding them as the kernel does would cost ~15% of a step
             xin = x2.to(w.dtype)
-            y = xin @ w if self.dense_transposed else F.linear(xin, w)
+            if self.dense_packed:
+                y = torch.ops.mkldnn._linear_pointwise(xin.contiguous(), w, None, "none", [], "")
+            else:
+                y = xin @ w if self.dense_transposed else F.linear(xin, w)
         else:
             y = F.linear(self.dense_input(x2.float()), self.dequantize())
         return y.to(dtype).reshape(*shape[:-1], self.out_features)

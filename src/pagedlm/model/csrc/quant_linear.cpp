@@ -176,71 +176,146 @@ void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, flo
     }
 }
 
-// Rows n0 .. n0+nt of the int4 product over quantized activations: per 32-value block an integer dot product of
-// the 4-bit codes with xq (vpmaddubsw) times d_b * scale_g; plus sum_g min_g * gsum_g.
-void int4_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const uint16_t* sc,
-               const uint16_t* mn, float* y, int M, int K, int N, int G, int n0, int nt) {
-  const int nblk = K / 32, bpg = G / 32, ngroups = K / G, row_bytes = K / 2;
-  thread_local std::vector<float> c;  // per block: d_b * scale of its group
-  c.resize(nblk);
-  for (int m = 0; m < M; ++m) {
-    const int8_t* xm = xq + int64_t(m) * K;
-    const float *dm = d + int64_t(m) * nblk, *gm = gsum + int64_t(m) * ngroups;
-    for (int j = 0; j < nt; ++j) {
-      const int n = n0 + j;
-      const uint8_t* qn = q + int64_t(n) * row_bytes;
-      const uint16_t *sn = sc + int64_t(n) * ngroups, *mnn = mn + int64_t(n) * ngroups;
-      float mins = 0.f, acc = 0.f;
-      int g = 0;
 #ifdef PAGEDLM_AVX2
-      if (bpg == 1) {  // the usual G = 32: eight groups at a time
-        __m256 mv = _mm256_setzero_ps();
-        for (; g + 8 <= ngroups; g += 8) {
-          const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sn + g)));
-          const __m256 mnv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mnn + g)));
-          _mm256_storeu_ps(c.data() + g, _mm256_mul_ps(sv, _mm256_loadu_ps(dm + g)));
-          mv = _mm256_fmadd_ps(mnv, _mm256_loadu_ps(gm + g), mv);
-        }
-        mins = hsum(mv);
-      }
-#endif
-      for (; g < ngroups; ++g) {
-        const float sg = half_to_float(sn[g]);
-        mins += half_to_float(mnn[g]) * gm[g];
-        for (int b = g * bpg; b < (g + 1) * bpg; ++b) c[b] = sg * dm[b];
-      }
-#ifdef PAGEDLM_AVX2
-      const __m128i lo_mask = _mm_set1_epi8(0x0f);
-      const __m256i ones = _mm256_set1_epi16(1);
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-      int b = 0;
-      for (; b + 2 <= nblk; b += 2) {
-        if (m == 0 && (b & 3) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(qn + b * 16) + PF_BYTES, _MM_HINT_T0);
-        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 16));
-        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 16 + 16));
-        const __m256i w0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r0, 4), lo_mask), _mm_and_si128(r0, lo_mask));
-        const __m256i w1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r1, 4), lo_mask), _mm_and_si128(r1, lo_mask));
-        const __m256i d0 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * 32))), ones);
-        const __m256i d1 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + b * 32 + 32))), ones);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(c[b]), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(c[b + 1]), a1);
-      }
-      acc = hsum(_mm256_add_ps(a0, a1));
-      for (; b < nblk; ++b) {
+// Sum of each group of four adjacent u8 x s8 products, as 8 int32 lanes (exact: |w * x| sums stay far below
+// int16 limits, so the maddubs route does not saturate and all three give the same integers).
+inline __m256i dot_u8s8(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
 #else
-      for (int b = 0; b < nblk; ++b) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 #endif
-        int dot = 0;
-        for (int i = 0; i < 16; ++i) {
-          const uint8_t v = qn[b * 16 + i];
-          dot += int(v & 0x0f) * xm[b * 32 + i] + int(v >> 4) * xm[b * 32 + 16 + i];
-        }
-        acc += float(dot) * c[b];
+}
+
+// R rows m0 .. m0+R of x against output row n (codes qn, per-block weight scales sf): each 32-value block of
+// codes is unpacked once and multiplied with the R rows' quantized activations. Per row, even and odd blocks go
+// to two accumulators, summed at the end: the same arithmetic whatever R is, so a row's result does not depend
+// on the rows batched with it.
+template <int R>
+void int4_rows(const int8_t* xq, const float* d, const uint8_t* qn, const uint16_t* sn, const float* sf, float* c,
+               float* acc, int K, int m0, bool prefetch) {
+  const int nblk = K / 32;
+  for (int i = 0; i < R; ++i) {  // c[i][b] = d_b * scale of block b, for row m0 + i
+    const float* dm = d + int64_t(m0 + i) * nblk;
+    float* ci = c + int64_t(i) * nblk;
+    int b = 0;
+    if (sn != nullptr) {  // G = 32: one fp16 scale per block, converted here eight at a time
+      for (; b + 8 <= nblk; b += 8) {
+        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sn + b)));
+        _mm256_storeu_ps(ci + b, _mm256_mul_ps(sv, _mm256_loadu_ps(dm + b)));
       }
-      y[int64_t(m) * N + n] = acc + mins;
+      for (; b < nblk; ++b) ci[b] = half_to_float(sn[b]) * dm[b];
+    } else {
+      for (; b < nblk; ++b) ci[b] = sf[b] * dm[b];
+    }
+  }
+  const __m128i lo_mask = _mm_set1_epi8(0x0f);
+  __m256 a0[R], a1[R];
+  for (int i = 0; i < R; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+  int b = 0;
+  for (; b + 2 <= nblk; b += 2) {
+    if (prefetch && (b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(qn + b * 16) + PF_BYTES, _MM_HINT_T0);
+    const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 16));
+    const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 16 + 16));
+    const __m256i w0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r0, 4), lo_mask), _mm_and_si128(r0, lo_mask));
+    const __m256i w1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r1, 4), lo_mask), _mm_and_si128(r1, lo_mask));
+    for (int i = 0; i < R; ++i) {
+      const int8_t* xm = xq + int64_t(m0 + i) * K + b * 32;
+      const float* ci = c + int64_t(i) * nblk + b;
+      const __m256i d0 = dot_u8s8(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm)));
+      const __m256i d1 = dot_u8s8(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32)));
+      a0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_broadcast_ss(ci), a0[i]);
+      a1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_broadcast_ss(ci + 1), a1[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    acc[i] = hsum(_mm256_add_ps(a0[i], a1[i]));
+    const int8_t* xm = xq + int64_t(m0 + i) * K;
+    for (int bb = b; bb < nblk; ++bb) {
+      int dot = 0;
+      for (int t = 0; t < 16; ++t) {
+        const uint8_t v = qn[bb * 16 + t];
+        dot += int(v & 0x0f) * xm[bb * 32 + t] + int(v >> 4) * xm[bb * 32 + 16 + t];
+      }
+      acc[i] += float(dot) * c[int64_t(i) * nblk + bb];
+    }
+  }
+}
+#endif
+
+constexpr int INT4_ROWS = 4;  // rows of x that share one unpacking of a weight row
+
+// Rows n0 .. n0+nt of the int4 product over quantized activations: per 32-value block an integer dot product of
+// the 4-bit codes with xq (VNNI's vpdpbusd where the CPU has it, else vpmaddubsw) times d_b * scale_g; plus
+// sum_g min_g * gsum_g. Rows of x go through in groups of INT4_ROWS, sharing each unpacked block of codes.
+// scratch: int4_scratch_floats(K, G) floats of the calling thread.
+inline size_t int4_scratch_floats(int K, int G) { return size_t(K / 32) * (1 + INT4_ROWS) + K / G; }
+
+void int4_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const uint16_t* sc,
+               const uint16_t* mn, float* y, int M, int K, int N, int G, int n0, int nt, float* scratch) {
+  const int nblk = K / 32, bpg = G / 32, ngroups = K / G, row_bytes = K / 2;
+  // The output row's per-block scale and per-group minimum as fp32; c: d_b * scale per block of each row of x.
+  float *sf = scratch, *c = sf + nblk, *mf = c + size_t(INT4_ROWS) * nblk;
+  for (int j = 0; j < nt; ++j) {
+    const int n = n0 + j;
+    const uint8_t* qn = q + int64_t(n) * row_bytes;
+    const uint16_t *sn = sc + int64_t(n) * ngroups, *mnn = mn + int64_t(n) * ngroups;
+#ifdef PAGEDLM_AVX2
+    const bool fp16_direct = bpg == 1;  // the usual G = 32: scales and minimums converted where they are used
+#else
+    const bool fp16_direct = false;
+#endif
+    if (!fp16_direct)
+      for (int g = 0; g < ngroups; ++g) {
+        mf[g] = half_to_float(mnn[g]);
+        const float sg = half_to_float(sn[g]);
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b) sf[b] = sg;
+      }
+    for (int m0 = 0; m0 < M; m0 += INT4_ROWS) {
+      const int rows = std::min(INT4_ROWS, M - m0);
+      float acc[INT4_ROWS];
+#ifdef PAGEDLM_AVX2
+      const bool pf = m0 == 0;
+      switch (rows) {
+        case 4: int4_rows<4>(xq, d, qn, fp16_direct ? sn : nullptr, sf, c, acc, K, m0, pf); break;
+        case 3: int4_rows<3>(xq, d, qn, fp16_direct ? sn : nullptr, sf, c, acc, K, m0, pf); break;
+        case 2: int4_rows<2>(xq, d, qn, fp16_direct ? sn : nullptr, sf, c, acc, K, m0, pf); break;
+        default: int4_rows<1>(xq, d, qn, fp16_direct ? sn : nullptr, sf, c, acc, K, m0, pf); break;
+      }
+#else
+      for (int i = 0; i < rows; ++i) {
+        const int8_t* xm = xq + int64_t(m0 + i) * K;
+        acc[i] = 0.f;
+        for (int b = 0; b < nblk; ++b) {
+          int dot = 0;
+          for (int t = 0; t < 16; ++t) {
+            const uint8_t v = qn[b * 16 + t];
+            dot += int(v & 0x0f) * xm[b * 32 + t] + int(v >> 4) * xm[b * 32 + 16 + t];
+          }
+          acc[i] += float(dot) * (sf[b] * d[int64_t(m0 + i) * nblk + b]);
+        }
+      }
+#endif
+      for (int i = 0; i < rows; ++i) {
+        const float* gm = gsum + int64_t(m0 + i) * ngroups;
+        float mins = 0.f;
+        int g = 0;
+#ifdef PAGEDLM_AVX2
+        if (fp16_direct) {
+          __m256 mv = _mm256_setzero_ps();
+          for (; g + 8 <= ngroups; g += 8) {
+            const __m256 mnv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mnn + g)));
+            mv = _mm256_fmadd_ps(mnv, _mm256_loadu_ps(gm + g), mv);
+          }
+          mins = hsum(mv);
+          for (; g < ngroups; ++g) mins += half_to_float(mnn[g]) * gm[g];
+        }
+#endif
+        for (; g < ngroups; ++g) mins += mf[g] * gm[g];
+        y[int64_t(m0 + i) * N + n] = acc[i] + mins;
+      }
     }
   }
 }
@@ -343,10 +418,14 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
   std::vector<float> d(size_t(M) * (K / 32)), gsum(size_t(M) * (K / G));
   quantize_act(x, M, K, G, xq.data(), d.data(), gsum.data());
   const int tiles = (N + NT - 1) / NT;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int t = 0; t < tiles; ++t) {
-    const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
-    int4_tile(xq.data(), d.data(), gsum.data(), q, scales, mins, y, M, K, N, G, n0, nt);
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> scratch(int4_scratch_floats(K, G));
+#pragma omp for schedule(static)
+    for (int t = 0; t < tiles; ++t) {
+      const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
+      int4_tile(xq.data(), d.data(), gsum.data(), q, scales, mins, y, M, K, N, G, n0, nt, scratch.data());
+    }
   }
   return 0;
 }
