@@ -369,3 +369,35 @@ def test_bf16_dense_copy_is_prepacked_and_bit_identical():
     for rows in (5, 17, 64, 300):
         x = torch.randn(rows, 64, generator=g)
         assert torch.equal(layer(x), F.linear(x.bfloat16(), w).float()), rows
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
+    """The quantized kernels built for AVX2 without VNNI (-march=haswell) and for plain x86-64 give the native
+    build's products within fp32 rounding (the int4 block dots are exact integers on every path; only the order of
+    the fp32 sums differs), and the build under test is the one that runs (a counting wrapper sees its calls)."""
+    import platform
+    import shutil
+
+    from pagedlm.cpu import cpu_features
+
+    flags = cpu_features().flags
+    runnable = platform.machine() == "x86_64" and (march == "x86-64" or {"avx2", "fma", "f16c", "bmi2"} <= flags)
+    if shutil.which("g++") is None or not runnable or quant.load_quant_kernel() is None:
+        pytest.skip(f"no g++, or this CPU cannot run a -march={march} build")
+    variant = quant.kernel_variant(march).load()
+    assert variant is not None
+    g = torch.Generator().manual_seed(11)
+    w, x = torch.randn(40, 160, generator=g) * 0.05, torch.randn(9, 160, generator=g)
+    for method in ("int4", "int8"):
+        layer = quant.make_quant_linear(w, method, 32)
+        layer.kernel_max_rows = 64
+        native = layer(x)
+        counting = _CountingKernel(variant)
+        monkeypatch.setattr(quant, "load_quant_kernel", lambda: counting)
+        other = layer(x)
+        monkeypatch.undo()
+        assert counting.int4_calls == (method == "int4")
+        torch.testing.assert_close(other, native, rtol=1e-6, atol=1e-6)
+        ref = F.linear(layer.dense_input(x).double(), layer.dequantize().double())
+        torch.testing.assert_close(other.double(), ref, rtol=1e-4, atol=1e-4)

@@ -48,6 +48,16 @@ def _configure(lib: ctypes.CDLL) -> None:
 KERNEL = cbuild.KernelLibrary(SOURCE, "Quantized linear kernel", "using dequantize + GEMM", _configure)
 
 
+_VARIANTS: dict[str, cbuild.KernelLibrary] = {"native": KERNEL}
+
+
+def kernel_variant(march: str) -> cbuild.KernelLibrary:
+    """The kernel compiled with `-march=<march>` ("native" is KERNEL; "haswell": AVX2 without VNNI; "x86-64": the
+    portable code), so that tests can run every path the CPU supports."""
+    return _VARIANTS.setdefault(march, cbuild.KernelLibrary(SOURCE, f"Quantized linear kernel ({march})",
+                                                            "using dequantize + GEMM", _configure, march=march))
+
+
 def load_quant_kernel() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be built (then every product takes the dense path)."""
     return KERNEL.load()
