@@ -1,10 +1,14 @@
-"""Profile decode steps of the engine: where the time of one step goes (torch profiler, by op).
+"""Profile decode steps of the engine: where the time of one step goes (torch profiler, by op), or with
+`--wall` the median wall time of a step without the profiler (compare two source trees by running it with
+PYTHONPATH=<tree>/src alternately).
 
     .venv/bin/python benchmarks/profile_step.py --batch 64 --context 160 --steps 5 [--threads 2]
+    .venv/bin/python benchmarks/profile_step.py --batch 16 --steps 8 --wall
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -23,6 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--wall", action="store_true", help="median wall time per step, no profiler")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -34,6 +39,16 @@ def main() -> None:
     while eng.scheduler.waiting:  # prefill everything first
         eng.step()
     eng.step()
+    if args.wall:
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t)
+        dt = statistics.median(times)
+        print(f"decode step, batch {args.batch}, context {args.context}: median {dt * 1e3:.1f} ms "
+              f"({args.batch / dt:.0f} tok/s), threads {torch.get_num_threads()}")
+        return
     t0 = time.perf_counter()
     with profile() as prof:
         for _ in range(args.steps):
