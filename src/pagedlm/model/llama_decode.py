@@ -22,7 +22,7 @@ from pagedlm.model.layers import Linear
 from pagedlm.model.quant import Int4Linear, Int8Linear, QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
-LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED = 0, 1, 2, 3
+LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16 = 0, 1, 2, 3, 4
 FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_INT8)  # the caches the stack writes (not fp8)
 
 
@@ -69,7 +69,8 @@ def _describe(linear: nn.Module) -> _Linear | None:
         return _Linear(kind, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(),
                        linear.scale.data_ptr(), None)
     if isinstance(linear, Int4Linear):
-        return _Linear(LIN_INT4, linear.in_features, linear.out_features, linear.group_size,
+        kind = LIN_INT4_X16 if linear.x16 else LIN_INT4
+        return _Linear(kind, linear.in_features, linear.out_features, linear.group_size,
                        linear.qweight.data_ptr(), linear.scale.data_ptr(), linear.mins.data_ptr())
     return None
 
@@ -93,7 +94,7 @@ class LlamaDecodeKernel:
     def __init__(self, lib: ctypes.CDLL, model: nn.Module, weights: list[tuple[_Linear, ...]]) -> None:
         cfg = model.cfg
         self.lib, self.model, self.cfg = lib, model, cfg
-        self.max_tokens = min((m.kernel_max_rows for m in model.modules() if isinstance(m, QuantLinear)),
+        self.max_tokens = min((m.kernel_max_rows for m in model.layers.modules() if isinstance(m, QuantLinear)),
                               default=KERNEL_MAX_ROWS)
         self._weights = weights
         self._layers = (_Layer * cfg.num_layers)()

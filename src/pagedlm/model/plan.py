@@ -36,6 +36,7 @@ class ExecutionPlan:
     kernel_max_rows: int  # steps of at most this many rows run the quantized kernels / the fused decoder stack
     reasons: list[str] = field(default_factory=list)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype, resolved ("auto": the activations' dtype)
+    head_kernel_max_rows: int | None = None  # the same for the int8 embedding table as LM head (None: as above)
 
     def describe(self) -> str:
         weights = {None: "dense", "int8": "int8 per channel",
@@ -45,6 +46,8 @@ class ExecutionPlan:
         if self.quantization:
             s += (f"; steps of <= {self.kernel_max_rows} rows run the quantized kernels, larger ones a "
                   f"{_name(self.dense_dtype)} GEMM")
+            if self.head_kernel_max_rows is not None:
+                s += f" (the int8 LM head's kernel: <= {self.head_kernel_max_rows} rows)"
         return s + "; " + "; ".join(self.reasons)
 
 
@@ -98,9 +101,10 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
     if config.kernel_max_rows is not None or not measure:
         rows = KERNEL_MAX_ROWS if config.kernel_max_rows is None else config.kernel_max_rows
         reasons.append(f"kernel_max_rows {rows} as configured")
-    else:
-        from pagedlm.model.probe import measure_kernel_max_rows
+        return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype)
+    from pagedlm.model.probe import HEAD_SHAPE, measure_kernel_max_rows
 
-        rows, why = measure_kernel_max_rows(quantization, group_size, dense)
-        reasons.append(why)
-    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype)
+    rows, why = measure_kernel_max_rows(quantization, group_size, dense)
+    head_rows, head_why = measure_kernel_max_rows("int8", 32, dense, HEAD_SHAPE)
+    reasons += [why, f"int8 LM head: {head_why}"]
+    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, head_rows)

@@ -19,18 +19,20 @@ from pagedlm.cpu import cpu_features
 
 logger = logging.getLogger(__name__)
 
-ROWS = (1, 2, 4, 8, 16)  # candidates; 16 is the quantized kernels' design limit (KERNEL_MAX_ROWS)
+ROWS = (1, 2, 4, 8, 16, 32)  # candidates; 32 is the quantized kernels' design limit (KERNEL_MAX_ROWS)
 SHAPE = (1024, 3072)  # in, out: a mid-size MLP projection
+HEAD_SHAPE = (768, 16384)  # the int8 embedding table as an LM head: a wide, short product
 REPEATS = 7
 ROUNDS = 2  # the probe is cached only when its rounds agree: a busy machine's reading is taken again next time
 FLUSH_BYTES = 96 * 2**20
-PROBE_VERSION = 2  # 2: the dense side is the layer's own big-step path (prepacked bf16 where oneDNN has it)
+PROBE_VERSION = 3  # 2: the dense side is the layer's own big-step path (prepacked bf16); 3: up to 32 rows, shapes
 
 
-def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dtype) -> tuple[int, str]:
-    """(rows, a sentence saying how they were found)."""
+def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dtype,
+                            shape: tuple[int, int] = SHAPE) -> tuple[int, str]:
+    """(rows, a sentence saying how they were found) for a layer of `shape` (in, out)."""
     key = json.dumps([sorted(cpu_features().flags), torch.__version__, method, group_size, str(dense_dtype),
-                      SHAPE, ROWS, torch.get_num_threads(), _kernel_version(), PROBE_VERSION])
+                      shape, ROWS, torch.get_num_threads(), _kernel_version(), PROBE_VERSION])
     path = cbuild.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         rows = int(json.loads(path.read_text())["kernel_max_rows"])
@@ -38,13 +40,13 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
     except (OSError, ValueError, KeyError):
         pass
     t0 = time.perf_counter()
-    rounds = [_time_paths(method, group_size, dense_dtype) for _ in range(ROUNDS)]
+    rounds = [_time_paths(method, group_size, dense_dtype, shape) for _ in range(ROUNDS)]
     found = [_crossover(t) for t in rounds]
     rows, timings = max(zip(found, rounds), key=lambda x: x[0])
     stable = len(set(found)) == 1
     detail = ", ".join(f"{r}: {k * 1e6:.0f}/{d * 1e6:.0f} us" for r, (k, d) in timings.items())
-    logger.info("probe (%.1f s): quantized kernel / dense %s GEMM by rows: %s -> kernel_max_rows %d%s",
-                time.perf_counter() - t0, str(dense_dtype).removeprefix("torch."), detail, rows,
+    logger.info("probe (%.1f s): %s %dx%d kernel / dense %s GEMM by rows: %s -> kernel_max_rows %d%s",
+                time.perf_counter() - t0, method, *shape, str(dense_dtype).removeprefix("torch."), detail, rows,
                 "" if stable else f" (rounds disagree: {found}; a busy machine? not cached, probed again next start)")
     if stable:
         try:
@@ -79,10 +81,11 @@ def _crossover(timings: dict[int, tuple[float, float]]) -> int:
     return rows
 
 
-def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype,
+                shape: tuple[int, int]) -> dict[int, tuple[float, float]]:
     from pagedlm.model.quant import make_quant_linear
 
-    k, n = SHAPE
+    k, n = shape
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen) * 0.02
     quant = make_quant_linear(w, method, group_size)

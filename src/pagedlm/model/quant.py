@@ -38,10 +38,12 @@ METHODS = QUANTIZATION_METHODS
 def _configure(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_linear_int8.argtypes = [p, p, p, p, i, i, i, i, i]
-    lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i]
+    lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
+    lib.pagedlm_int4_x16_native.argtypes = []
     lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
-    for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4):
+    for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
+               lib.pagedlm_int4_x16_native):
         fn.restype = ctypes.c_int
 
 
@@ -104,6 +106,32 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     q = q.reshape(n, k // 32, 2, 16)  # chunks of 32: values 0..15 low nibbles, 16..31 high nibbles
     packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
     return packed.contiguous(), scale.contiguous(), mins.contiguous()
+
+
+X16 = 16  # output rows per tile of the int4 x16 layout (csrc/quant_linear.cpp)
+
+
+def to_x16(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The int4 row layout ([N, K/2] codes, [N, K/G] scales and minimums) reordered into the kernel's x16 layout:
+    per tile of 16 output rows and 32-value block, bytes 4c..4c+3 of each row side by side, chunk by chunk."""
+    n, half = packed.shape
+    codes = packed.view(n // X16, X16, half // 16, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return (codes.view(n, half), *(t.view(n // X16, X16, -1).transpose(1, 2).contiguous().view(n, -1)
+                                   for t in (scale, mins)))
+
+
+def from_x16(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inverse of `to_x16`."""
+    n, half = packed.shape
+    codes = packed.view(n // X16, half // 16, 4, X16, 4).permute(0, 3, 1, 2, 4).contiguous()
+    return (codes.view(n, half), *(t.view(n // X16, -1, X16).transpose(1, 2).contiguous().view(n, -1)
+                                   for t in (scale, mins)))
+
+
+def x16_native() -> bool:
+    """Whether the quantized kernel runs the int4 x16 layout natively here (AVX-512 VNNI)."""
+    lib = load_quant_kernel()
+    return lib is not None and bool(lib.pagedlm_int4_x16_native())
 
 
 def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
@@ -228,9 +256,10 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    """From a float weight [out, in] (quantized here) or from `Int4Blocks` (kept as they are)."""
+    """From a float weight [out, in] (quantized here) or from `Int4Blocks` (kept as they are). The blocks are
+    stored in the kernel's x16 layout (`x16`) where it runs natively and the shape allows, else by rows."""
 
-    def __init__(self, weight: torch.Tensor | Int4Blocks, group_size: int) -> None:
+    def __init__(self, weight: torch.Tensor | Int4Blocks, group_size: int, x16: bool | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0])
         self.group_size = group_size
         if isinstance(weight, Int4Blocks):
@@ -239,26 +268,35 @@ class Int4Linear(QuantLinear):
             blocks = weight
         else:
             blocks = Int4Blocks(*quantize_int4(weight, group_size))
-        self.register_buffer("qweight", blocks.qweight)
-        self.register_buffer("scale", blocks.scale)
-        self.register_buffer("mins", blocks.mins)
+        self.x16 = (x16_native() if x16 is None else x16) and self.out_features % X16 == 0
+        tensors = (blocks.qweight, blocks.scale, blocks.mins)
+        if self.x16:
+            tensors = to_x16(*tensors)
+        for name, t in zip(("qweight", "scale", "mins"), tensors):
+            self.register_buffer(name, t)
+
+    def row_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K/2], scales, minimums [N, K/G]) in the row layout, whatever the stored one."""
+        tensors = (self.qweight, self.scale, self.mins)
+        return from_x16(*tensors) if self.x16 else tensors
 
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
         return quantize_activations_q8(x)
 
     def dequantize(self) -> torch.Tensor:
+        q, scale, mins = self.row_layout()
         lib = load_quant_kernel()
-        if lib is None or self.qweight.device.type != "cpu":
-            return dequantize_int4(self.qweight, self.scale, self.mins, self.group_size)
+        if lib is None or q.device.type != "cpu":
+            return dequantize_int4(q, scale, mins, self.group_size)
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        lib.pagedlm_dequant_int4(self.qweight.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(), w.data_ptr(),
+        lib.pagedlm_dequant_int4(q.data_ptr(), scale.data_ptr(), mins.data_ptr(), w.data_ptr(),
                                  self.in_features, self.out_features, self.group_size, torch.get_num_threads())
         return w
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
         rc = lib.pagedlm_linear_int4(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(),
                                      self.mins.data_ptr(), y.data_ptr(), x.shape[0], self.in_features,
-                                     self.out_features, self.group_size, torch.get_num_threads())
+                                     self.out_features, self.group_size, int(self.x16), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"int4 kernel failed (code {rc})")
 
@@ -299,11 +337,11 @@ def make_quant_linear(weight: torch.Tensor | Int4Blocks, method: str, group_size
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dtype: torch.dtype | None = None,
-                   kernel_max_rows: int = KERNEL_MAX_ROWS) -> int:
+                   kernel_max_rows: int = KERNEL_MAX_ROWS, head_kernel_max_rows: int | None = None) -> int:
     """Replace, in place, every layers.Linear of a loaded `model` ([out, in] or transposed) by its quantized
     twin, and the embedding table by an int8 one (which a tied LM head then shares). Products with more than
-    `kernel_max_rows` rows use a dense copy in `dense_dtype` (None: dequantize per call). Returns the bytes of the
-    dense copies."""
+    `kernel_max_rows` rows (`head_kernel_max_rows` for the embedding table, None: the same) use a dense copy in
+    `dense_dtype` (None: dequantize per call). Returns the bytes of the dense copies."""
     from pagedlm.model.layers import Linear
 
     if method not in METHODS:
@@ -328,6 +366,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dt
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.kernel_max_rows = kernel_max_rows
+            if m is table and head_kernel_max_rows is not None:
+                m.kernel_max_rows = head_kernel_max_rows
             m.set_dense(dense_dtype)
             dense_bytes += 0 if m.dense is None else m.dense.numel() * m.dense.element_size()
     return dense_bytes

@@ -12,6 +12,14 @@
 //       Its activations are quantized per 32-value block to int8 (quantize_act), as llama.cpp pairs Q4_1
 //       weights with Q8_1 activations, so blocks reduce with integer dot products: y = Q8(x) @ W^T. Converting
 //       4-bit codes to fp32 instead was compute-bound at half the speed of the int8 path on 2 AVX2 cores.
+//       Layout "x16" (int4_x16_layout; chosen where the CPU has AVX-512 VNNI and N % 16 == 0): the same bytes
+//       reordered so that 16 output rows are read together, one column per 32-bit lane of a 512-bit register:
+//       tile t = output rows 16t..16t+15; per 32-value block b of the inputs 256 bytes, chunk c (0..3) of 64
+//       bytes holding, for row 16t + j, bytes 4c..4c+3 of that row's block (inputs 32b + 4c + i in the low
+//       nibbles, 32b + 16 + 4c + i in the high ones); scales and minimums [N / 16, K / G, 16]. A vpdpbusd then
+//       multiplies four inputs of 16 rows with one broadcast of four quantized activations, with no horizontal
+//       sums; each of up to X16_ROWS rows of x reuses the unpacked codes. Per output: over blocks in order
+//       f = fma(float(dot_b), scale_g * d_b, f), and at the end of each group f = fma(min_g, gsum_g, f).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,6 +30,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PAGEDLM_AVX2 1
+#endif
+#if defined(PAGEDLM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGEDLM_AVX512_VNNI 1
 #endif
 
 namespace {
@@ -156,20 +167,49 @@ void dequant_int8p_tile(const int8_t* q, const float* s, int K, int n0, float* w
 // Activations of the int4 product, quantized like llama.cpp's Q8 blocks: each 32-value block of a row of x
 // becomes int8 values xq with one scale d = max|x| / 127 (xq = round-half-even(x / d); d = 1 for a zero block).
 // gsum[m * ngroups + g] = sum of the quantized values of group g, d * xq (what the group's minimum multiplies).
-void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, float* gsum) {
+void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, float* gsum, int nthreads) {
   const int nblk = K / 32, bpg = G / 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (int64_t(M) * K >= 8192)
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < nblk; ++b) {
       const float* xb = x + int64_t(m) * K + b * 32;
+      int8_t* qb = xq + int64_t(m) * K + b * 32;
       float amax = 0.f;
+      int sum = 0;
+#ifdef PAGEDLM_AVX2  // the same values as the scalar code: IEEE division, rounding half to even
+      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      __m256 v[4], mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const float db = amax > 0.f ? amax / 127.f : 1.f;
+      const __m256 dv = _mm256_set1_ps(db);
+      __m256i isum = _mm256_setzero_si256();
+      alignas(32) int32_t tmp[32];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i qi = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        isum = _mm256_add_epi32(isum, qi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 8 * i), qi);
+      }
+      for (int i = 0; i < 32; ++i) qb[i] = int8_t(tmp[i]);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      sum = _mm_cvtsi128_si32(s4);
+#else
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
       const float db = amax > 0.f ? amax / 127.f : 1.f;
-      int sum = 0;
       for (int i = 0; i < 32; ++i) {
         const int v = int(std::nearbyint(xb[i] / db));
-        xq[int64_t(m) * K + b * 32 + i] = int8_t(v);
+        qb[i] = int8_t(v);
         sum += v;
       }
+#endif
       d[int64_t(m) * nblk + b] = db;
       float& gs = gsum[int64_t(m) * (nblk / bpg) + b / bpg];
       gs = (b % bpg == 0 ? 0.f : gs) + db * float(sum);
@@ -320,6 +360,108 @@ void int4_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_
   }
 }
 
+constexpr int X16 = 16;       // output rows per tile of the x16 layout
+constexpr int X16_ROWS = 8;   // rows of x that share one unpacking of a tile's block
+constexpr int X16_BLOCK = 256;  // bytes per tile and 32-value block
+
+#ifdef PAGEDLM_AVX512_VNNI
+inline __m512i bcast4(const int8_t* p) {  // four int8 activations in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows m0 .. m0+R of x against tile t (16 outputs): y[m, 16t .. 16t+15].
+template <int R>
+void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const uint16_t* st,
+                  const uint16_t* mt, float* y, int K, int N, int G, int n0, int m0, bool prefetch) {
+  const int nblk = K / 32, bpg = G / 32, ngroups = K / G;
+  const __m512i lo = _mm512_set1_epi8(0x0f);
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  __m512 s = _mm512_setzero_ps(), mn = s;
+  for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
+    const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb) + PF_BYTES, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb) + PF_BYTES + 128, _MM_HINT_T0);
+    }
+    __m512i w[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+      w[c] = _mm512_and_si512(v, lo);
+      w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+    }
+    if (in_group == 0) {
+      s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + int64_t(g) * X16)));
+      mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + int64_t(g) * X16)));
+    }
+    const bool group_end = ++in_group == bpg;
+    for (int i = 0; i < R; ++i) {
+      const int8_t* xb = xq + int64_t(m0 + i) * K + b * 32;
+      // two chains of four (integer sums: the order does not change the result)
+      __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(xb));
+      __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast4(xb + 4));
+      a0 = _mm512_dpbusd_epi32(a0, w[2], bcast4(xb + 8));
+      a1 = _mm512_dpbusd_epi32(a1, w[3], bcast4(xb + 12));
+      a0 = _mm512_dpbusd_epi32(a0, w[4], bcast4(xb + 16));
+      a1 = _mm512_dpbusd_epi32(a1, w[5], bcast4(xb + 20));
+      a0 = _mm512_dpbusd_epi32(a0, w[6], bcast4(xb + 24));
+      a1 = _mm512_dpbusd_epi32(a1, w[7], bcast4(xb + 28));
+      const __m512 cs = _mm512_mul_ps(s, _mm512_set1_ps(d[int64_t(m0 + i) * nblk + b]));
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), cs, f[i]);
+      if (group_end) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[int64_t(m0 + i) * ngroups + g]), f[i]);
+    }
+    if (group_end) in_group = 0, ++g;
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
+}
+#endif
+
+// The x16 product for tile n0 / 16, every row of x. Without AVX-512 VNNI: the same arithmetic in scalar code
+// (std::fma rounds as vfmadd does), so every build gives the same results for this layout.
+void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const uint16_t* sc,
+                  const uint16_t* mn, float* y, int M, int K, int N, int G, int n0) {
+  const int nblk = K / 32, ngroups = K / G, bpg = G / 32, t = n0 / X16;
+  const uint8_t* qt = q + int64_t(t) * nblk * X16_BLOCK;
+  const uint16_t *st = sc + int64_t(t) * ngroups * X16, *mt = mn + int64_t(t) * ngroups * X16;
+#ifdef PAGEDLM_AVX512_VNNI
+  for (int m0 = 0; m0 < M; m0 += X16_ROWS) {
+    const bool pf = m0 == 0;
+    switch (std::min(X16_ROWS, M - m0)) {
+      case 8: int4x16_rows<8>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
+      case 7: int4x16_rows<7>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
+      case 6: int4x16_rows<6>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
+      case 5: int4x16_rows<5>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
+      case 4: int4x16_rows<4>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
+      case 3: int4x16_rows<3>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
+      case 2: int4x16_rows<2>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
+      default: int4x16_rows<1>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
+    }
+  }
+#else
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < X16; ++j) {
+      float f = 0.f;
+      for (int b = 0; b < nblk; ++b) {
+        const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
+        const int8_t* xb = xq + int64_t(m) * K + b * 32;
+        int dot = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t v = wb[64 * c + 4 * j + i];
+            dot += int(v & 0x0f) * xb[4 * c + i] + int(v >> 4) * xb[16 + 4 * c + i];
+          }
+        const int g = b / bpg;
+        const float cs = half_to_float(st[g * X16 + j]) * d[int64_t(m) * nblk + b];
+        f = std::fma(float(dot), cs, f);
+        if ((b + 1) % bpg == 0) f = std::fma(half_to_float(mt[g * X16 + j]), gsum[int64_t(m) * ngroups + g], f);
+      }
+      y[int64_t(m) * N + n0 + j] = f;
+    }
+#endif
+}
+
 // The weights of rows n0 .. n0+nt dequantized to fp32, [nt, K].
 void dequant_int8_rows(const int8_t* q, const float* s, int K, int n0, int nt, float* w) {
   for (int j = 0; j < nt; ++j) {
@@ -411,12 +553,19 @@ int pagedlm_linear_int8(const float* x, const int8_t* q, const float* s, float* 
   return 0;
 }
 
+// layout: 0 the row layout, 1 x16 (needs N % 16 == 0; returns 1 otherwise).
 int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales, const uint16_t* mins, float* y,
-                        int M, int K, int N, int G, int nthreads) {
-  if (G % 32 != 0 || K % G != 0) return 1;
+                        int M, int K, int N, int G, int layout, int nthreads) {
+  if (G % 32 != 0 || K % G != 0 || (layout == 1 && N % X16 != 0) || layout < 0 || layout > 1) return 1;
   std::vector<int8_t> xq(size_t(M) * K);
   std::vector<float> d(size_t(M) * (K / 32)), gsum(size_t(M) * (K / G));
-  quantize_act(x, M, K, G, xq.data(), d.data(), gsum.data());
+  quantize_act(x, M, K, G, xq.data(), d.data(), gsum.data(), nthreads);
+  if (layout == 1) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int t = 0; t < N / X16; ++t)
+      int4x16_tile(xq.data(), d.data(), gsum.data(), q, scales, mins, y, M, K, N, G, t * X16);
+    return 0;
+  }
   const int tiles = (N + NT - 1) / NT;
 #pragma omp parallel num_threads(nthreads)
   {
@@ -428,6 +577,15 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
     }
   }
   return 0;
+}
+
+// Whether this build runs the x16 layout with AVX-512 VNNI (else it is computed by portable code).
+int pagedlm_int4_x16_native() {
+#ifdef PAGEDLM_AVX512_VNNI
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // W [N, K] in fp32 from the int8 / int4 layouts (for large-M products, which then run as a dense fp32 GEMM).
