@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.config import KERNEL_MAX_ROWS as MAX_TOKENS
 from pagedlm.model.llama_decode import LlamaDecodeKernel, load_decode_kernel
 
 pytestmark = pytest.mark.skipif(load_decode_kernel() is None, reason="fused decode kernel unavailable")
 
+MAX_TOKENS = 16  # tokens per step in these runs (prefill chunks mixed with decode tokens)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
 

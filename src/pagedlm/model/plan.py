@@ -43,7 +43,9 @@ class ExecutionPlan:
                    "int4": f"int4 (groups of {self.group_size})"}[self.quantization]
         kv = _name(self.dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         s = f"execution: activations {_name(self.dtype)}, weights {weights}, KV cache {kv}"
-        if self.quantization:
+        if self.quantization and self.kernel_max_rows >= KERNEL_MAX_ROWS:
+            s += "; every step runs the quantized kernels (no dense copy)"
+        elif self.quantization:
             s += (f"; steps of <= {self.kernel_max_rows} rows run the quantized kernels, larger ones a "
                   f"{_name(self.dense_dtype)} GEMM")
             if self.head_kernel_max_rows is not None:

@@ -19,13 +19,13 @@ from pagedlm.cpu import cpu_features
 
 logger = logging.getLogger(__name__)
 
-ROWS = (1, 2, 4, 8, 16, 32)  # candidates; 32 is the quantized kernels' design limit (KERNEL_MAX_ROWS)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # candidates; a kernel that wins at all of them takes every step
 SHAPE = (1024, 3072)  # in, out: a mid-size MLP projection
 HEAD_SHAPE = (768, 16384)  # the int8 embedding table as an LM head: a wide, short product
 REPEATS = 7
 ROUNDS = 2  # the probe is cached only when its rounds agree: a busy machine's reading is taken again next time
 FLUSH_BYTES = 96 * 2**20
-PROBE_VERSION = 3  # 2: the dense side is the layer's own big-step path (prepacked bf16); 3: up to 32 rows, shapes
+PROBE_VERSION = 4  # 2: the dense side is the layer's own big-step path (prepacked bf16); 3: shapes; 4: 256 rows
 
 
 def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dtype,
@@ -36,7 +36,7 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
     path = cbuild.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         rows = int(json.loads(path.read_text())["kernel_max_rows"])
-        return rows, f"kernel_max_rows {rows} (probe cached in {path.name})"
+        return rows, f"kernel_max_rows {_rows(rows)} (probe cached in {path.name})"
     except (OSError, ValueError, KeyError):
         pass
     t0 = time.perf_counter()
@@ -45,8 +45,8 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
     rows, timings = max(zip(found, rounds), key=lambda x: x[0])
     stable = len(set(found)) == 1
     detail = ", ".join(f"{r}: {k * 1e6:.0f}/{d * 1e6:.0f} us" for r, (k, d) in timings.items())
-    logger.info("probe (%.1f s): %s %dx%d kernel / dense %s GEMM by rows: %s -> kernel_max_rows %d%s",
-                time.perf_counter() - t0, method, *shape, str(dense_dtype).removeprefix("torch."), detail, rows,
+    logger.info("probe (%.1f s): %s %dx%d kernel / dense %s GEMM by rows: %s -> kernel_max_rows %s%s",
+                time.perf_counter() - t0, method, *shape, str(dense_dtype).removeprefix("torch."), detail, _rows(rows),
                 "" if stable else f" (rounds disagree: {found}; a busy machine? not cached, probed again next start)")
     if stable:
         try:
@@ -57,7 +57,13 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
         except OSError:
             pass
     how = "measured" if stable else f"measured, rounds disagreed {found}, not cached"
-    return rows, f"kernel_max_rows {rows} ({how}: kernel/dense {detail})"
+    return rows, f"kernel_max_rows {_rows(rows)} ({how}: kernel/dense {detail})"
+
+
+def _rows(rows: int) -> str:
+    from pagedlm.config import KERNEL_MAX_ROWS
+
+    return "unlimited" if rows >= KERNEL_MAX_ROWS else str(rows)
 
 
 def _kernel_version() -> str:
@@ -71,14 +77,19 @@ def _kernel_version() -> str:
 
 
 def _crossover(timings: dict[int, tuple[float, float]]) -> int:
-    """The most rows up to which the kernel is at least as fast as the dense GEMM at every candidate."""
+    """The most rows up to which the kernel is at least as fast as the dense GEMM at every candidate
+    (KERNEL_MAX_ROWS, no limit, where it wins at all of them)."""
+    from pagedlm.config import KERNEL_MAX_ROWS
+
     rows = 1
     for r in ROWS:
+        if r not in timings:
+            return rows
         kernel, dense = timings[r]
         if kernel > dense:
-            break
+            return rows
         rows = r
-    return rows
+    return KERNEL_MAX_ROWS
 
 
 def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype,
@@ -107,4 +118,6 @@ def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype,
                     fn()
                     times[name].append(time.perf_counter() - t)
             out[rows] = (min(times["kernel"]), min(times["dense"]))  # the least disturbed run of each
+            if out[rows][0] > out[rows][1]:  # the crossover: bigger steps are not timed
+                break
     return out

@@ -368,6 +368,6 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dt
             m.kernel_max_rows = kernel_max_rows
             if m is table and head_kernel_max_rows is not None:
                 m.kernel_max_rows = head_kernel_max_rows
-            m.set_dense(dense_dtype)
+            m.set_dense(dense_dtype if m.kernel_max_rows < KERNEL_MAX_ROWS else None)  # the kernel takes every step
             dense_bytes += 0 if m.dense is None else m.dense.numel() * m.dense.element_size()
     return dense_bytes
