@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import gc
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -149,6 +150,10 @@ class LLMEngine:
         self._mask_errors: list[tuple[Request, Exception]] = []
         self._structured_lock = threading.Lock()
         logger.info("%s", self.memory_report.format())
+        # What start-up built (tokenizer tables, model, plan) lives as long as the engine: out of the cyclic
+        # collector's way, whose passes over it cost ~10% of a short step (as vLLM's engine core does).
+        gc.collect()
+        gc.freeze()
 
     @property
     def structured(self) -> StructuredOutputManager:

@@ -562,7 +562,10 @@ void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a,
   for (int gi = 0; gi + 1 < int(first.size()); ++gi)
     for (int k = first[gi]; k < first[gi + 1]; ++k) group_of[k] = gi;
   // Partial states, uninitialized (each item initializes its rows): [item, rows, D] and [item, {m, l}, rows].
-  std::unique_ptr<float[]> acc(new float[size_t(nitems) * rows * D]), ml(new float[size_t(nitems) * rows * 2]);
+  thread_local std::vector<float> acc_buf, ml_buf;  // kept between calls (grow-only): no page faults per call
+  acc_buf.resize(size_t(nitems) * rows * D);
+  ml_buf.resize(size_t(nitems) * rows * 2);
+  float *const acc_p = acc_buf.data(), *const ml_p = ml_buf.data();
 
   // Writes rows of (seq, tile) from the partial states of items k0..k1 (one item: just normalizes).
   auto finish = [&](int k0, int k1) {
@@ -571,15 +574,15 @@ void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a,
     const int nrows = std::min(qt, qlen - it.tile * qt) * a.H;
     for (int r = 0; r < nrows; ++r) {
       float mmax = -INFINITY;
-      for (int k = k0; k < k1; ++k) mmax = std::max(mmax, ml[size_t(k) * rows * 2 + r]);
+      for (int k = k0; k < k1; ++k) mmax = std::max(mmax, ml_p[size_t(k) * rows * 2 + r]);
       alignas(64) float o[D] = {0};
       float lsum = 0.f;
       for (int k = k0; k < k1; ++k) {
-        const float mk = ml[size_t(k) * rows * 2 + r];
+        const float mk = ml_p[size_t(k) * rows * 2 + r];
         if (mk == -INFINITY) continue;
         const float w = std::exp(mk - mmax);
-        lsum += w * ml[size_t(k) * rows * 2 + rows + r];
-        const float* ak = acc.get() + (size_t(k) * rows + r) * D;
+        lsum += w * ml_p[size_t(k) * rows * 2 + rows + r];
+        const float* ak = acc_p + (size_t(k) * rows + r) * D;
         for (int d = 0; d < D; ++d) o[d] += w * ak[d];
       }
       const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
@@ -592,8 +595,8 @@ void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a,
   // serially: splitting only happens when there are few groups.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
   for (int64_t k = 0; k < nitems; ++k) {
-    float* mk = ml.get() + size_t(k) * rows * 2;
-    run_item<T, D>(a, items[k], q, kc, vc, acc.get() + size_t(k) * rows * D, mk, mk + rows);
+    float* mk = ml_p + size_t(k) * rows * 2;
+    run_item<T, D>(a, items[k], q, kc, vc, acc_p + size_t(k) * rows * D, mk, mk + rows);
     const int gi = group_of[k];
     if (first[gi + 1] - first[gi] == 1) finish(int(k), int(k) + 1);
   }

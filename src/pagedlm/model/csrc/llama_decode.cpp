@@ -151,8 +151,10 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
   if (int rc = check_batch(a, num_seqs, M, md.num_blocks)) return rc;
   if (int rc = check_slots(slots, M, int64_t(md.num_blocks) * md.BS)) return rc;
   if (nthreads < 1) nthreads = omp_get_max_threads();
-  std::vector<float> h(size_t(M) * hid), t(size_t(M) * hid), qkv(size_t(M) * qkvd), q(size_t(M) * qd),
-      att(size_t(M) * qd), gu(size_t(M) * 2 * md.inter), act(size_t(M) * md.inter);
+  // Scratch kept between calls (grow-only): fresh multi-megabyte buffers every step cost page faults.
+  thread_local std::vector<float> h, t, qkv, q, att, gu, act;
+  h.resize(size_t(M) * hid); t.resize(size_t(M) * hid); qkv.resize(size_t(M) * qkvd); q.resize(size_t(M) * qd);
+  att.resize(size_t(M) * qd); gu.resize(size_t(M) * 2 * md.inter); act.resize(size_t(M) * md.inter);
   for (int li = 0; li < md.num_layers; ++li) {
     const Layer& L = md.layers[li];
     rms_norm(x, L.input_norm, h.data(), M, hid, md.eps);

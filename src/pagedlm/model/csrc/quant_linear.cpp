@@ -559,9 +559,13 @@ int pagedlm_linear_int8(const float* x, const int8_t* q, const float* s, float* 
 int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales, const uint16_t* mins, float* y,
                         int M, int K, int N, int G, int layout, int nthreads) {
   if (G % 32 != 0 || K % G != 0 || (layout == 1 && N % X16 != 0) || layout < 0 || layout > 1) return 1;
-  std::vector<int8_t> xq(size_t(M) * K);
-  std::vector<float> d(size_t(M) * (K / 32)), gsum(size_t(M) * (K / G));
-  quantize_act(x, M, K, G, xq.data(), d.data(), gsum.data(), nthreads);
+  thread_local std::vector<int8_t> xq;  // kept between calls (grow-only): no page faults per call
+  thread_local std::vector<float> d, gsum;
+  xq.resize(size_t(M) * K); d.resize(size_t(M) * (K / 32)); gsum.resize(size_t(M) * (K / G));
+  // Pointers taken here: inside the parallel regions the names would be each thread's own (empty) vectors.
+  int8_t* const xqp = xq.data();
+  float *const dp = d.data(), *const gp = gsum.data();
+  quantize_act(x, M, K, G, xqp, dp, gp, nthreads);
   if (layout == 1) {
     // Big products in blocks of X16_MBLOCK rows, so a block's activations stay in cache while every tile (the
     // same tiles on the same thread each time) passes over them.
@@ -571,7 +575,7 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
       const int rows = std::min(X16_MBLOCK, M - m0);
 #pragma omp for schedule(static)
       for (int t = 0; t < N / X16; ++t)
-        int4x16_tile(xq.data() + int64_t(m0) * K, d.data() + int64_t(m0) * nblk, gsum.data() + int64_t(m0) * ngroups,
+        int4x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, gp + int64_t(m0) * ngroups,
                      q, scales, mins, y + int64_t(m0) * N, rows, K, N, G, t * X16);
     }
     return 0;
@@ -583,7 +587,7 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; ++t) {
       const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
-      int4_tile(xq.data(), d.data(), gsum.data(), q, scales, mins, y, M, K, N, G, n0, nt, scratch.data());
+      int4_tile(xqp, dp, gp, q, scales, mins, y, M, K, N, G, n0, nt, scratch.data());
     }
   }
   return 0;
