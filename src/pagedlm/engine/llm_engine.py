@@ -2,8 +2,8 @@
 (Scheduler.update_from_output). Detokenization, stop checks and outputs are the OutputProcessor's."""
 from __future__ import annotations
 
-import logging
 import gc
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
