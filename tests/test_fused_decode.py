@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.model import quant
 from pagedlm.model.llama_decode import LlamaDecodeKernel, load_decode_kernel
 
 pytestmark = pytest.mark.skipif(load_decode_kernel() is None, reason="fused decode kernel unavailable")
@@ -39,9 +40,13 @@ def count_runs(monkeypatch):
                                                          ("int4", "bfloat16")])
 def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, kv_cache_dtype, count_runs):
     """Greedy tokens are identical and logprobs agree to float32 rounding (a bf16 cache: to the odd K/V entry that
-    rounds the other way from a last-bit fp32 difference). The fused run's steps hold up to 16 tokens (prefill
+    rounds the other way from a last-bit fp32 difference, and so for Q8 activations). The fused run's steps hold
+    up to 16 tokens (prefill
     chunks mixed with decode tokens), and so do the torch run's, so both multiply with the same quantized kernels."""
-    tol = 1e-2 if kv_cache_dtype == "bfloat16" else 1e-4
+    # Q8 activations (int4, and the int8 x16 layout the LM head takes on AVX-512 VNNI) turn a last-bit difference
+    # of the two paths' RMSNorm into the odd activation rounded to the other int8 step, as a bf16 cache does K/V.
+    quantized_acts = quantization == "int4" or (quantization is not None and quant.x16_native())
+    tol = 1e-2 if kv_cache_dtype == "bfloat16" or quantized_acts else 1e-4
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
     kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, quantization=quantization,
               kv_cache_dtype=kv_cache_dtype, kernel_max_rows=MAX_TOKENS)

@@ -55,8 +55,7 @@ def test_quant_linear_kernel_and_fallback_agree(monkeypatch, rows):
         slow = layer(x)
         monkeypatch.undo()
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(layer.dequantize(), quant.dequantize_int8(quant.unpack_int8(layer.qweight),
-                                                                             layer.scale)
+        torch.testing.assert_close(layer.dequantize(), quant.dequantize_int8(layer.row_layout(), layer.scale)
                                    if method == "int8" else
                                    quant.dequantize_int4(*layer.row_layout(), 32))
 
@@ -100,6 +99,27 @@ def test_int4_kernel_rows_do_not_depend_on_the_batch(monkeypatch, group_size, x1
     torch.testing.assert_close(full.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_int8_x16_layout():
+    """int8's x16 layout holds the same values (rows looked up for the embedding, dequantized weight, unpacked
+    rows: all equal to the plain layout's); its product is Q8(x) @ W^T, bit-identical for a row whatever rows run
+    with it; it is the default layout where the CPU has AVX-512 VNNI."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 96, generator=g) * 0.05
+    plain, x16 = quant.Int8Linear(w, x16=False), quant.Int8Linear(w, x16=True)
+    assert x16.x16 and not x16.packed and not torch.equal(x16.qweight, plain.row_layout())
+    assert torch.equal(x16.row_layout(), plain.row_layout()) and torch.equal(x16.dequantize(), plain.dequantize())
+    ids = torch.tensor([[0, 17, 47], [16, 3, 31]])
+    assert torch.equal(x16.rows(ids), plain.rows(ids))
+    x16.kernel_max_rows = 64
+    x = torch.randn(19, 96, generator=g)
+    full = x16(x)
+    for size in (1, 2, 7, 8, 9, 13):
+        assert torch.equal(x16(x[3:3 + size]), full[3:3 + size]), size
+    ref = F.linear(quant.quantize_activations_q8(x).double(), x16.dequantize().double())
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+    assert quant.Int8Linear(w).x16 == quant.x16_native()
+
+
 def test_int4_x16_layout_is_a_reordering_of_the_rows():
     """to_x16 / from_x16 are inverse byte permutations; both layouts dequantize to the same weight and their
     products agree within fp32 rounding (only the order of the fp32 sums differs). Where the CPU has AVX-512 VNNI
@@ -125,11 +145,11 @@ def test_int8_packed_layout():
     q, _ = quant.quantize_int8(w)
     packed = quant.pack_int8(q)
     assert packed.shape == (10, 3, 4, 16) and torch.equal(quant.unpack_int8(packed), q)
-    layer = quant.Int8Linear(w)
+    layer = quant.Int8Linear(w, x16=False)
     assert layer.packed and torch.equal(layer.qweight, packed)
     ids = torch.tensor([[0, 5, 39], [7, 7, 20]])
     assert torch.equal(layer.rows(ids), q[ids])
-    assert not quant.Int8Linear(torch.randn(6, 48)).packed  # 6 rows: not a whole number of tiles
+    assert not quant.Int8Linear(torch.randn(6, 48), x16=False).packed  # 6 rows: not a whole number of tiles
 
 
 def test_int4_rejects_bad_group_size():
@@ -417,9 +437,9 @@ def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
     assert variant is not None
     g = torch.Generator().manual_seed(11)
     w, x = torch.randn(48, 160, generator=g) * 0.05, torch.randn(9, 160, generator=g)
-    for method in ("int4", "int4-x16", "int8"):
-        layer = (quant.Int4Linear(w, 32, x16=method == "int4-x16") if method.startswith("int4")
-                 else quant.make_quant_linear(w, method, 32))
+    for method in ("int4", "int4-x16", "int8", "int8-x16"):
+        x16 = method.endswith("x16")
+        layer = quant.Int4Linear(w, 32, x16=x16) if method.startswith("int4") else quant.Int8Linear(w, x16=x16)
         layer.kernel_max_rows = 64
         native = layer(x)
         counting = _CountingKernel(variant)
@@ -427,7 +447,7 @@ def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
         other = layer(x)
         monkeypatch.undo()
         assert counting.int4_calls == method.startswith("int4")
-        if method == "int4-x16":  # one order of operations for the layout, in vector or scalar code
+        if x16:  # one order of operations for the layout, in vector or scalar code
             assert torch.equal(other, native)
         torch.testing.assert_close(other, native, rtol=1e-6, atol=1e-6)
         ref = F.linear(layer.dense_input(x).double(), layer.dequantize().double())

@@ -22,7 +22,7 @@ from pagedlm.model.layers import Linear
 from pagedlm.model.quant import Int4Linear, Int8Linear, QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
-LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16 = 0, 1, 2, 3, 4
+LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16 = 0, 1, 2, 3, 4, 5
 FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_INT8)  # the caches the stack writes (not fp8)
 
 
@@ -65,7 +65,7 @@ def _describe(linear: nn.Module) -> _Linear | None:
             return None
         return _Linear(LIN_F32T, linear.in_features, linear.out_features, 0, w.data_ptr(), None, None)
     if isinstance(linear, Int8Linear):
-        kind = LIN_INT8_PACKED if linear.packed else LIN_INT8
+        kind = LIN_INT8_X16 if linear.x16 else LIN_INT8_PACKED if linear.packed else LIN_INT8
         return _Linear(kind, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(),
                        linear.scale.data_ptr(), None)
     if isinstance(linear, Int4Linear):

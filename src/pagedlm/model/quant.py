@@ -40,10 +40,11 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_linear_int8.argtypes = [p, p, p, p, i, i, i, i, i]
     lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
     lib.pagedlm_int4_x16_native.argtypes = []
+    lib.pagedlm_linear_int8_x16.argtypes = [p, p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
-               lib.pagedlm_int4_x16_native):
+               lib.pagedlm_int4_x16_native, lib.pagedlm_linear_int8_x16):
         fn.restype = ctypes.c_int
 
 
@@ -126,6 +127,19 @@ def from_x16(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> t
     codes = packed.view(n // X16, half // 16, 4, X16, 4).permute(0, 3, 1, 2, 4).contiguous()
     return (codes.view(n, half), *(t.view(n // X16, -1, X16).transpose(1, 2).contiguous().view(n, -1)
                                    for t in (scale, mins)))
+
+
+def int8_to_x16(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] by rows -> the kernel's x16 layout: per tile of 16 rows and 32-value block, bytes 4c..4c+3 of
+    each row side by side, chunk by chunk (c = 0..7)."""
+    n, k = q.shape
+    return q.view(n // X16, X16, k // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(n, k)
+
+
+def int8_from_x16(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of `int8_to_x16`."""
+    n, k = q.shape
+    return q.view(n // X16, k // 32, 8, X16, 4).permute(0, 3, 1, 2, 4).contiguous().view(n, k)
 
 
 def x16_native() -> bool:
@@ -224,32 +238,54 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """`qweight` is [N, K], or packed ([N/4, K/16, 4, 16], see `pack_int8`) where the shape allows."""
+    """`qweight` is [N, K]: in the kernel's x16 layout (`x16`, see `int8_to_x16`) where it runs natively and the
+    shape allows, else packed ([N/4, K/16, 4, 16], see `pack_int8`) where the shape allows, else plain. The x16
+    kernel multiplies Q8 activations (as the int4 kernel does); the others fp32 ones."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, x16: bool | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0])
         q, scale = quantize_int8(weight)
-        self.packed = can_pack_int8(*q.shape)
-        self.register_buffer("qweight", pack_int8(q) if self.packed else q)
+        n, k = q.shape
+        self.x16 = (x16_native() if x16 is None else x16) and n % X16 == 0 and k % 32 == 0
+        self.packed = not self.x16 and can_pack_int8(n, k)
+        self.register_buffer("qweight", int8_to_x16(q) if self.x16 else pack_int8(q) if self.packed else q)
         self.register_buffer("scale", scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The int8 rows `ids` ([*ids.shape, K]), whatever the layout."""
+        if self.x16:
+            q = self.qweight.view(self.out_features // X16, self.in_features // 32, 8, X16, 4)
+            return q[ids // X16, :, :, ids % X16, :].reshape(*ids.shape, self.in_features)
         if not self.packed:
             return self.qweight[ids]
         return self.qweight[ids // 4, :, ids % 4, :].reshape(*ids.shape, self.in_features)
 
+    def row_layout(self) -> torch.Tensor:
+        """The int8 values [N, K] by rows, whatever the stored layout."""
+        if self.x16:
+            return int8_from_x16(self.qweight)
+        return unpack_int8(self.qweight) if self.packed else self.qweight
+
+    def dense_input(self, x: torch.Tensor) -> torch.Tensor:
+        return quantize_activations_q8(x) if self.x16 else x
+
     def dequantize(self) -> torch.Tensor:
         lib = load_quant_kernel()
-        if lib is None or self.qweight.device.type != "cpu":
-            q = unpack_int8(self.qweight) if self.packed else self.qweight
-            return dequantize_int8(q, self.scale)
+        if self.x16 or lib is None or self.qweight.device.type != "cpu":
+            return dequantize_int8(self.row_layout(), self.scale)
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         lib.pagedlm_dequant_int8(self.qweight.data_ptr(), self.scale.data_ptr(), w.data_ptr(), self.in_features,
                                  self.out_features, int(self.packed), torch.get_num_threads())
         return w
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.x16:
+            rc = lib.pagedlm_linear_int8_x16(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(),
+                                             y.data_ptr(), x.shape[0], self.in_features, self.out_features,
+                                             torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"int8 kernel failed (code {rc})")
+            return
         lib.pagedlm_linear_int8(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), y.data_ptr(),
                                 x.shape[0], self.in_features, self.out_features, int(self.packed),
                                 torch.get_num_threads())

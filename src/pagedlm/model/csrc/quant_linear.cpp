@@ -20,6 +20,11 @@
 //       multiplies four inputs of 16 rows with one broadcast of four quantized activations, with no horizontal
 //       sums; each of up to X16_ROWS rows of x reuses the unpacked codes. Per output: over blocks in order
 //       f = fma(float(dot_b), scale_g * d_b, f), and at the end of each group f = fma(min_g, gsum_g, f).
+// int8 "x16" (where the CPU has AVX-512 VNNI and N % 16 == 0, K % 32 == 0): the same int8 values reordered as
+//       int4's x16 layout orders its bytes: per tile of 16 rows and 32-value block 512 bytes, chunk c (0..7) holding
+//       bytes 4c..4c+3 of each row's block. Activations are then quantized per 32-value block as for int4 (so this
+//       layout computes y = Q8(x) @ W^T); vpdpbusd takes the weights as u8 (q + 128, corrected by 128 * the
+//       block's activation sum). Per output: over blocks in order f = fma(float(dot_b), d_b, f); y = f * s.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -167,7 +172,8 @@ void dequant_int8p_tile(const int8_t* q, const float* s, int K, int n0, float* w
 // Activations of the int4 product, quantized like llama.cpp's Q8 blocks: each 32-value block of a row of x
 // becomes int8 values xq with one scale d = max|x| / 127 (xq = round-half-even(x / d); d = 1 for a zero block).
 // gsum[m * ngroups + g] = sum of the quantized values of group g, d * xq (what the group's minimum multiplies).
-void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, float* gsum, int nthreads) {
+void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, float* gsum, int nthreads,
+                  int32_t* bsum = nullptr) {
   const int nblk = K / 32, bpg = G / 32;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (int64_t(M) * K >= 8192)
   for (int m = 0; m < M; ++m)
@@ -211,6 +217,7 @@ void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, flo
       }
 #endif
       d[int64_t(m) * nblk + b] = db;
+      if (bsum != nullptr) bsum[int64_t(m) * nblk + b] = sum;
       float& gs = gsum[int64_t(m) * (nblk / bpg) + b / bpg];
       gs = (b % bpg == 0 ? 0.f : gs) + db * float(sum);
     }
@@ -464,6 +471,76 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uin
 #endif
 }
 
+constexpr int X16_BLOCK8 = 512;  // bytes per tile and 32-value block of the int8 x16 layout
+
+#ifdef PAGEDLM_AVX512_VNNI
+template <int R>
+void int8x16_rows(const int8_t* xq, const float* d, const int32_t* bsum, const int8_t* qt, const float* s, float* y,
+                  int K, int N, int n0, int m0) {
+  const int nblk = K / 32;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));  // s8 -> u8: q + 128
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  for (int b = 0; b < nblk; ++b) {
+    const int8_t* wb = qt + int64_t(b) * X16_BLOCK8;
+    __m512i w[8];
+    for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), flip);
+    for (int i = 0; i < R; ++i) {
+      const int64_t mb = int64_t(m0 + i) * nblk + b;
+      const int8_t* xb = xq + int64_t(m0 + i) * K + b * 32;
+      __m512i a0 = dpbusd_bcast(_mm512_setzero_si512(), w[0], xb);
+      __m512i a1 = dpbusd_bcast(_mm512_setzero_si512(), w[1], xb + 4);
+      a0 = dpbusd_bcast(a0, w[2], xb + 8);
+      a1 = dpbusd_bcast(a1, w[3], xb + 12);
+      a0 = dpbusd_bcast(a0, w[4], xb + 16);
+      a1 = dpbusd_bcast(a1, w[5], xb + 20);
+      a0 = dpbusd_bcast(a0, w[6], xb + 24);
+      a1 = dpbusd_bcast(a1, w[7], xb + 28);
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(128 * bsum[mb]));
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[mb]), f[i]);
+    }
+  }
+  const __m512 sv = _mm512_loadu_ps(s + n0);
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, _mm512_mul_ps(f[i], sv));
+}
+#endif
+
+// The int8 x16 product for tile n0 / 16, every row of x (scalar code without AVX-512 VNNI: the same results).
+void int8x16_tile(const int8_t* xq, const float* d, const int32_t* bsum, const int8_t* q, const float* s, float* y,
+                  int M, int K, int N, int n0) {
+  const int nblk = K / 32;
+  const int8_t* qt = q + int64_t(n0 / X16) * nblk * X16_BLOCK8;
+#ifdef PAGEDLM_AVX512_VNNI
+  for (int m0 = 0; m0 < M; m0 += X16_ROWS) {
+    switch (std::min(X16_ROWS, M - m0)) {
+      case 8: int8x16_rows<8>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
+      case 7: int8x16_rows<7>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
+      case 6: int8x16_rows<6>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
+      case 5: int8x16_rows<5>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
+      case 4: int8x16_rows<4>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
+      case 3: int8x16_rows<3>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
+      case 2: int8x16_rows<2>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
+      default: int8x16_rows<1>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
+    }
+  }
+#else
+  (void)bsum;
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < X16; ++j) {
+      float f = 0.f;
+      for (int b = 0; b < nblk; ++b) {
+        const int8_t* wb = qt + int64_t(b) * X16_BLOCK8;
+        const int8_t* xb = xq + int64_t(m) * K + b * 32;
+        int dot = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int i = 0; i < 4; ++i) dot += int(wb[64 * c + 4 * j + i]) * xb[4 * c + i];
+        f = std::fma(float(dot), d[int64_t(m) * nblk + b], f);
+      }
+      y[int64_t(m) * N + n0 + j] = f * s[n0 + j];
+    }
+#endif
+}
+
 // The weights of rows n0 .. n0+nt dequantized to fp32, [nt, K].
 void dequant_int8_rows(const int8_t* q, const float* s, int K, int n0, int nt, float* w) {
   for (int j = 0; j < nt; ++j) {
@@ -589,6 +666,31 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
       const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
       int4_tile(xqp, dp, gp, q, scales, mins, y, M, K, N, G, n0, nt, scratch.data());
     }
+  }
+  return 0;
+}
+
+// y = Q8(x) @ W^T over int8 weights in the x16 layout (needs N % 16 == 0 and K % 32 == 0; returns 1 otherwise).
+int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, float* y, int M, int K, int N,
+                            int nthreads) {
+  if (N % X16 != 0 || K % 32 != 0) return 1;
+  thread_local std::vector<int8_t> xq;  // kept between calls, as in pagedlm_linear_int4
+  thread_local std::vector<float> d, gsum;
+  thread_local std::vector<int32_t> bsum;
+  xq.resize(size_t(M) * K); d.resize(size_t(M) * (K / 32)); gsum.resize(size_t(M) * (K / 32));
+  bsum.resize(size_t(M) * (K / 32));
+  int8_t* const xqp = xq.data();
+  float* const dp = d.data();
+  int32_t* const bp = bsum.data();
+  quantize_act(x, M, K, 32, xqp, dp, gsum.data(), nthreads, bp);
+  const int nblk = K / 32;
+#pragma omp parallel num_threads(nthreads)
+  for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
+    const int rows = std::min(X16_MBLOCK, M - m0);
+#pragma omp for schedule(static)
+    for (int t = 0; t < N / X16; ++t)
+      int8x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk, q, s,
+                   y + int64_t(m0) * N, rows, K, N, t * X16);
   }
   return 0;
 }
