@@ -118,8 +118,9 @@ def _fake_quantized(path, method: str) -> LLM:
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_moe_with_biases(tiny_moe_dirs, quantization):
     """Qwen2-MoE (q/k/v biases, a dense layer, a shared expert) quantized: every Linear replaced, experts included,
-    biases kept. Prompt logprobs equal those of the fp32 model over the same dequantized weights (int4 also rounds
-    its activations to Q8 blocks, hence its looser bound); int8 greedy tokens are identical."""
+    biases kept. Prompt logprobs equal those of the fp32 model over the same dequantized weights (int4, and int8 in
+    the x16 layout of AVX-512 VNNI CPUs, also round activations to Q8 blocks, hence the looser bound); int8 greedy
+    tokens are identical where its activations are not rounded."""
     path = tiny_moe_dirs["qwen2-moe"]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, quantization=quantization)
     model = llm.engine.runner.model
@@ -131,12 +132,15 @@ def test_quantized_moe_with_biases(tiny_moe_dirs, quantization):
     prompts = [[5, 9, 30, 41, 17], list(range(100, 140))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=0)
     outs, refs = llm.generate(prompts, params, use_tqdm=False), ref.generate(prompts, params, use_tqdm=False)
-    tol = 1e-3 if quantization == "int8" else 0.03
+    from pagedlm.model.quant import x16_native
+
+    exact = quantization == "int8" and not x16_native()  # int8's x16 layout rounds activations to Q8 too
+    tol = 1e-3 if exact else 0.03
     for ours, theirs, prompt in zip(outs, refs, prompts):
         for pos in range(1, len(prompt)):
             tid = prompt[pos]
             assert abs(ours.prompt_logprobs[pos][tid].logprob - theirs.prompt_logprobs[pos][tid].logprob) < tol
-        if quantization == "int8":
+        if exact:
             assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
 
 
