@@ -418,6 +418,26 @@ def test_bf16_dense_copy_is_prepacked_and_bit_identical():
         assert torch.equal(layer(x), F.linear(x.bfloat16(), w).float()), rows
 
 
+def test_bf16_linear_is_prepacked_after_loading(tiny_model_dir):
+    """A bf16 model on a CPU with native bf16 keeps its Linears in oneDNN's blocked layout (packed once, after any
+    quantization), bit-identical to F.linear over the plain weight; elsewhere they stay plain."""
+    from pagedlm.cpu import cpu_features
+    from pagedlm.model.layers import Linear
+
+    layer = Linear(64, 48, bias=True)
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(48, 64, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
+    layer.weight.data, layer.bias.data = w.clone(), b.clone()
+    layer.process_weights_after_loading()
+    x = torch.randn(2, 5, 64, generator=g).bfloat16()
+    if layer.pack_bf16():
+        assert torch.equal(layer(x), F.linear(x, w, b))
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed for m in linears) == cpu_features().native_bf16
+    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
 def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
     """The quantized kernels built for AVX2 without VNNI (-march=haswell) and for plain x86-64 give the native

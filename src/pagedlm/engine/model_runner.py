@@ -51,7 +51,10 @@ class ModelRunner:
         seen: dict[int, int] = {}
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if t.is_floating_point() or t.dtype in (torch.int8, torch.uint8):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                try:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                except NotImplementedError:  # an opaque (oneDNN-prepacked) weight has no storage to share
+                    seen[id(t)] = t.numel() * t.element_size()
         rope = getattr(self.model, "rotary", None)
         tables = {t.untyped_storage().data_ptr() for t in (rope.cos, rope.sin)} if rope is not None else set()
         return sum(n for ptr, n in seen.items() if ptr not in tables)

@@ -40,4 +40,12 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     if quantization:
         from pagedlm.model.quant import quantize_model
         quantize_model(model, quantization, group_size, dense_dtype, kernel_max_rows, head_kernel_max_rows)
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        from pagedlm.cpu import cpu_features
+        from pagedlm.model.layers import Linear
+
+        if cpu_features().native_bf16:  # the remaining bf16 Linears, prepacked for oneDNN
+            for m in model.modules():
+                if isinstance(m, Linear):
+                    m.pack_bf16()
     return model.eval(), cfg

@@ -50,6 +50,21 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.transposed = False
+        self.packed = False  # weight is a oneDNN-blocked bf16 weight (pack_bf16)
+
+    def pack_bf16(self) -> bool:
+        """Reorder a bf16 weight once into oneDNN's blocked layout (`quant.prepack_bf16`: bit-identical to
+        F.linear, and on a Zen 4 2x `x @ W` at 1-8 rows, 1.1-1.3x at 64). Called after any quantization (the
+        quantizer reads `weight` as [out, in]); afterwards `weight` is opaque to everything but `forward`."""
+        from pagedlm.model.quant import prepack_bf16
+
+        if self.packed or self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
+            return self.packed
+        packed = prepack_bf16(self.weight.data.t() if self.transposed else self.weight.data)
+        if packed is not None:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+            self.packed, self.transposed = True, False
+        return self.packed
 
     def process_weights_after_loading(self) -> None:
         if not self.transposed and prefer_transposed(self.weight.dtype, self.weight.device):
@@ -57,6 +72,10 @@ class Linear(nn.Module):
             self.transposed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.weight,
+                                                   self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], self.out_features)
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x.reshape(-1, self.in_features),
