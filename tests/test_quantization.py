@@ -418,9 +418,10 @@ def test_bf16_dense_copy_is_prepacked_and_bit_identical():
         assert torch.equal(layer(x), F.linear(x.bfloat16(), w).float()), rows
 
 
-def test_bf16_linear_is_prepacked_after_loading(tiny_model_dir):
+def test_bf16_linear_is_prepacked_after_loading(tiny_model_dir, monkeypatch):
     """A bf16 model on a CPU with native bf16 keeps its Linears in oneDNN's blocked layout (packed once, after any
-    quantization), bit-identical to F.linear over the plain weight; elsewhere they stay plain."""
+    quantization), bit-identical to F.linear over the plain weight, so an engine generates exactly what it does
+    with plain weights; elsewhere they stay plain."""
     from pagedlm.cpu import cpu_features
     from pagedlm.model.layers import Linear
 
@@ -433,10 +434,20 @@ def test_bf16_linear_is_prepacked_after_loading(tiny_model_dir):
     if cpu_features().native_bf16:
         assert layer.pack_bf16() and layer.packed
         assert torch.equal(layer(x), F.linear(x, w, b))
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed for m in linears) == cpu_features().native_bf16
-    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    packed = llm.generate([[5, 6, 7], [9] * 11], params, use_tqdm=False)
+    monkeypatch.setattr(Linear, "pack_bf16", lambda self: False)  # and F.linear, as prepack_bf16 is checked against
+    monkeypatch.setattr("pagedlm.model.layers.prefer_transposed", lambda dtype, device: False)
+    monkeypatch.setattr("pagedlm.model.llama.prefer_transposed", lambda dtype, device: False)
+    plain_llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16)
+    assert not any(m.packed for m in plain_llm.engine.runner.model.modules() if isinstance(m, Linear))
+    plain = plain_llm.generate([[5, 6, 7], [9] * 11], params, use_tqdm=False)
+    for a, b in zip(packed, plain):  # the same products, so the same tokens and logprobs
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
 
 
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
