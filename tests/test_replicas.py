@@ -181,13 +181,15 @@ def test_two_replicas_serve_the_same_greedy_answers_as_one_engine(models, server
     for t in threads:
         t.join()
     assert [answers[i] for i in range(8)] == [tok.encode(o.outputs[0].text, add_special_tokens=False) for o in want]
-    # streaming crosses the actor boundary as a stream of deltas
-    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
-                      json={"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+    # streaming crosses the actor boundary as a stream of deltas (long enough that the replica's long poll returns
+    # before the request ends: at a millisecond a step, 10 tokens may all arrive in one delta)
+    long = ref.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False)
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "ignore_eos": True,
                             "stream": True}) as r:
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and len(events) >= 3
-    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want[0].outputs[0].text
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == long[0].outputs[0].text
     # bad input from a replica is still the client's 400
     r = server.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 4})
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
