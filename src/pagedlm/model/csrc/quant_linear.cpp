@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <omp.h>
 #include "../../csrc/pagedlm.h"
@@ -380,6 +381,35 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
+// The 32-value block's dot products for 16 outputs: w[c] holds inputs 4c..4c+3 of each output (u8), xb the block's
+// 32 activations (s8). Two chains of four (integer sums: the order does not change the result).
+inline __m512i dot_block32(const __m512i* w, const int8_t* xb) {
+  __m512i a0 = dpbusd_bcast(_mm512_setzero_si512(), w[0], xb);
+  __m512i a1 = dpbusd_bcast(_mm512_setzero_si512(), w[1], xb + 4);
+  for (int c = 2; c < 8; c += 2) {
+    a0 = dpbusd_bcast(a0, w[c], xb + 4 * c);
+    a1 = dpbusd_bcast(a1, w[c + 1], xb + 4 * c + 4);
+  }
+  return _mm512_add_epi32(a0, a1);
+}
+
+// Calls rows(std::integral_constant<int, R>{}, m0) for rows m0 .. m0+R of M: R = X16_ROWS but for the last group.
+template <class F>
+inline void for_row_groups(int M, F rows) {
+  for (int m0 = 0; m0 < M; m0 += X16_ROWS) {
+    switch (std::min(X16_ROWS, M - m0)) {
+      case 8: rows(std::integral_constant<int, 8>{}, m0); break;
+      case 7: rows(std::integral_constant<int, 7>{}, m0); break;
+      case 6: rows(std::integral_constant<int, 6>{}, m0); break;
+      case 5: rows(std::integral_constant<int, 5>{}, m0); break;
+      case 4: rows(std::integral_constant<int, 4>{}, m0); break;
+      case 3: rows(std::integral_constant<int, 3>{}, m0); break;
+      case 2: rows(std::integral_constant<int, 2>{}, m0); break;
+      default: rows(std::integral_constant<int, 1>{}, m0); break;
+    }
+  }
+}
+
 // Rows m0 .. m0+R of x against tile t (16 outputs): y[m, 16t .. 16t+15].
 template <int R>
 void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const uint16_t* st,
@@ -407,18 +437,9 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
     }
     const bool group_end = ++in_group == bpg;
     for (int i = 0; i < R; ++i) {
-      const int8_t* xb = xq + int64_t(m0 + i) * K + b * 32;
-      // two chains of four (integer sums: the order does not change the result)
-      __m512i a0 = dpbusd_bcast(_mm512_setzero_si512(), w[0], xb);
-      __m512i a1 = dpbusd_bcast(_mm512_setzero_si512(), w[1], xb + 4);
-      a0 = dpbusd_bcast(a0, w[2], xb + 8);
-      a1 = dpbusd_bcast(a1, w[3], xb + 12);
-      a0 = dpbusd_bcast(a0, w[4], xb + 16);
-      a1 = dpbusd_bcast(a1, w[5], xb + 20);
-      a0 = dpbusd_bcast(a0, w[6], xb + 24);
-      a1 = dpbusd_bcast(a1, w[7], xb + 28);
+      const __m512i dot = dot_block32(w, xq + int64_t(m0 + i) * K + b * 32);
       const __m512 cs = _mm512_mul_ps(s, _mm512_set1_ps(d[int64_t(m0 + i) * nblk + b]));
-      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), cs, f[i]);
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), cs, f[i]);
       if (group_end) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[int64_t(m0 + i) * ngroups + g]), f[i]);
     }
     if (group_end) in_group = 0, ++g;
@@ -435,19 +456,9 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uin
   const uint8_t* qt = q + int64_t(t) * nblk * X16_BLOCK;
   const uint16_t *st = sc + int64_t(t) * ngroups * X16, *mt = mn + int64_t(t) * ngroups * X16;
 #ifdef PAGEDLM_AVX512_VNNI
-  for (int m0 = 0; m0 < M; m0 += X16_ROWS) {
-    const bool pf = m0 == 0;
-    switch (std::min(X16_ROWS, M - m0)) {
-      case 8: int4x16_rows<8>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
-      case 7: int4x16_rows<7>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
-      case 6: int4x16_rows<6>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
-      case 5: int4x16_rows<5>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
-      case 4: int4x16_rows<4>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
-      case 3: int4x16_rows<3>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
-      case 2: int4x16_rows<2>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
-      default: int4x16_rows<1>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, pf); break;
-    }
-  }
+  for_row_groups(M, [&](auto r, int m0) {
+    int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, m0 == 0);
+  });
 #else
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < X16; ++j) {
@@ -487,16 +498,8 @@ void int8x16_rows(const int8_t* xq, const float* d, const int32_t* bsum, const i
     for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), flip);
     for (int i = 0; i < R; ++i) {
       const int64_t mb = int64_t(m0 + i) * nblk + b;
-      const int8_t* xb = xq + int64_t(m0 + i) * K + b * 32;
-      __m512i a0 = dpbusd_bcast(_mm512_setzero_si512(), w[0], xb);
-      __m512i a1 = dpbusd_bcast(_mm512_setzero_si512(), w[1], xb + 4);
-      a0 = dpbusd_bcast(a0, w[2], xb + 8);
-      a1 = dpbusd_bcast(a1, w[3], xb + 12);
-      a0 = dpbusd_bcast(a0, w[4], xb + 16);
-      a1 = dpbusd_bcast(a1, w[5], xb + 20);
-      a0 = dpbusd_bcast(a0, w[6], xb + 24);
-      a1 = dpbusd_bcast(a1, w[7], xb + 28);
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(128 * bsum[mb]));
+      const __m512i dot = _mm512_sub_epi32(dot_block32(w, xq + int64_t(m0 + i) * K + b * 32),
+                                           _mm512_set1_epi32(128 * bsum[mb]));
       f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[mb]), f[i]);
     }
   }
@@ -511,18 +514,7 @@ void int8x16_tile(const int8_t* xq, const float* d, const int32_t* bsum, const i
   const int nblk = K / 32;
   const int8_t* qt = q + int64_t(n0 / X16) * nblk * X16_BLOCK8;
 #ifdef PAGEDLM_AVX512_VNNI
-  for (int m0 = 0; m0 < M; m0 += X16_ROWS) {
-    switch (std::min(X16_ROWS, M - m0)) {
-      case 8: int8x16_rows<8>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
-      case 7: int8x16_rows<7>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
-      case 6: int8x16_rows<6>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
-      case 5: int8x16_rows<5>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
-      case 4: int8x16_rows<4>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
-      case 3: int8x16_rows<3>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
-      case 2: int8x16_rows<2>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
-      default: int8x16_rows<1>(xq, d, bsum, qt, s, y, K, N, n0, m0); break;
-    }
-  }
+  for_row_groups(M, [&](auto r, int m0) { int8x16_rows<decltype(r)::value>(xq, d, bsum, qt, s, y, K, N, n0, m0); });
 #else
   (void)bsum;
   for (int m = 0; m < M; ++m)
