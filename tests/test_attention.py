@@ -313,7 +313,9 @@ def _expected_isa(march):
                 else cpu_kernel.ISA_PORTABLE)
     if platform.machine() != "x86_64":
         return None
-    return {"haswell": cpu_kernel.ISA_AVX2 if avx2 else None, "x86-64": cpu_kernel.ISA_PORTABLE}[march]
+    avx512 = {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512cd"} <= flags and avx2
+    return {"skylake-avx512": cpu_kernel.ISA_AVX512 if avx512 else None,
+            "haswell": cpu_kernel.ISA_AVX2 if avx2 else None, "x86-64": cpu_kernel.ISA_PORTABLE}[march]
 
 
 ISA_CASES = [
@@ -323,18 +325,24 @@ ISA_CASES = [
     ([2500], [1], 8, 2, 128, None, torch.float32),  # long decode: split key ranges
     ([90, 33], [1, 20], 4, 1, 32, 24, torch.float32),  # sliding window
     ([161, 50], [1, 7], 9, 3, 64, None, torch.bfloat16),
+    ([300, 41, 17], [60, 1, 17], 8, 2, 128, None, torch.bfloat16),  # bf16: prefill rows, odd tile ends
+    ([90, 33], [1, 20], 4, 1, 32, 24, torch.bfloat16),  # bf16 with a sliding window
+    ([161, 50], [1, 7], 6, 2, 80, None, torch.bfloat16),  # head_dim not a multiple of 32: converted tiles
     ([161, 50], [1, 7], 6, 2, 80, None, torch.int8),
     ([161, 50], [1, 7], 6, 2, 16, 8, torch.float8_e4m3fn),
 ]
 
 
-@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"])
+@pytest.mark.parametrize("march", ["native", "skylake-avx512", "haswell", "x86-64"])
 def test_cpu_kernel_isa_paths_match_reference(march):
-    """The AVX-512, AVX2 + FMA and portable inner loops, each compiled on its own (-march), against the oracle:
-    fp32 and bf16 queries, every cache kind, decode, prefill chunks, GQA, windows, split key ranges."""
+    """The AVX-512 (with and without the AVX512-BF16 loops that read bf16 caches in place), AVX2 + FMA and portable
+    inner loops, each compiled on its own (-march), against the oracle: fp32 and bf16 queries, every cache kind,
+    decode, prefill chunks, GQA, windows, split key ranges. The bf16-dot loops keep the fp32 tolerance: they split
+    queries and probabilities into hi + lo bf16 parts."""
     import shutil
 
     from pagedlm.attention import cpu_kernel
+    from pagedlm.cpu import cpu_features
     from pagedlm.kvcache.quant import quantize_kv
 
     expected = _expected_isa(march)
@@ -342,6 +350,8 @@ def test_cpu_kernel_isa_paths_match_reference(march):
         pytest.skip(f"no g++, or this CPU cannot run a -march={march} build")
     lib = cpu_kernel.kernel_variant(march).load()
     assert lib is not None and cpu_kernel.attention_isa(lib) == expected
+    # Only a native build on an AVX512-BF16 CPU has the bf16-dot loops (skylake-avx512 predates them).
+    assert cpu_kernel.attention_bf16_dot(lib) == (march == "native" and "avx512_bf16" in cpu_features().flags)
     for seq_lens, query_lens, heads, kv_heads, dim, window, kv_dtype in ISA_CASES:
         for q_dtype in (torch.float32, torch.bfloat16):
             if q_dtype == torch.bfloat16 and kv_dtype == torch.float32:

@@ -285,3 +285,81 @@ def test_counts_matches_naive():
     want = torch.stack([torch.bincount(torch.tensor([t for t in ids if t < 12], dtype=torch.long), minlength=12)
                         for ids in lists]).float()
     assert torch.equal(got, want)
+
+
+# ---- the argmax + logsumexp kernel (sampling/csrc/logits.cpp), every ISA build this CPU runs -------------------
+
+def _logits_kernel_or_skip(march):
+    import platform
+    import shutil
+
+    from pagedlm.cpu import cpu_features
+    from pagedlm.sampling import logits_kernel
+
+    flags = cpu_features().flags
+    runs = {"native": True, "haswell": {"avx2", "fma"} <= flags and platform.machine() == "x86_64",
+            "x86-64": platform.machine() == "x86_64"}[march]
+    if shutil.which("g++") is None or not runs:
+        pytest.skip(f"no g++, or this CPU cannot run a -march={march} build")
+    lib = logits_kernel.kernel_variant(march).load()
+    assert lib is not None
+    expected = {"native": 512 if "avx512f" in flags else 256 if {"avx2", "fma"} <= flags else 0,
+                "haswell": 256, "x86-64": 0}[march]
+    assert lib.pagedlm_logits_isa() == expected
+    return lib
+
+
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"])
+def test_argmax_logsumexp_kernel_matches_torch(march):
+    """Each build against torch.argmax / logsumexp: first index among exact ties (inside a vector, across
+    vectors, in the tail), -inf entries, vocabularies that are not a multiple of the vector width, a row stride
+    wider than the row, single rows and many."""
+    from pagedlm.sampling.logits_kernel import argmax_logsumexp_kernel
+
+    lib = _logits_kernel_or_skip(march)
+    g = torch.Generator().manual_seed(3)
+    for n, v in ((1, 49152), (64, 4099), (5, 7), (3, 17), (33, 160)):
+        x = torch.randn(n, v, generator=g) * 4
+        x[0, v // 3] = x[0, v - 1] = x[0].max() + 1  # tie: the first wins
+        if n > 1:
+            x[1, :] = -math.inf
+            x[1, v // 2] = 0.5  # one finite entry among -inf
+        if n > 2:
+            x[2, :] = 2.0  # all equal: index 0
+        tokens, lse = argmax_logsumexp_kernel(x, lib)
+        assert torch.equal(tokens, x.argmax(-1)), (n, v)
+        torch.testing.assert_close(lse, x.logsumexp(-1), atol=1e-5, rtol=1e-6)
+        wide = torch.randn(n, v + 5, generator=g)[:, :v]  # rows v + 5 floats apart
+        tokens, lse = argmax_logsumexp_kernel(wide, lib)
+        assert torch.equal(tokens, wide.argmax(-1))
+        torch.testing.assert_close(lse, wide.logsumexp(-1), atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_argmax_logsumexp_defers_rows_it_does_not_take_to_torch(bad):
+    """A NaN or an infinite maximum: the kernel declines and the sampler's reductions are torch's own."""
+    from pagedlm.sampling.logits_kernel import argmax_logsumexp, argmax_logsumexp_kernel
+
+    lib = _logits_kernel_or_skip("native")
+    x = torch.randn(4, 300)
+    x[2, 77] = bad
+    assert argmax_logsumexp_kernel(x, lib) is None
+    tokens, lse = argmax_logsumexp(x)
+    assert torch.equal(tokens, x.argmax(-1))
+    assert torch.equal(lse.isnan(), x.logsumexp(-1).isnan()) and tokens[2] == 77
+
+
+def test_greedy_sampler_runs_the_row_kernel(monkeypatch):
+    """The greedy fast path takes its tokens and logprobs from the kernel (one call, no torch argmax)."""
+    from pagedlm.sampling import logits_kernel
+
+    _logits_kernel_or_skip("native")
+    calls = []
+    real = logits_kernel.argmax_logsumexp_kernel
+    monkeypatch.setattr(logits_kernel, "argmax_logsumexp_kernel", lambda x, lib: calls.append(x.shape) or real(x, lib))
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda *a, **k: pytest.fail("torch argmax ran"))
+    logits = torch.randn(8, 1000)
+    out = Sampler()(logits, [row(temperature=0.0) for _ in range(8)])
+    assert calls == [(8, 1000)]
+    ref = torch.log_softmax(logits, -1)
+    assert out.logprobs == pytest.approx([ref[i, t].item() for i, t in enumerate(out.token_ids)], abs=1e-5)

@@ -34,6 +34,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_rope_write_kv.argtypes = [p, p, p, i, i, i, i, p, p, p, ctypes.c_int64, i]
     lib.pagedlm_paged_attention.restype = lib.pagedlm_rope_write_kv.restype = i
     lib.pagedlm_attention_isa.argtypes, lib.pagedlm_attention_isa.restype = [], i
+    lib.pagedlm_attention_bf16_dot.argtypes, lib.pagedlm_attention_bf16_dot.restype = [], i
 
 
 KERNEL = cbuild.KernelLibrary(SOURCE, "CPU attention kernel", "attention runs on the sdpa path", _configure)
@@ -54,6 +55,12 @@ def kernel_variant(march: str) -> cbuild.KernelLibrary:
 def attention_isa(lib: ctypes.CDLL) -> int:
     """The inner loop a loaded build compiled: ISA_AVX512, ISA_AVX2 or ISA_PORTABLE."""
     return lib.pagedlm_attention_isa()
+
+
+def attention_bf16_dot(lib: ctypes.CDLL) -> bool:
+    """Whether a loaded build reads bf16 caches in place with vdpbf16ps (AVX512-BF16; head_dim a multiple of 32)
+    rather than converting each tile to fp32."""
+    return bool(lib.pagedlm_attention_bf16_dot())
 
 
 def load_kernel() -> ctypes.CDLL | None:

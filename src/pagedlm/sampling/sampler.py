@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedlm.outputs import Logprob, PositionLogprobs
+from pagedlm.sampling.logits_kernel import argmax_logsumexp
 from pagedlm.sampling.params import SamplingParams
 
 _PROMPT_LOGPROBS_CHUNK = 512  # positions per log_softmax in prompt_logprobs, bounds peak memory
@@ -118,7 +119,7 @@ class Sampler:
         if all(r.params.greedy and not _has_penalty(r.params) and (r.bitmask is not None or not
                r.params.needs_logits_processing) and not r.params._bad_words_token_ids and not r.params.logit_bias
                and r.params.allowed_token_ids is None for r in rows) and not any(banned):
-            tokens = raw.argmax(-1)
+            tokens, lse = argmax_logsumexp(raw)
             # a grammar only matters where the model's own choice breaks it
             bad = [i for i, (r, t) in enumerate(zip(rows, tokens.tolist())) if r.bitmask is not None
                    and not (int(r.bitmask[t // 32]) >> (t % 32)) & 1]
@@ -126,8 +127,8 @@ class Sampler:
                 idx = torch.tensor(bad, device=raw.device)
                 tokens[idx] = self._sample(raw[idx], [rows[i] for i in bad], [banned[i] for i in bad])
         else:
-            tokens = self._sample(raw, rows, banned)
-        return self._output(raw, tokens, rows)
+            tokens, lse = self._sample(raw, rows, banned), None
+        return self._output(raw, tokens, rows, lse)
 
     def _banned_ids(self, row: SamplingRow, vocab: int) -> list[int]:
         """min_tokens (eos and stop_token_ids while unmet), and the last token of each bad word whose other
@@ -268,8 +269,10 @@ class Sampler:
         return q.clamp_min_(1e-20)  # a zero would turn 0/0 into NaN, which argmax would pick
 
     @staticmethod
-    def _output(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        lse = raw.logsumexp(-1, keepdim=True)
+    def _output(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+                lse: torch.Tensor | None = None) -> SamplerOutput:
+        """Tokens, their logprobs and the requested top logprobs; `lse`: raw's row log-sum-exp, if computed."""
+        lse = (argmax_logsumexp(raw)[1] if lse is None else lse)[:, None]
         chosen_lp = (raw.gather(1, tokens[:, None]) - lse)[:, 0].tolist()
         top: list[PositionLogprobs | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

@@ -1,23 +1,27 @@
 // Paged attention for CPUs: reads K/V in place from the scattered cache blocks (no gather), GQA without
 // repeating K/V, decode and prefill chunks, fp32 and bf16 (math in fp32), online softmax, OpenMP.
 // K/V caches may also be quantized (int8 or fp8 e4m3 values, each (token, kv head) entry followed by its fp32
-// scale, see kvcache/quant.py); tiles are then dequantized once into fp32 scratch, as bf16 ones are converted.
+// scale, see kvcache/quant.py); tiles are then dequantized once into fp32 scratch, as bf16 ones are converted
+// (except on AVX512-BF16 builds, which read bf16 tiles in place with vdpbf16ps).
 // Plain C ABI (no torch headers) so it compiles in about a second; loaded with ctypes by cpu_kernel.py.
 //
 // Work item = (sequence, tile of query tokens, range of keys). Its rows are the tile's tokens x all heads
 // (at most MAX_ROWS), so each cached token's K/V row [kv_heads, D] is streamed once per item and shared by
 // the G query heads of each kv head. When there are too few items for the threads, key ranges are split
-// (flash-decoding) and the partial softmax states merged afterwards.
+// (flash-decoding) and the partial softmax states merged afterwards. Threads claim items in order, one ahead,
+// and prefetch the next item's K/V (cold: the weights evicted them) while they run the current one.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 #include <omp.h>
 #include "../../csrc/pagedlm.h"
+#include "../../csrc/simd_exp.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -25,25 +29,7 @@
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)
-// exp of 8 floats (Cephes' polynomial after a two-part ln 2 range reduction, within 2 ulp of expf);
-// inputs below -87.3 (and -inf) give exactly 0.
-inline __m256 exp_ps(__m256 x) {
-  const __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(zero_below, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
+using pagedlm_simd::exp_ps;
 #endif
 
 // y[i] = exp(x[i]) for n values, in place.
@@ -329,11 +315,131 @@ void pv_block(float* const* op, const float* alpha, const float* const* pp, cons
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDLM_ATTN_BF16_DOT 1
+// bf16 caches on CPUs with AVX512-BF16: K and V are read in place, as bf16, by vdpbf16ps (two products per fp32
+// lane), instead of being converted to fp32 scratch per tile. Both operands of a bf16 product must be bf16, so the
+// fp32 queries and probabilities are split into hi + lo bf16 parts (x = hi + lo to 16 significant bits; the
+// products are exact and the sums fp32), which keeps the results within ~1e-5 of the fp32 paths.
+alignas(64) const uint16_t kZeroRow16[128] = {};
+
+inline __m512 bf16_to_f32(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+inline __m512i load16(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline __m512 dot2(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+// x[0, n) -> hi, lo with hi = bf16(x), lo = bf16(x - hi); n a multiple of 16.
+inline void split_bf16(const float* x, int n, uint16_t* hi, uint16_t* lo) {
+  for (int i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16_to_f32(h)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), l);
+  }
+}
+
+// qk_block over a bf16 K tile in place (rows ldk elements apart), queries given as hi/lo bf16 rows.
+template <int D, int R>
+void qk_block_bf16(const uint16_t* const* qh, const uint16_t* const* ql, const uint16_t* k, int64_t ldk, int n,
+                   float* const* sp) {
+  using S = AttnSimd;
+  using V = S::V;
+  static_assert(KT == S::L, "one reduction tree per tile");
+  constexpr int C = D / 32;  // 32 bf16 per vector
+  V g[R][4];
+  for (int p = 0; p < 4; ++p) {
+    const uint16_t* kr[4];
+    for (int i = 0; i < 4; ++i) {
+      const int j = S::key(p, i);
+      kr[i] = j < n ? k + j * ldk : kZeroRow16;
+    }
+    V acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = S::zero();
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512i k0 = load16(kr[0] + c * 32), k1 = load16(kr[1] + c * 32), k2 = load16(kr[2] + c * 32),
+                    k3 = load16(kr[3] + c * 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512i h = load16(qh[r] + c * 32), lo = load16(ql[r] + c * 32);
+        acc[r][0] = dot2(dot2(acc[r][0], h, k0), lo, k0);
+        acc[r][1] = dot2(dot2(acc[r][1], h, k1), lo, k1);
+        acc[r][2] = dot2(dot2(acc[r][2], h, k2), lo, k2);
+        acc[r][3] = dot2(dot2(acc[r][3], h, k3), lo, k3);
+      }
+    }
+    for (int r = 0; r < R; ++r) g[r][p] = S::group(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+  }
+  for (int r = 0; r < R; ++r) S::store(sp[r], S::finish(g[r]));
+}
+
+// pv_block over a bf16 V tile in place. Keys go in pairs: unpacking rows j and j + 1 interleaves them into
+// (v_j[d], v_j+1[d]) lanes, which vdpbf16ps multiplies by the pair (p_j, p_j+1); unpacklo/hi cover d in the order
+// kLoIdx/kHiIdx name, so the accumulators are permuted from and back to o's order around the tile.
+template <int D, int R>
+void pv_block_bf16(float* const* op, const float* alpha, const float* const* pp, const uint16_t* v, int64_t ldv,
+                   int n) {
+  using V = __m512;
+  constexpr int C = D / 32, W = divisor_at_most(C, 8 / R);
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi_idx = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i out0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i out1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  alignas(64) uint32_t ph[R][KT / 2], pl[R][KT / 2];  // (p_j, p_j+1) as bf16 pairs, hi and lo parts
+  for (int r = 0; r < R; ++r) split_bf16(pp[r], KT, reinterpret_cast<uint16_t*>(ph[r]),
+                                         reinterpret_cast<uint16_t*>(pl[r]));
+  for (int c0 = 0; c0 < C; c0 += W) {
+    V o[R][W][2];
+    for (int r = 0; r < R; ++r) {
+      const V a = _mm512_set1_ps(alpha[r]);
+      for (int w = 0; w < W; ++w) {
+        const V x0 = _mm512_loadu_ps(op[r] + (c0 + w) * 32), x1 = _mm512_loadu_ps(op[r] + (c0 + w) * 32 + 16);
+        o[r][w][0] = _mm512_mul_ps(_mm512_permutex2var_ps(x0, lo_idx, x1), a);
+        o[r][w][1] = _mm512_mul_ps(_mm512_permutex2var_ps(x0, hi_idx, x1), a);
+      }
+    }
+    for (int j = 0; j < n; j += 2) {
+      const uint16_t* v0 = v + j * ldv + (c0 * 32);
+      const uint16_t* v1 = j + 1 < n ? v0 + ldv : kZeroRow16;  // past n: p is 0, the slot may be garbage
+      __m512i u[W][2];
+      for (int w = 0; w < W; ++w) {
+        const __m512i a = load16(v0 + w * 32), b = load16(v1 + w * 32);
+        u[w][0] = _mm512_unpacklo_epi16(a, b);
+        u[w][1] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i h = _mm512_set1_epi32(int(ph[r][j / 2])), lo = _mm512_set1_epi32(int(pl[r][j / 2]));
+        for (int w = 0; w < W; ++w)
+          for (int x = 0; x < 2; ++x) o[r][w][x] = dot2(dot2(o[r][w][x], h, u[w][x]), lo, u[w][x]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w) {
+        _mm512_storeu_ps(op[r] + (c0 + w) * 32, _mm512_permutex2var_ps(o[r][w][0], out0, o[r][w][1]));
+        _mm512_storeu_ps(op[r] + (c0 + w) * 32 + 16, _mm512_permutex2var_ps(o[r][w][0], out1, o[r][w][1]));
+      }
+  }
+}
+#else
+#define PAGEDLM_ATTN_BF16_DOT 0
+#endif
+
 // Online softmax over one row's tile scores s[0, KT): keys pos + j outside [lo, hi] are masked (lo >= pos, and
 // hi <= pos + n - 1 masks the keys past the tile); s becomes exp(s - m_new), m and l are updated; returns the
 // factor exp(m_old - m_new) for the row's accumulator.
 inline float softmax_tile(float* s, int pos, int lo, int hi, float& m, float& l) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  static_assert(KT == 16, "one vector of 16 keys");
+  const __m512i kp = _mm512_add_epi32(_mm512_set1_epi32(pos),
+                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __mmask16 ok = _mm512_cmpge_epi32_mask(kp, _mm512_set1_epi32(lo)) &
+                       _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(hi));
+  __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), ok, s);
+  const float mt = std::max(m, _mm512_reduce_max_ps(x));
+  x = exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(mt)));
+  _mm512_storeu_ps(s, x);
+  const float sum = _mm512_reduce_add_ps(x);
+#elif defined(__AVX2__) && defined(__FMA__)
   static_assert(KT == 16, "two vectors of 8 keys");
   const __m256i kp0 = _mm256_add_epi32(_mm256_set1_epi32(pos), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256i kp1 = _mm256_add_epi32(kp0, _mm256_set1_epi32(8));
@@ -430,21 +536,44 @@ void load_head(const Args& a, const void* cache, int64_t slot, int n, int kvh, f
   }
 }
 
+// One kv head's K/V rows over one key tile, ld elements apart: fp32 (in place, or converted into scratch), or
+// bf16 in place for the vdpbf16ps loops (then q16 holds the queries' hi/lo bf16 rows).
+struct HeadTile {
+  const float *k, *v;
+  const uint16_t *k16, *v16;
+  int64_t ld;
+};
+
 // One row block of a kv head over one key tile: scores, mask + online softmax, P.V.
 template <int D, int R>
-void block_tile(const Args& a, const int* rows, const int* qpos, float (*qf)[D], float (*s)[KT], float* acc,
-                float* m, float* l, const float* kh, const float* vh, int64_t ld, int pos, int n) {
+void block_tile(const Args& a, const int* rows, const int* qpos, float (*qf)[D], uint16_t (*q16)[2][D],
+                float (*s)[KT], float* acc, float* m, float* l, const HeadTile& h, int pos, int n) {
   const float* qp[R];
   float *sp[R], *op[R];
   float alpha[R];
   for (int i = 0; i < R; ++i) { qp[i] = qf[rows[i]]; sp[i] = s[rows[i]]; op[i] = acc + rows[i] * D; }
-  qk_block<D, R>(qp, kh, ld, n, sp);
+#if PAGEDLM_ATTN_BF16_DOT
+  if constexpr (D % 32 == 0) {
+    if (h.k16) {
+      const uint16_t *qh[R], *ql[R];
+      for (int i = 0; i < R; ++i) { qh[i] = q16[rows[i]][0]; ql[i] = q16[rows[i]][1]; }
+      qk_block_bf16<D, R>(qh, ql, h.k16, h.ld, n, sp);
+    }
+  }
+  if (!h.k16)
+#endif
+  qk_block<D, R>(qp, h.k, h.ld, n, sp);
   for (int i = 0; i < R; ++i) {
     const int r = rows[i], p = qpos[r];
     const int lo = a.window > 0 ? std::max(pos, p - a.window + 1) : pos;
     alpha[i] = softmax_tile(sp[i], pos, lo, std::min(p, pos + n - 1), m[r], l[r]);
   }
-  pv_block<D, R>(op, alpha, sp, vh, ld, n);
+#if PAGEDLM_ATTN_BF16_DOT
+  if constexpr (D % 32 == 0) {
+    if (h.v16) { pv_block_bf16<D, R>(op, alpha, sp, h.v16, h.ld, n); return; }
+  }
+#endif
+  pv_block<D, R>(op, alpha, sp, h.v, h.ld, n);
 }
 
 #if PAGEDLM_ATTN_ISA
@@ -453,11 +582,36 @@ constexpr int ROW_BLOCK = AttnSimd::RB;
 constexpr int ROW_BLOCK = 4;
 #endif
 
+// The bytes of one cached token's K (or V) row for all kv heads.
+inline int64_t kv_row_bytes(const Args& a) {
+  const int KVD = a.KVH * a.D;
+  return a.kv_kind == KV_F32 ? int64_t(KVD) * 4 : a.kv_kind == KV_BF16 ? int64_t(KVD) * 2
+                                                                        : int64_t(a.KVH) * (a.D + KV_SCALE_BYTES);
+}
+
+// Prefetches (into L2: L1's few miss buffers cannot take a tile's lines) the K/V of tokens [lo, hi) of sequence
+// `seq`, whole blocks at a time.
+// (Inlined: as a call inside run_item's tile loop it cost 20%.)
+__attribute__((always_inline)) inline void prefetch_kv(const Args& a, const void* kc, const void* vc, int seq, int lo,
+                                                       int hi) {
+  if (lo >= hi) return;
+  const int32_t* table = a.tables + int64_t(seq) * a.max_blocks;
+  const int64_t row = kv_row_bytes(a), bytes = row * a.BS;
+  for (int b = lo / a.BS; b <= (hi - 1) / a.BS; ++b) {
+    const char* kp = static_cast<const char*>(kc) + int64_t(table[b]) * bytes;
+    const char* vp = static_cast<const char*>(vc) + int64_t(table[b]) * bytes;
+    for (int64_t o = 0; o < bytes; o += 64) {
+      __builtin_prefetch(kp + o, 0, 2);
+      __builtin_prefetch(vp + o, 0, 2);
+    }
+  }
+}
+
 // One item: rows r = token * H + head. Writes unnormalized acc [rows, D] plus running max m and sum l.
 // A token's K/V for all kv heads are contiguous in the cache ([.., KVH, D]); each tile of them is read once.
 template <typename T, int D>
 void run_item(const Args& a, const Item& it, const T* q, const void* kc, const void* vc,
-              float* acc, float* m, float* l) {
+              float* acc, float* m, float* l, bool warm, const Item* next) {
   const int H = a.H, G = a.H / a.KVH, KVD = a.KVH * D;
   const int q0 = a.qsl[it.seq], qlen = a.qsl[it.seq + 1] - q0, slen = a.seq_lens[it.seq];
   const int t0 = it.tile * a.qt, nrows = std::min(a.qt, qlen - t0) * H;
@@ -466,30 +620,33 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
   alignas(64) float s[MAX_ROWS][KT];
   alignas(64) float kbuf[KT * D], vbuf[KT * D];
   int qpos[MAX_ROWS];
+  // bf16 caches are read in place by the vdpbf16ps loops where the build has them.
+  constexpr bool kBf16Dot = PAGEDLM_ATTN_BF16_DOT && D % 32 == 0;
+  const bool bf16_dot = kBf16Dot && a.kv_kind == KV_BF16;
+  alignas(64) uint16_t q16[kBf16Dot ? MAX_ROWS : 1][2][D];
   for (int r = 0; r < nrows; ++r) {
     const T* src = q + (int64_t(q0 + t0) * H + r) * D;
     for (int d = 0; d < D; ++d) qf[r][d] = to_f(src[d]) * a.scale;
     qpos[r] = slen - qlen + t0 + r / H;
     m[r] = -INFINITY; l[r] = 0.f;
     for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
+#if PAGEDLM_ATTN_BF16_DOT
+    if (bf16_dot) split_bf16(qf[r], D, q16[r][0], q16[r][1]);
+#endif
   }
   const bool f32 = a.kv_kind == KV_F32;
   for (int pos = it.lo; pos < it.hi;) {
     const int blk = pos / a.BS, off = pos % a.BS;
     const int n = std::min(std::min(KT, a.BS - off), it.hi - pos);
     const int64_t slot = int64_t(table[blk]) * a.BS + off;
-    if (pos + n < it.hi) {  // the next tile's K/V rows are scattered and cold (the weights evicted them): prefetch
-      const int npos = pos + n, nn = std::min(std::min(KT, a.BS - npos % a.BS), it.hi - npos);
-      const int64_t nslot = int64_t(table[npos / a.BS]) * a.BS + npos % a.BS;
-      const int64_t row = a.kv_kind == KV_F32    ? int64_t(KVD) * 4
-                          : a.kv_kind == KV_BF16 ? int64_t(KVD) * 2
-                                                 : int64_t(a.KVH) * (D + KV_SCALE_BYTES);
-      const char* kp = static_cast<const char*>(kc) + nslot * row;
-      const char* vp = static_cast<const char*>(vc) + nslot * row;
-      for (int64_t b = 0; b < nn * row; b += 64) {
-        __builtin_prefetch(kp + b);
-        __builtin_prefetch(vp + b);
-      }
+    // K/V rows are scattered and cold (the weights evicted them). Where this item's were not prefetched while
+    // the previous one ran, fetch the next tile's now; either way, spread the next item's over this one's tiles.
+    if (!warm && pos + n < it.hi) prefetch_kv(a, kc, vc, it.seq, pos + n, std::min(it.hi, pos + n + KT));
+    if (next) {
+      const int span = it.hi - it.lo, nspan = next->hi - next->lo;
+      const int64_t done = pos - it.lo;
+      prefetch_kv(a, kc, vc, next->seq, next->lo + int(done * nspan / span),
+                  next->lo + int((done + n) * nspan / span));
     }
     // Rows that see part of this tile: [r_lo, r_hi) (query positions grow with r).
     int r_lo = 0, r_hi = nrows;
@@ -505,25 +662,28 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
           if (r >= r_lo && r < r_hi) rows[nr++] = r;
         }
       if (nr == 0) continue;
-      // The head's K/V rows [n, D], ld floats apart: in place for fp32, converted once otherwise.
-      const float *kh, *vh;
-      int64_t ld;
+      // The head's K/V rows [n, D]: in place for fp32 (and bf16 with vdpbf16ps), converted once otherwise.
+      HeadTile h{};
       if (f32) {
-        kh = static_cast<const float*>(kc) + slot * KVD + kvh * D;
-        vh = static_cast<const float*>(vc) + slot * KVD + kvh * D;
-        ld = KVD;
+        h.k = static_cast<const float*>(kc) + slot * KVD + kvh * D;
+        h.v = static_cast<const float*>(vc) + slot * KVD + kvh * D;
+        h.ld = KVD;
+      } else if (bf16_dot) {
+        h.k16 = static_cast<const uint16_t*>(kc) + slot * KVD + kvh * D;
+        h.v16 = static_cast<const uint16_t*>(vc) + slot * KVD + kvh * D;
+        h.ld = KVD;
       } else {
         load_head<D>(a, kc, slot, n, kvh, kbuf);
         load_head<D>(a, vc, slot, n, kvh, vbuf);
-        kh = kbuf; vh = vbuf; ld = D;
+        h.k = kbuf; h.v = vbuf; h.ld = D;
       }
       for (int i = 0; i < nr; i += ROW_BLOCK) {
         const int* br = rows + i;
         switch (std::min(ROW_BLOCK, nr - i)) {
-          case 1: block_tile<D, 1>(a, br, qpos, qf, s, acc, m, l, kh, vh, ld, pos, n); break;
-          case 2: block_tile<D, 2>(a, br, qpos, qf, s, acc, m, l, kh, vh, ld, pos, n); break;
-          case 3: block_tile<D, 3>(a, br, qpos, qf, s, acc, m, l, kh, vh, ld, pos, n); break;
-          default: block_tile<D, ROW_BLOCK < 4 ? ROW_BLOCK : 4>(a, br, qpos, qf, s, acc, m, l, kh, vh, ld, pos, n);
+          case 1: block_tile<D, 1>(a, br, qpos, qf, q16, s, acc, m, l, h, pos, n); break;
+          case 2: block_tile<D, 2>(a, br, qpos, qf, q16, s, acc, m, l, h, pos, n); break;
+          case 3: block_tile<D, 3>(a, br, qpos, qf, q16, s, acc, m, l, h, pos, n); break;
+          default: block_tile<D, ROW_BLOCK < 4 ? ROW_BLOCK : 4>(a, br, qpos, qf, q16, s, acc, m, l, h, pos, n);
         }
       }
     }
@@ -593,12 +753,19 @@ void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a,
 
   // One parallel region (a second one costs a barrier); groups split over several items are merged after it,
   // serially: splitting only happens when there are few groups.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-  for (int64_t k = 0; k < nitems; ++k) {
-    float* mk = ml_p + size_t(k) * rows * 2;
-    run_item<T, D>(a, items[k], q, kc, vc, acc_p + size_t(k) * rows * D, mk, mk + rows);
-    const int gi = group_of[k];
-    if (first[gi + 1] - first[gi] == 1) finish(int(k), int(k) + 1);
+  // Items are taken in order, one ahead: a thread knows its next item while it runs one and prefetches its K/V.
+  std::atomic<int64_t> claim{0};
+#pragma omp parallel num_threads(nthreads)
+  {
+    bool warm = false;
+    for (int64_t k = claim++, next; k < nitems; k = next, warm = true) {
+      next = claim++;
+      float* mk = ml_p + size_t(k) * rows * 2;
+      run_item<T, D>(a, items[k], q, kc, vc, acc_p + size_t(k) * rows * D, mk, mk + rows, warm,
+                     next < nitems ? &items[next] : nullptr);
+      const int gi = group_of[k];
+      if (first[gi + 1] - first[gi] == 1) finish(int(k), int(k) + 1);
+    }
   }
   for (int gi = 0; gi + 1 < int(first.size()); ++gi)
     if (first[gi + 1] - first[gi] > 1) finish(first[gi], first[gi + 1]);
@@ -647,6 +814,9 @@ int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* 
 
 // Which inner loop this build compiled: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (portable).
 int pagedlm_attention_isa() { return PAGEDLM_ATTN_ISA; }
+
+// Whether bf16 caches are read in place by the vdpbf16ps loops (AVX512-BF16 builds; head_dim a multiple of 32).
+int pagedlm_attention_bf16_dot() { return PAGEDLM_ATTN_BF16_DOT; }
 
 // Fused decode helper: rope_write_kv over T tokens into an fp32 cache of num_slots (blocks x BS) token rows.
 // Returns PAGEDLM_BAD_SLOT, having changed nothing, if a slot is outside the cache.
