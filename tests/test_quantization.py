@@ -132,9 +132,11 @@ def test_int4_x16_layout_is_a_reordering_of_the_rows():
     for a, b in zip(quant.from_x16(x16.qweight, x16.scale, x16.mins), (rows.qweight, rows.scale, rows.mins)):
         assert torch.equal(a, b)
     assert torch.equal(x16.dequantize(), rows.dequantize())
-    x = torch.randn(5, 256, generator=g)
-    rows.kernel_max_rows = x16.kernel_max_rows = 64
-    torch.testing.assert_close(x16(x), rows(x), rtol=1e-5, atol=1e-5)
+    rows.kernel_max_rows = x16.kernel_max_rows = quant.KERNEL_MAX_ROWS
+    # x16 activations are packed in groups of 8 rows and run in blocks of 256: partial groups, several blocks
+    for m in (5, 8, 523):
+        x = torch.randn(m, 256, generator=g)
+        torch.testing.assert_close(x16(x), rows(x), rtol=1e-5, atol=1e-5)
     assert quant.Int4Linear(w, 32).x16 == quant.x16_native()
     assert not quant.Int4Linear(w[:40], 32).x16  # 40 rows: not whole tiles of 16
 

@@ -173,14 +173,29 @@ void dequant_int8p_tile(const int8_t* q, const float* s, int K, int n0, float* w
 // Activations of the int4 product, quantized like llama.cpp's Q8 blocks: each 32-value block of a row of x
 // becomes int8 values xq with one scale d = max|x| / 127 (xq = round-half-even(x / d); d = 1 for a zero block).
 // gsum[m * ngroups + g] = sum of the quantized values of group g, d * xq (what the group's minimum multiplies).
+// Where quantize_act puts row m's block b (and its scale, block sum and group sums). By rows: xq [M, K], d and bsum
+// [M, K/32], gsum [M, K/G]. Packed for the x16 kernels (pack8): rows in groups of 8, each block of a group's 8
+// rows contiguous (xq [M/8, K/32, 8, 32], d and bsum [M/8, K/32, 8], gsum [M/8, K/G, 8]; M rounded up to 8), so
+// that a row group's activations for one block are one 256-byte run and the kernel addresses all 8 rows from one
+// pointer.
+struct ActLayout {
+  bool pack8;
+  int64_t blk(int m, int b, int nblk) const {
+    return pack8 ? ((int64_t(m >> 3) * nblk + b) << 3) + (m & 7) : int64_t(m) * nblk + b;
+  }
+  int64_t xq(int m, int b, int nblk) const { return blk(m, b, nblk) * 32; }
+};
+
+inline int64_t rows_allocated(int M, bool pack8) { return pack8 ? (int64_t(M) + 7) / 8 * 8 : M; }
+
 void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, float* gsum, int nthreads,
-                  int32_t* bsum = nullptr) {
+                  int32_t* bsum = nullptr, ActLayout lay = {false}) {
   const int nblk = K / 32, bpg = G / 32;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (int64_t(M) * K >= 8192)
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < nblk; ++b) {
       const float* xb = x + int64_t(m) * K + b * 32;
-      int8_t* qb = xq + int64_t(m) * K + b * 32;
+      int8_t* qb = xq + lay.xq(m, b, nblk);
       float amax = 0.f;
       int sum = 0;
 #ifdef PAGEDLM_AVX2  // the same values as the scalar code: IEEE division, rounding half to even
@@ -217,9 +232,9 @@ void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, flo
         sum += v;
       }
 #endif
-      d[int64_t(m) * nblk + b] = db;
-      if (bsum != nullptr) bsum[int64_t(m) * nblk + b] = sum;
-      float& gs = gsum[int64_t(m) * (nblk / bpg) + b / bpg];
+      d[lay.blk(m, b, nblk)] = db;
+      if (bsum != nullptr) bsum[lay.blk(m, b, nblk)] = sum;
+      float& gs = gsum[lay.blk(m, b / bpg, nblk / bpg)];
       gs = (b % bpg == 0 ? 0.f : gs) + db * float(sum);
     }
 }
@@ -369,6 +384,7 @@ void int4_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_
 }
 
 constexpr int X16 = 16;       // output rows per tile of the x16 layout
+constexpr ActLayout kPack8{true};  // the x16 kernels' activations
 constexpr int X16_ROWS = 8;   // rows of x that share one unpacking of a tile's block
 constexpr int X16_BLOCK = 256;  // bytes per tile and 32-value block
 constexpr int X16_MBLOCK = 256;  // rows of x per pass over all tiles
@@ -410,11 +426,14 @@ inline void for_row_groups(int M, F rows) {
   }
 }
 
-// Rows m0 .. m0+R of x against tile t (16 outputs): y[m, 16t .. 16t+15].
+// Rows m0 .. m0+R of x (m0 a multiple of 8; activations packed, see ActLayout) against tile t (16 outputs):
+// y[m, 16t .. 16t+15].
 template <int R>
 void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const uint16_t* st,
                   const uint16_t* mt, float* y, int K, int N, int G, int n0, int m0, bool prefetch) {
   const int nblk = K / 32, bpg = G / 32, ngroups = K / G;
+  const int8_t* xg = xq + int64_t(m0) * K;  // this row group's blocks: [nblk, 8, 32]
+  const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
   const __m512i lo = _mm512_set1_epi8(0x0f);
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
@@ -436,11 +455,13 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
       mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + int64_t(g) * X16)));
     }
     const bool group_end = ++in_group == bpg;
+    const int8_t* xb = xg + int64_t(b) * 256;
+    const float* db = dg + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
-      const __m512i dot = dot_block32(w, xq + int64_t(m0 + i) * K + b * 32);
-      const __m512 cs = _mm512_mul_ps(s, _mm512_set1_ps(d[int64_t(m0 + i) * nblk + b]));
+      const __m512i dot = dot_block32(w, xb + 32 * i);
+      const __m512 cs = _mm512_mul_ps(s, _mm512_set1_ps(db[i]));
       f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), cs, f[i]);
-      if (group_end) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[int64_t(m0 + i) * ngroups + g]), f[i]);
+      if (group_end) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gg[int64_t(g) * 8 + i]), f[i]);
     }
     if (group_end) in_group = 0, ++g;
   }
@@ -465,7 +486,7 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uin
       float f = 0.f;
       for (int b = 0; b < nblk; ++b) {
         const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
-        const int8_t* xb = xq + int64_t(m) * K + b * 32;
+        const int8_t* xb = xq + kPack8.xq(m, b, nblk);
         int dot = 0;
         for (int c = 0; c < 4; ++c)
           for (int i = 0; i < 4; ++i) {
@@ -473,9 +494,9 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uin
             dot += int(v & 0x0f) * xb[4 * c + i] + int(v >> 4) * xb[16 + 4 * c + i];
           }
         const int g = b / bpg;
-        const float cs = half_to_float(st[g * X16 + j]) * d[int64_t(m) * nblk + b];
+        const float cs = half_to_float(st[g * X16 + j]) * d[kPack8.blk(m, b, nblk)];
         f = std::fma(float(dot), cs, f);
-        if ((b + 1) % bpg == 0) f = std::fma(half_to_float(mt[g * X16 + j]), gsum[int64_t(m) * ngroups + g], f);
+        if ((b + 1) % bpg == 0) f = std::fma(half_to_float(mt[g * X16 + j]), gsum[kPack8.blk(m, g, ngroups)], f);
       }
       y[int64_t(m) * N + n0 + j] = f;
     }
@@ -490,6 +511,9 @@ void int8x16_rows(const int8_t* xq, const float* d, const int32_t* bsum, const i
                   int K, int N, int n0, int m0) {
   const int nblk = K / 32;
   const __m512i flip = _mm512_set1_epi8(char(0x80));  // s8 -> u8: q + 128
+  const int8_t* xg = xq + int64_t(m0) * K;  // this row group's blocks, packed as in int4x16_rows
+  const float* dg = d + int64_t(m0) * nblk;
+  const int32_t* sg = bsum + int64_t(m0) * nblk;
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
   for (int b = 0; b < nblk; ++b) {
@@ -497,10 +521,9 @@ void int8x16_rows(const int8_t* xq, const float* d, const int32_t* bsum, const i
     __m512i w[8];
     for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), flip);
     for (int i = 0; i < R; ++i) {
-      const int64_t mb = int64_t(m0 + i) * nblk + b;
-      const __m512i dot = _mm512_sub_epi32(dot_block32(w, xq + int64_t(m0 + i) * K + b * 32),
-                                           _mm512_set1_epi32(128 * bsum[mb]));
-      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[mb]), f[i]);
+      const int64_t mb = int64_t(b) * 8 + i;
+      const __m512i dot = _mm512_sub_epi32(dot_block32(w, xg + mb * 32), _mm512_set1_epi32(128 * sg[mb]));
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dg[mb]), f[i]);
     }
   }
   const __m512 sv = _mm512_loadu_ps(s + n0);
@@ -522,11 +545,11 @@ void int8x16_tile(const int8_t* xq, const float* d, const int32_t* bsum, const i
       float f = 0.f;
       for (int b = 0; b < nblk; ++b) {
         const int8_t* wb = qt + int64_t(b) * X16_BLOCK8;
-        const int8_t* xb = xq + int64_t(m) * K + b * 32;
+        const int8_t* xb = xq + kPack8.xq(m, b, nblk);
         int dot = 0;
         for (int c = 0; c < 8; ++c)
           for (int i = 0; i < 4; ++i) dot += int(wb[64 * c + 4 * j + i]) * xb[4 * c + i];
-        f = std::fma(float(dot), d[int64_t(m) * nblk + b], f);
+        f = std::fma(float(dot), d[kPack8.blk(m, b, nblk)], f);
       }
       y[int64_t(m) * N + n0 + j] = f * s[n0 + j];
     }
@@ -630,11 +653,13 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
   if (G % 32 != 0 || K % G != 0 || (layout == 1 && N % X16 != 0) || layout < 0 || layout > 1) return 1;
   thread_local std::vector<int8_t> xq;  // kept between calls (grow-only): no page faults per call
   thread_local std::vector<float> d, gsum;
-  xq.resize(size_t(M) * K); d.resize(size_t(M) * (K / 32)); gsum.resize(size_t(M) * (K / G));
+  const ActLayout lay{layout == 1};
+  const int64_t Mr = rows_allocated(M, lay.pack8);
+  xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / G));
   // Pointers taken here: inside the parallel regions the names would be each thread's own (empty) vectors.
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
-  quantize_act(x, M, K, G, xqp, dp, gp, nthreads);
+  quantize_act(x, M, K, G, xqp, dp, gp, nthreads, nullptr, lay);
   if (layout == 1) {
     // Big products in blocks of X16_MBLOCK rows, so a block's activations stay in cache while every tile (the
     // same tiles on the same thread each time) passes over them.
@@ -669,12 +694,13 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
   thread_local std::vector<int8_t> xq;  // kept between calls, as in pagedlm_linear_int4
   thread_local std::vector<float> d, gsum;
   thread_local std::vector<int32_t> bsum;
-  xq.resize(size_t(M) * K); d.resize(size_t(M) * (K / 32)); gsum.resize(size_t(M) * (K / 32));
-  bsum.resize(size_t(M) * (K / 32));
+  const int64_t Mr = rows_allocated(M, true);
+  xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / 32));
+  bsum.resize(size_t(Mr) * (K / 32));
   int8_t* const xqp = xq.data();
   float* const dp = d.data();
   int32_t* const bp = bsum.data();
-  quantize_act(x, M, K, 32, xqp, dp, gsum.data(), nthreads, bp);
+  quantize_act(x, M, K, 32, xqp, dp, gsum.data(), nthreads, bp, kPack8);
   const int nblk = K / 32;
 #pragma omp parallel num_threads(nthreads)
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
