@@ -248,3 +248,23 @@ def test_sampler_seed_draws_unseeded_rows_from_its_generator():
     assert draws[0] == draws[1]
     s = Sampler(seed=11)
     assert [s(logits, rows).token_ids for _ in range(4)] != [draws[0]] * 4  # the generator advances
+
+
+@pytest.mark.parametrize("env, expected", [({}, "20000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
+                                           ({"OMP_WAIT_POLICY": "passive"}, "None")])
+def test_openmp_spin_wait_default_is_set_before_torch_loads(env, expected):
+    """`import pagedlm` shortens libgomp's spin-wait (GOMP_SPINCOUNT) unless the user chose one (or a wait policy),
+    and does it before torch (which loads libgomp and reads it once) is imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os; import pagedlm; print(os.environ.get('GOMP_SPINCOUNT'))"
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    assert out[0] == expected
+    code = "import os; import pagedlm.outputs, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, check=True,
+                         timeout=120).stdout.split()
+    assert out == ["20000"]  # any pagedlm import sets it first: the package's __init__ runs before its modules
