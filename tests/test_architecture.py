@@ -18,7 +18,7 @@ ALLOWED = {
     "kvcache": {"config"},
     "attention": {"kvcache", "cbuild", "config"},
     "model": {"attention", "kvcache", "hub", "config", "cpu", "cbuild"},
-    "sampling": {"outputs", "config"},
+    "sampling": {"outputs", "config", "cbuild"},
     "engine": {"model", "kvcache", "attention", "sampling", "hub", "config", "outputs", "cpu", "paths"},
     "router": {"engine", "sampling", "config", "outputs", "paths"},
     "server": {"router", "engine", "sampling", "config", "outputs", "__init__"},
