@@ -1,0 +1,115 @@
+"""Time two or more builds of a kernel source against each other, alternately in one process (medians): an older
+source (e.g. from `git worktree add /tmp/old <commit>`) against the working tree's. The builds must agree.
+
+    .venv/bin/python benchmarks/kernel_builds.py attention /tmp/old/src/pagedlm/attention/csrc/paged_attention.cpp \
+        src/pagedlm/attention/csrc/paged_attention.cpp --batch 64 --context 192
+    .venv/bin/python benchmarks/kernel_builds.py int4 /tmp/old/src/pagedlm/model/csrc/quant_linear.cpp \
+        src/pagedlm/model/csrc/quant_linear.cpp
+
+`attention`: decode over `--layers` separate bf16 caches in turn (30, as SmolLM2 has: their K/V do not fit the
+caches, so each call reads them cold, as in a real step). `int4`: the x16 int4 product at 1 to 2,048 rows for
+SmolLM2's projection shapes. Each source must sit in its own checkout (its #includes are relative).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedlm import cbuild
+
+
+def _load(sources: list[str], configure) -> dict[str, ctypes.CDLL]:
+    libs = {}
+    for i, src in enumerate(sources):
+        lib = cbuild.KernelLibrary(Path(src), f"build {i} ({src})", "nothing", configure).load()
+        if lib is None:
+            raise SystemExit(f"could not build {src}")
+        libs[f"#{i}"] = lib
+    return libs
+
+
+def _line(label: str, times: dict[str, list[float]]) -> str:
+    med = {n: statistics.median(t) for n, t in times.items()}
+    base = next(iter(med.values()))
+    return f"{label}: " + "  ".join(f"{n} {v * 1e6:9.1f} us ({base / v:.2f}x)" for n, v in med.items())
+
+
+def attention(sources: list[str], batch: int, context: int, layers: int, reps: int) -> None:
+    from pagedlm.attention import cpu_kernel
+    from pagedlm.bench.kernel import decode_case
+
+    def configure(lib: ctypes.CDLL) -> None:  # the entry point every version has
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.pagedlm_paged_attention.argtypes = [i, i, p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, i,
+                                                i]
+        lib.pagedlm_paged_attention.restype = i
+
+    libs = _load(sources, configure)
+    cases = []
+    for seed in range(layers):
+        q, kc, vc, meta, _, _ = decode_case(batch, context, seed=seed)
+        cases.append((q, kc.bfloat16(), vc.bfloat16(), meta))
+    outs = {n: [cpu_kernel.paged_attention_cpu(q, k, v, m, 0.125, lib=lib) for q, k, v, m in cases]
+            for n, lib in libs.items()}
+    first = next(iter(outs.values()))
+    for out in outs.values():
+        for a, b in zip(out, first):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    times: dict[str, list[float]] = {n: [] for n in libs}
+    for _ in range(reps):
+        for n, lib in libs.items():
+            t = time.perf_counter()
+            for q, k, v, m in cases:
+                cpu_kernel.paged_attention_cpu(q, k, v, m, 0.125, lib=lib)
+            times[n].append(time.perf_counter() - t)
+    print(_line(f"attention, bf16 KV, batch {batch} x context {context}, {layers} layers", times))
+
+
+def int4(sources: list[str], reps: int) -> None:
+    from pagedlm.model import quant
+
+    libs = _load(sources, quant._configure)
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 16, 64, 2048):
+        for k, n in ((576, 3072), (1536, 576), (576, 960)):
+            layer = quant.Int4Linear(torch.randn(n, k, generator=g) * 0.05, 32)
+            x = torch.randn(rows, k, generator=g)
+            ys = {name: torch.empty(rows, n) for name in libs}
+            for name, lib in libs.items():
+                layer._kernel(lib, x, ys[name])
+            first = next(iter(ys.values()))
+            assert all(torch.equal(y, first) for y in ys.values()), "builds disagree"
+            times: dict[str, list[float]] = {name: [] for name in libs}
+            for _ in range(max(5, min(reps * 10, int(2e4 / rows)))):
+                for name, lib in libs.items():
+                    t = time.perf_counter()
+                    layer._kernel(lib, x, ys[name])
+                    times[name].append(time.perf_counter() - t)
+            print(_line(f"int4 x16{' (x16 layout off: row layout)' if not layer.x16 else ''}, "
+                        f"{rows:4d} rows, {k} -> {n}", times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel", choices=["attention", "int4"])
+    ap.add_argument("sources", nargs="+", help="kernel sources, the first is the baseline")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.kernel == "attention":
+        attention(args.sources, args.batch, args.context, args.layers, args.repeats)
+    else:
+        int4(args.sources, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
