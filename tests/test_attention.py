@@ -157,7 +157,7 @@ LONG_CASES = [
 
 @pytest.mark.parametrize("seq_lens,query_lens", LONG_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 128), (4, 1, 256)])
 def test_cpu_kernel_matches_reference(seq_lens, query_lens, dtype, heads, kv_heads, dim):
     """The fast path against the oracle (same dtype in and out), scattered blocks, GQA, partial blocks."""
     q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, heads, kv_heads, dim, 16, dtype, seed=7)
@@ -330,6 +330,8 @@ ISA_CASES = [
     ([161, 50], [1, 7], 6, 2, 80, None, torch.bfloat16),  # head_dim not a multiple of 32: converted tiles
     ([161, 50], [1, 7], 6, 2, 80, None, torch.int8),
     ([161, 50], [1, 7], 6, 2, 16, 8, torch.float8_e4m3fn),
+    ([700, 40], [1, 40], 4, 1, 256, 512, torch.float32),  # Gemma 3's heads (256 wide) and sliding window
+    ([700, 40], [1, 40], 4, 1, 256, None, torch.bfloat16),
 ]
 
 

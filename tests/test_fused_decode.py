@@ -35,25 +35,45 @@ def count_runs(monkeypatch):
     return taken
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma_dir(tmp_path_factory):
+    """The tiny Gemma 3 with a sliding window of 8 on 5 of its 6 layers: two KV cache groups, two RoPE tables."""
+    from conftest import build_tiny_gemma3
+
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_fused"), sliding_window=8,
+                             max_position_embeddings=256)
+
+
 @pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("int8", "auto"), ("int4", "auto"),
                                                          (None, "int8"), ("int4", "int8"), (None, "bfloat16"),
                                                          ("int4", "bfloat16")])
-def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, kv_cache_dtype, count_runs):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir, quantization, kv_cache_dtype,
+                                          count_runs):
     """Greedy tokens are identical and logprobs agree to float32 rounding (a bf16 cache: to the odd K/V entry that
     rounds the other way from a last-bit fp32 difference, and so for Q8 activations). The fused run's steps hold
-    up to 16 tokens (prefill
-    chunks mixed with decode tokens), and so do the torch run's, so both multiply with the same quantized kernels."""
+    up to 16 tokens (prefill chunks mixed with decode tokens), and so do the torch run's, so both multiply with the
+    same quantized kernels. Gemma 3: QK-norm, sandwich norms, GELU, its two RoPE tables and the sliding-window
+    layers' own KV cache group, past the window."""
+    path = tiny_model_dir if family == "llama" else tiny_gemma_dir
     # Q8 activations (int4, and the int8 x16 layout the LM head takes on AVX-512 VNNI) turn a last-bit difference
     # of the two paths' RMSNorm into the odd activation rounded to the other int8 step, as a bf16 cache does K/V.
     quantized_acts = quantization == "int4" or (quantization is not None and quant.x16_native())
     tol = 1e-2 if kv_cache_dtype == "bfloat16" or quantized_acts else 1e-4
+    if family == "gemma3" and quantized_acts:
+        tol = 3e-2  # its random norms after every block amplify an activation rounded to the other Q8 step
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
     kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, quantization=quantization,
               kv_cache_dtype=kv_cache_dtype, kernel_max_rows=MAX_TOKENS)
-    fused_llm = LLM(str(tiny_model_dir), max_num_batched_tokens=MAX_TOKENS, **kw)
+    fused_llm = LLM(str(path), max_num_batched_tokens=MAX_TOKENS, **kw)
     fused = _generate(fused_llm, prompts)
     assert count_runs and max(count_runs) <= MAX_TOKENS and len(set(count_runs)) > 2
-    torch_llm = LLM(str(tiny_model_dir), max_num_batched_tokens=MAX_TOKENS, **kw)  # the same linear kernels
+    if family == "gemma3":
+        runner = fused_llm.engine.runner
+        kernel = runner.model.decode_kernel()
+        assert len({layer.group for layer in kernel._layers}) == len(set(runner.layer_group)) > 1
+        assert sorted({layer.rope for layer in kernel._layers}) == [0, 1]
+    torch_llm = LLM(str(path), max_num_batched_tokens=MAX_TOKENS, **kw)  # the same linear kernels
     torch_llm.engine.runner.model._decode_kernel = None  # layer by layer
     count_runs.clear()
     plain = _generate(torch_llm, prompts)
@@ -62,9 +82,13 @@ def test_fused_decode_equals_torch_layers(tiny_model_dir, quantization, kv_cache
         assert f.token_ids == p.token_ids
         assert f.cumulative_logprob == pytest.approx(p.cumulative_logprob, abs=tol)
         for lf, lp in zip(f.logprobs, p.logprobs):
-            assert set(lf) == set(lp)
-            for tok in lf:
-                assert lf[tok].logprob == pytest.approx(lp[tok].logprob, abs=tol)
+            for tok in set(lf) | set(lp):  # the runner-up may differ between near-ties, within tol
+                if tok in lf and tok in lp:
+                    assert lf[tok].logprob == pytest.approx(lp[tok].logprob, abs=tol)
+                else:
+                    other = lp if tok in lf else lf
+                    shown = (lf if tok in lf else lp)[tok].logprob
+                    assert shown <= min(t.logprob for t in other.values()) + tol
 
 
 def test_fused_decode_forward_matches_on_mixed_batch(tiny_model_dir, count_runs):

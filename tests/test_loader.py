@@ -71,9 +71,9 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(model_dir: Path, out: Path, quant: str | None = None) -> Path:
+def write_llama_gguf(model_dir: Path, out: Path, quant: str | dict[str, str] | None = None) -> Path:
     """Convert an HF LLaMA dir to a GGUF the way llama.cpp's convert_hf_to_gguf.py does: F32, or with the linear
-    layers' weights in block format `quant` (e.g. "Q4_1")."""
+    layers' weights in block format `quant` (e.g. "Q4_1"; a dict: by projection, e.g. {"v_proj": "Q8_0", ...})."""
     cfg = load_hf_config(model_dir)
     state = load_file(model_dir / "model.safetensors")
     w = gguf.GGUFWriter(str(out), "llama")
@@ -94,8 +94,9 @@ def write_llama_gguf(model_dir: Path, out: Path, quant: str | None = None) -> Pa
             a = _llama_cpp_permute(a, cfg["num_attention_heads"])
         elif ".k_proj." in name:
             a = _llama_cpp_permute(a, cfg["num_key_value_heads"])
-        if quant and name.endswith("proj.weight"):
-            qtype = gguf.GGMLQuantizationType[quant]
+        kind = quant.get(name.split(".")[-2]) if isinstance(quant, dict) else quant
+        if kind and name.endswith("proj.weight"):
+            qtype = gguf.GGMLQuantizationType[kind]
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(_gguf_name(name), a)
@@ -376,3 +377,23 @@ def test_smollm2_tokenizer_parity(smollm2_path: Path) -> None:
     assert cached.encode("Hello world") == [19556, 905]  # no BOS: GGUF add_bos_token is false
     prompt = cached.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_q4_k_blocks_keep_the_codes_and_round_only_the_scales():
+    """Q4_K super-blocks (random codes, 6-bit scales and minimums) as int4 groups of 32: the values gguf-py
+    dequantizes, up to the fp16 rounding of each group's scale (d * sc) and minimum (-dmin * m)."""
+    from pagedlm.hub.blocks import Int4Blocks
+    from pagedlm.model.quant import dequantize_int4
+
+    rng = np.random.default_rng(0)
+    rows, supers = 16, 3
+    raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+    for lo, hi in ((0, 2), (2, 4)):  # d, dmin: fp16 factors of a plausible size
+        raw[..., lo:hi] = rng.uniform(1e-4, 3e-3, (rows, supers)).astype(np.float16)[..., None].view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)).reshape(rows, -1)
+    blocks = Int4Blocks.from_gguf(raw, "Q4_K")
+    assert blocks.shape == (rows, supers * 256)
+    ours = dequantize_int4(blocks.qweight, blocks.scale, blocks.mins, 32)
+    scale, mins = (t.float().repeat_interleave(32, dim=1) for t in (blocks.scale, blocks.mins))
+    assert ((ours - ref).abs() <= 2 ** -11 * (15 * scale + mins.abs()) + 1e-7).all()  # a wrong code: >= a step

@@ -120,3 +120,44 @@ def test_chat_uses_gemma_turn_format(llm):
                    use_tqdm=False)[0]
     tail = llm.get_tokenizer().encode("<end_of_turn>\n<start_of_turn>model\n", add_special_tokens=False)
     assert out.prompt_token_ids[-len(tail):] == tail
+
+
+@pytest.mark.slow
+def test_default_plan_keeps_q4_k_and_stays_within_1pct_perplexity(gemma3_path, llm, monkeypatch):
+    """`dtype="auto"` on the Q4_K_M GGUF: its Q4_K weights (attn_output, half the ffn_down) as the checkpoint's own
+    int4 blocks (scales rounded to fp16: within 1.5% of a quantization step of gguf-py's values), the Q5_0 / Q6_K /
+    Q8_0 ones as int8, fp32 activations through the fused stack (the fp32 path `llm` takes it too), and a
+    perplexity within 1% of the fp32 path on the fixed text."""
+    from pathlib import Path
+
+    import gguf
+
+    from pagedlm.bench.quality import perplexity
+    from pagedlm.hub.loader import open_gguf
+    from pagedlm.model.llama_decode import LlamaDecodeKernel
+    from pagedlm.model.quant import Int4Linear, Int8Linear
+
+    runs = []
+    original = LlamaDecodeKernel.run
+    monkeypatch.setattr(LlamaDecodeKernel, "run", lambda self, *a: runs.append(original(self, *a)) or runs[-1])
+    default = LLM(str(gemma3_path), kv_cache_memory="256MiB")
+    plan, model = default.engine.plan, default.engine.runner.model
+    assert (plan.quantization, plan.fallback, plan.dtype) == ("int4", "int8", torch.float32)
+    tensors = {t.name: t for t in open_gguf(gemma3_path).tensors}
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer.self_attn.o_proj, Int4Linear) and isinstance(layer.self_attn.qkv_proj, Int8Linear)
+        down = tensors[f"blk.{i}.ffn_down.weight"]
+        assert isinstance(layer.mlp.down_proj, Int4Linear if down.tensor_type.name == "Q4_K" else Int8Linear)
+    o_proj, t = model.layers[0].self_attn.o_proj, tensors["blk.0.attn_output.weight"]
+    ours = o_proj.dequantize()
+    ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(ours.shape)
+    _, scale, _ = o_proj.row_layout()
+    assert ((ours - ref).abs() <= 0.015 * scale.float().repeat_interleave(32, dim=1) + 1e-6).all()
+    text = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
+    ids = default.get_tokenizer().encode(text)
+    ppl_default = perplexity(default, ids)
+    assert any(runs), "the fused stack took the default path's steps"
+    runs.clear()
+    ppl_fp32 = perplexity(llm, ids)
+    assert any(runs) and llm.engine.runner.model.decode_kernel() is not None
+    assert 5 < ppl_fp32 < 60 and ppl_default <= ppl_fp32 * 1.01, (ppl_default, ppl_fp32)

@@ -296,14 +296,18 @@ def test_perplexity_bounds_on_smollm2(smollm2_path):
 
 @pytest.fixture(scope="module", params=["Q4_0", "Q4_1"])
 def tiny_q4_gguf(request, tiny_model_dir, tmp_path_factory):
-    """The tiny LLaMA as a GGUF with Q4_0 / Q4_1 linear layers; its tokenizer placed where the loader caches a
-    GGUF's converted tokenizer (the file itself carries none)."""
+    """The tiny LLaMA as a GGUF with Q4_0 / Q4_1 linear layers."""
+    return _tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("q4") / f"tiny-{request.param}.gguf", request.param)
+
+
+def _tiny_gguf(tiny_model_dir, path, quant):
+    """The tiny LLaMA written as a GGUF (`quant` as in write_llama_gguf), its tokenizer placed where the loader
+    caches a GGUF's converted tokenizer (the file itself carries none)."""
     import json
 
     from test_loader import write_llama_gguf
     from transformers import AutoTokenizer
-    path = write_llama_gguf(tiny_model_dir, tmp_path_factory.mktemp("q4") / f"tiny-{request.param}.gguf",
-                            quant=request.param)
+    path = write_llama_gguf(tiny_model_dir, path, quant=quant)
     cached = path.with_name(path.name + ".tokenizer")
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(cached)
     st = path.stat()
@@ -344,6 +348,36 @@ def test_default_runs_the_checkpoints_int4_blocks(tiny_q4_gguf, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in requantized.generate(prompts, params, use_tqdm=False)])
+
+
+def test_default_on_a_mixed_gguf_keeps_the_int4_blocks_and_makes_the_rest_int8(tiny_model_dir, tmp_path):
+    """A GGUF mixing formats as Q4_K_M files do (here Q4_0 / Q4_1 beside Q5_0 and Q8_0; a fused q/k/v with Q4_0 q/k
+    and a Q8_0 v): `dtype="auto"` keeps the layers stored as int4 blocks exactly, requantizes every other to int8
+    per channel from the checkpoint's values, says so, and runs decode steps through the fused stack."""
+    from pagedlm.hub.loader import iter_weights
+    from pagedlm.model.llama_decode import LlamaDecodeKernel
+
+    types = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q5_0",
+             "up_proj": "Q5_0", "down_proj": "Q4_1"}
+    path = _tiny_gguf(tiny_model_dir, tmp_path / "tiny-mixed.gguf", types)
+    llm = LLM(str(path), num_kv_blocks=32)
+    plan, model = llm.engine.plan, llm.engine.runner.model
+    assert (plan.quantization, plan.fallback, plan.dtype) == ("int4", "int8", torch.float32)
+    assert "Q4_0/Q4_1 blocks run natively" in plan.describe() and "Q5_0/Q8_0 weights are requantized" in plan.describe()
+    ref = dict(iter_weights(path, torch.float32))
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for m, name in ((attn.o_proj, "self_attn.o_proj"), (mlp.down_proj, "mlp.down_proj")):
+            assert isinstance(m, quant.Int4Linear)
+            assert torch.equal(m.dequantize(), ref[f"model.layers.{i}.{name}.weight"])
+        for m, parts in ((attn.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                         (mlp.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj"))):
+            q, scale = quant.quantize_int8(torch.cat([ref[f"model.layers.{i}.{p}.weight"] for p in parts]))
+            assert isinstance(m, quant.Int8Linear) and torch.equal(m.row_layout(), q) and torch.equal(m.scale, scale)
+    assert isinstance(model.decode_kernel(), LlamaDecodeKernel)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
 
 
 def test_plan_per_cpu_and_setting(tiny_model_dir, tiny_q4_gguf, monkeypatch):

@@ -24,7 +24,7 @@ from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.kvcache.format import KV_KINDS, entry_dim, is_quantized
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 

@@ -1,4 +1,4 @@
-"""A checkpoint's quantized blocks as read, kept in their own format: GGUF's Q4_0 / Q4_1 tensors become
+"""A checkpoint's quantized blocks as read, kept in their own format: GGUF's Q4_0 / Q4_1 / Q4_K tensors become
 `Int4Blocks`, which model/quant.py's int4 layers run without dequantizing."""
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ class Int4Blocks:
     """An int4 weight in the layout `quantize_int4` produces (groups of 32): packed nibbles [N, K/2] uint8, scale
     and minimum [N, K/32] fp16, weight = q * scale + min. GGUF's Q4_1 blocks are exactly this (d, m, 16 bytes of
     nibbles, values 0..15 low, 16..31 high) and Q4_0's are too with min = -8 * scale, so a GGUF's Q4_0 / Q4_1
-    weights are loaded as they are stored (`from_gguf`) rather than dequantized and quantized again."""
+    weights are loaded as they are stored (`from_gguf`) rather than dequantized and quantized again. Q4_K's
+    super-blocks of 256 are eight such groups whose scale and minimum are 6-bit multiples of two fp16 factors
+    (d * sc, -dmin * m): the codes are kept, the products rounded to fp16 (2^-11 relative: on Gemma 3's weights
+    none moves by more than 1.5% of its quantization step)."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
@@ -25,7 +28,9 @@ class Int4Blocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, kind: str) -> "Int4Blocks":
-        """`raw`: a Q4_0 / Q4_1 tensor's bytes, [rows, blocks_per_row * block_bytes] uint8."""
+        """`raw`: a Q4_0 / Q4_1 / Q4_K tensor's bytes, [rows, blocks_per_row * block_bytes] uint8."""
+        if kind == "Q4_K":
+            return cls._from_q4_k(raw)
         rows = raw.shape[0]
         head = {"Q4_0": 2, "Q4_1": 4}[kind]
         blocks = np.ascontiguousarray(raw).reshape(rows, -1, head + 16)
@@ -34,6 +39,25 @@ class Int4Blocks:
                 else scale * -8.0)
         qs = torch.from_numpy(blocks[:, :, head:].copy()).reshape(rows, -1)
         return cls(qs.contiguous(), scale.contiguous(), mins.contiguous())
+
+    @classmethod
+    def _from_q4_k(cls, raw: np.ndarray) -> "Int4Blocks":
+        # A super-block: d, dmin (fp16), 12 bytes of 6-bit (scale, min) pairs for its 8 groups, then 4 runs of 32
+        # bytes, run i holding group 2i in its low nibbles and group 2i + 1 in its high ones (value j at byte j).
+        rows = raw.shape[0]
+        sb = np.ascontiguousarray(raw).reshape(rows, -1, 144)
+        d = sb[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        dmin = sb[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        s = sb[..., 4:16].astype(np.uint8)
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+        mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+        qs = sb[..., 16:].reshape(rows, -1, 4, 32)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1, 32)  # [rows, groups, 32]
+        packed = codes[..., :16] | (codes[..., 16:] << 4)  # the Q4_1 order: values j and j + 16 share byte j
+        scale = (d[..., None] * sc).astype(np.float16).reshape(rows, -1)
+        mins = (-(dmin[..., None] * mn)).astype(np.float16).reshape(rows, -1)
+        return cls(torch.from_numpy(packed.reshape(rows, -1).astype(np.uint8)), torch.from_numpy(scale),
+                   torch.from_numpy(mins))
 
     def rows(self, perm: np.ndarray) -> "Int4Blocks":
         idx = torch.from_numpy(perm)

@@ -15,11 +15,13 @@ if TYPE_CHECKING:
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
                group_size: int = 32, dense_dtype: torch.dtype | None = None,
                kernel_max_rows: int = KERNEL_MAX_ROWS,
-               head_kernel_max_rows: int | None = None) -> tuple[CausalLM, ModelConfig]:
+               head_kernel_max_rows: int | None = None,
+               fallback: str | None = None) -> tuple[CausalLM, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
     rows through a dense copy in `dense_dtype`, see model/quant.py and model/plan.py; `head_kernel_max_rows` for
-    the int8 embedding table as LM head, None: the same)."""
+    the int8 embedding table as LM head, None: the same; `fallback`: the method for the linear weights a GGUF holds
+    no int4 blocks for, None: `quantization`)."""
     from pagedlm.hub.loader import iter_weights, load_hf_config
     from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.llama import LlamaForCausalLM
@@ -39,7 +41,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     model.load_weights(iter_weights(path, dtype, native))
     if quantization:
         from pagedlm.model.quant import quantize_model
-        quantize_model(model, quantization, group_size, dense_dtype, kernel_max_rows, head_kernel_max_rows)
+        quantize_model(model, quantization, group_size, dense_dtype, kernel_max_rows, head_kernel_max_rows, fallback)
     if dtype == torch.bfloat16 and device.type == "cpu":
         from pagedlm.cpu import cpu_features
         from pagedlm.model.layers import Linear

@@ -15,7 +15,7 @@ from pagedlm.hub.blocks import Int4Blocks
 from pagedlm.model.layers import Linear
 
 if TYPE_CHECKING:
-    from pagedlm.model.llama_decode import LlamaDecodeKernel
+    from pagedlm.model.llama_decode import FusedStack, LlamaDecodeKernel
 
 
 class CausalLM(nn.Module):
@@ -44,6 +44,7 @@ class CausalLM(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.layer_sliding_windows = cfg.layer_sliding_windows
         self.native_weights: dict[str, Int4Blocks] = {}  # checkpoint int4 blocks by parameter name (_copy)
+        self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
 
     # ---- forward -------------------------------------------------------------------------------------------
 
@@ -77,14 +78,18 @@ class CausalLM(nn.Module):
 
     # ---- capabilities --------------------------------------------------------------------------------------
 
-    @property
-    def supports_fused_decode(self) -> bool:
-        """Whether the fused decoder stack (llama_decode.py) can run this model's layers."""
-        return False
+    def fused_stack(self) -> FusedStack | None:
+        """This model's layers as the fused decoder stack (llama_decode.py) runs them, or None where it cannot."""
+        return None
 
     def decode_kernel(self) -> LlamaDecodeKernel | None:
-        """The fused decoder stack bound to this model, or None (the default: layer by layer)."""
-        return None
+        """The fused decoder stack for small steps, bound on first use (by then the weights are in their final
+        layout: repacked, quantized), or None (layer by layer)."""
+        if self._decode_kernel is False:
+            from pagedlm.model.llama_decode import LlamaDecodeKernel
+
+            self._decode_kernel = LlamaDecodeKernel.create(self)
+        return self._decode_kernel
 
     def moe_blocks(self) -> list[tuple[int, nn.Module]]:
         """(layer index, SparseMoE) of every layer with experts."""
@@ -124,8 +129,11 @@ class CausalLM(nn.Module):
                 group[idx] = tensor
                 if len(group) == (3 if fused == "qkv_proj" else 2):
                     parts = [group[i] for i in sorted(group)]
-                    self._copy(params, target,
-                               Int4Blocks.cat(parts) if isinstance(parts[0], Int4Blocks) else torch.cat(parts, dim=0))
+                    if all(isinstance(p, Int4Blocks) for p in parts):
+                        fused_tensor = Int4Blocks.cat(parts)
+                    else:  # int4 blocks beside other formats (Gemma's q/k Q5_0, v Q8_0): one dense weight
+                        fused_tensor = torch.cat([_dense(p, params[target].dtype) for p in parts], dim=0)
+                    self._copy(params, target, fused_tensor)
                     loaded.add(target)
                     del pending[target]
                 continue
@@ -160,3 +168,11 @@ class CausalLM(nn.Module):
             self.native_weights[name] = tensor
         else:
             p.data.copy_(tensor)
+
+
+def _dense(w: torch.Tensor | Int4Blocks, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, Int4Blocks):
+        from pagedlm.model.quant import dequantize_int4
+
+        return dequantize_int4(w.qweight, w.scale, w.mins, 32).to(dtype)
+    return w

@@ -11,6 +11,7 @@ from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.model.base import CausalLM
 from pagedlm.model.layers import ACTIVATIONS, Linear, rope_inv_freq
+from pagedlm.model.llama_decode import FusedLayer, FusedStack
 
 
 class GemmaRMSNorm(nn.Module):
@@ -33,6 +34,11 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, None).float(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, dim / 2] each, float32 (the first half of what `forward` multiplies by; the fused stack's)."""
+        freqs = positions[:, None].float() * self.inv_freq
+        return freqs.cos(), freqs.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, dim], k: [tokens, kv_heads, dim]."""
@@ -129,9 +135,31 @@ class Gemma3ForCausalLM(CausalLM):
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    metas: list[AttentionMetadata], backend: AttentionBackend) -> tuple[torch.Tensor, bool]:
+        """The fused stack (final norm included) where the backend lets it stand in and it takes the batch, else
+        layer by layer."""
+        kernel = self.decode_kernel() if backend.supports_fused_decode else None
+        if kernel is not None:
+            tables = [self.rotary_global.cos_sin(positions), self.rotary_local.cos_sin(positions)]
+            if kernel.run(x, [c for c, _ in tables], [s for _, s in tables], kv_caches, metas):
+                return x, True
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
             x = layer(positions, x, kv_cache, meta, backend)
         return x, False
+
+    def fused_stack(self) -> FusedStack | None:
+        """Gemma's norms multiply by 1 + w: the stack gets those vectors (fp32, as GemmaRMSNorm computes them)."""
+        def one_plus(norm: GemmaRMSNorm) -> torch.Tensor:
+            return 1.0 + norm.weight.float()
+
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(FusedLayer(
+                one_plus(layer.input_layernorm), one_plus(layer.pre_feedforward_layernorm), attn.qkv_proj,
+                attn.o_proj, mlp.gate_up_proj, mlp.down_proj, one_plus(attn.q_norm), one_plus(attn.k_norm),
+                one_plus(layer.post_attention_layernorm), one_plus(layer.post_feedforward_layernorm),
+                window=attn.sliding_window, rope=0 if attn.rotary is self.rotary_global else 1))
+        return FusedStack(layers, one_plus(self.norm), self.cfg.hidden_act, self.cfg.query_pre_attn_scalar ** -0.5)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(x)

@@ -11,7 +11,7 @@ from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.model.base import CausalLM
 from pagedlm.model.layers import ACTIVATIONS, Linear, RMSNorm, RotaryEmbedding, prefer_transposed
-from pagedlm.model.llama_decode import LlamaDecodeKernel
+from pagedlm.model.llama_decode import FusedLayer, FusedStack
 
 
 class LlamaAttention(nn.Module):
@@ -104,7 +104,6 @@ class LlamaForCausalLM(CausalLM):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    metas: list[AttentionMetadata], backend: AttentionBackend) -> tuple[torch.Tensor, bool]:
@@ -118,20 +117,21 @@ class LlamaForCausalLM(CausalLM):
             x = layer(rope, x, kv_cache, meta, backend)
         return x, False
 
-    @property
-    def supports_fused_decode(self) -> bool:
-        """The fused stack (llama_decode.py) runs plain LLaMA layers: no biases, QK-norm, clamping, experts,
-        sliding windows or activations other than SiLU."""
+    def fused_stack(self) -> FusedStack | None:
+        """Plain LLaMA layers, with sliding windows and per-head QK-norm too; not biases, clamping, experts, norms
+        over the whole q/k projection or activations other than SiLU."""
         c = self.cfg
-        return not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm or c.clip_qkv is not None or c.is_moe
-                    or any(w is not None for w in c.layer_sliding_windows) or c.hidden_act != "silu")
-
-    def decode_kernel(self) -> LlamaDecodeKernel | None:
-        """The fused decoder stack for small steps (llama_decode.py), bound on first use: by then the weights
-        are in their final layout (repacked, quantized)."""
-        if self._decode_kernel is False:
-            self._decode_kernel = LlamaDecodeKernel.create(self)
-        return self._decode_kernel
+        if (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm not in (None, "head") or c.clip_qkv is not None
+                or c.is_moe or c.hidden_act != "silu"):
+            return None
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qk = (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)
+            layers.append(FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                     attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, *qk,
+                                     window=attn.sliding_window))
+        return FusedStack(layers, self.norm.weight, c.hidden_act, c.head_dim ** -0.5)
 
     def process_weights_after_loading(self) -> None:
         """Repack the loaded weights for speed (see `Linear.process_weights_after_loading`). A tied LM head

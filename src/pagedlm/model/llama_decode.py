@@ -1,14 +1,17 @@
-"""The LLaMA decoder stack in one compiled call for steps with few new tokens (csrc/llama_decode.cpp).
+"""The decoder stack in one compiled call for steps with few new tokens (csrc/llama_decode.cpp): LLaMA-style layers
+(QK-norm per head and sliding windows included) and Gemma 3's.
 
 A single-stream decode step runs about 40 small torch ops per layer; with quantized weights their dispatch costs
 as much as the matmuls. This path hands the residual stream, the layers' weights and the batch layout to one
 C++ function instead. It is taken only where it gives the same results as the torch path (CPU, fp32 activations,
-an fp32 or int8 KV cache, the compiled attention backend, at most `max_tokens` new tokens: the quantized layers'
-`kernel_max_rows`, above which their dense GEMMs win) and skipped otherwise.
+an fp32, bf16 or int8 KV cache, the compiled attention backend, at most `max_tokens` new tokens: the quantized
+layers' `kernel_max_rows`, above which their dense GEMMs win) and skipped otherwise. A model describes its layers
+to it as a `FusedStack` (`CausalLM.fused_stack`).
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,19 +36,59 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
+                ("mlp_out_norm", ctypes.c_void_p), ("window", ctypes.c_int), ("rope", ctypes.c_int),
+                ("group", ctypes.c_int)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("H", ctypes.c_int), ("KVH", ctypes.c_int),
                 ("D", ctypes.c_int), ("inter", ctypes.c_int), ("BS", ctypes.c_int), ("num_blocks", ctypes.c_int),
                 ("kv_kind", ctypes.c_int), ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
-                ("final_norm", ctypes.c_void_p)]
+                ("final_norm", ctypes.c_void_p), ("act", ctypes.c_int), ("scale", ctypes.c_float)]
+
+
+class _Group(ctypes.Structure):
+    _fields_ = [("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+                ("query_start_loc", ctypes.c_void_p), ("max_blocks", ctypes.c_int)]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # csrc's Activation
+MAX_ROPES = 2
+
+
+@dataclass
+class FusedLayer:
+    """One decoder layer as the stack runs it: x += attn_out_norm(attn(input_norm(x))), then
+    x += mlp_out_norm(down(act(gate) * up)(post_norm(x))); norms are fp32 weight vectors multiplied as they are
+    (Gemma's 1 + w already added), None where the layer has none."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: nn.Module
+    o: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    q_norm: torch.Tensor | None = None  # per head, before RoPE
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    window: int | None = None
+    rope: int = 0  # which of the step's rotary tables
+
+
+@dataclass
+class FusedStack:
+    layers: list[FusedLayer]
+    final_norm: torch.Tensor
+    activation: str  # a key of ACTIVATIONS
+    scale: float  # attention's softmax scale
 
 
 def _configure(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, p, p, i, p, p, i, i]
+    lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, ctypes.POINTER(_Group), i, i, i]
     lib.pagedlm_llama_decode.restype = i
 
 
@@ -75,35 +118,36 @@ def _describe(linear: nn.Module) -> _Linear | None:
     return None
 
 
-def _batch_layout_ok(meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, num_tokens: int) -> bool:
+def _batch_layout_ok(meta: AttentionMetadata, num_tokens: int) -> bool:
     """The batch tensors have the layout the kernel reads (their contents it checks itself)."""
     tables, slots, seq_lens, qsl = meta.block_tables, meta.slot_mapping, meta.seq_lens, meta.query_start_loc
     return (tables.dtype == seq_lens.dtype == qsl.dtype == torch.int32 and slots.dtype == torch.int64
-            and cos.dtype == sin.dtype == torch.float32
-            and all(t.is_contiguous() for t in (tables, slots, seq_lens, qsl, cos, sin))
-            and slots.numel() == cos.shape[0] == sin.shape[0] == num_tokens
-            and tables.shape[0] == seq_lens.numel() == qsl.numel() - 1)
+            and all(t.is_contiguous() for t in (tables, slots, seq_lens, qsl))
+            and slots.numel() == num_tokens and tables.shape[0] == seq_lens.numel() == qsl.numel() - 1)
 
 
 class LlamaDecodeKernel:
-    """Binds a loaded (and possibly quantized) LlamaForCausalLM and its KV caches to the compiled stack.
+    """Binds a loaded (and possibly quantized) model's `FusedStack` and its KV caches to the compiled stack.
 
     Holds raw pointers to the model's weights: build it after the weights reached their final layout and
     rebuild it if they move. `run` returns False, having changed nothing, when it cannot take the batch."""
 
-    def __init__(self, lib: ctypes.CDLL, model: nn.Module, weights: list[tuple[_Linear, ...]]) -> None:
+    def __init__(self, lib: ctypes.CDLL, model: nn.Module, stack: FusedStack,
+                 weights: list[tuple[_Linear, ...]]) -> None:
         cfg = model.cfg
-        self.lib, self.model, self.cfg = lib, model, cfg
+        self.lib, self.model, self.cfg, self.stack = lib, model, cfg, stack
         self.max_tokens = min((m.kernel_max_rows for m in model.layers.modules() if isinstance(m, QuantLinear)),
                               default=KERNEL_MAX_ROWS)
         self._weights = weights
         self._layers = (_Layer * cfg.num_layers)()
-        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(model.layers, weights)):
-            self._layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
-                                     layer.post_attention_layernorm.weight.data_ptr(), qkv, o, gate_up, down)
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(stack.layers, weights)):
+            self._layers[i] = _Layer(_ptr(layer.input_norm), _ptr(layer.post_norm), qkv, o, gate_up, down, None, None,
+                                     _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.attn_out_norm),
+                                     _ptr(layer.mlp_out_norm), layer.window or 0, layer.rope, 0)
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, 0, 0, KV_F32, cfg.rms_norm_eps, self._layers,
-                             model.norm.weight.data_ptr())
+                             _ptr(stack.final_norm), ACTIVATIONS[stack.activation], stack.scale)
+        self._groups = (_Group * cfg.num_layers)()  # at most one KV cache group per layer
         self._bound_caches: tuple[int, ...] = ()
         self._bound_list: list | None = None
 
@@ -113,24 +157,26 @@ class LlamaDecodeKernel:
         from pagedlm.attention.cpu_kernel import HEAD_DIMS
 
         cfg = model.cfg
-        if not model.supports_fused_decode:  # biases, QK-norm, experts, sliding windows
+        stack = model.fused_stack()
+        if stack is None or stack.activation not in ACTIVATIONS:
             return None
         lib = load_decode_kernel()
         if lib is None or cfg.head_dim not in HEAD_DIMS or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads > 64:
             return None
-        if model.norm.weight.dtype != torch.float32:
-            return None
         weights = []
-        for layer in model.layers:
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
+        for layer in stack.layers:
+            norms = (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
+                     layer.mlp_out_norm)
+            if any(w is not None and (w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous())
+                   for w in (*norms, stack.final_norm)) or (layer.q_norm is None) != (layer.k_norm is None):
                 return None
-            lins = [_describe(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                           layer.mlp.down_proj)]
+            if not 0 <= layer.rope < MAX_ROPES:
+                return None
+            lins = [_describe(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(lin is None for lin in lins):
                 return None
             weights.append(tuple(lins))
-        return cls(lib, model, weights)
+        return cls(lib, model, stack, weights)
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         if kv_caches is self._bound_list:  # the runner passes the same list every step
@@ -152,20 +198,48 @@ class LlamaDecodeKernel:
         self._bound_caches, self._bound_list = key, kv_caches
         return True
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _bind_groups(self, metas: list[AttentionMetadata], cos: list[torch.Tensor], sin: list[torch.Tensor],
+                     n: int) -> int:
+        """Each layer's KV cache group (its metadata object), set in the layer table; the number of groups, 0 where
+        the batch tensors do not have the layout the kernel reads."""
+        groups: dict[int, int] = {}
+        for i, meta in enumerate(metas):
+            g = groups.get(id(meta))
+            if g is None:
+                g = groups[id(meta)] = len(groups)
+                if (g == len(self._groups) or not _batch_layout_ok(meta, n)
+                        or meta.block_tables.shape[0] != metas[0].block_tables.shape[0]):
+                    return 0
+                self._groups[g] = _Group(meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
+                                         meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
+                                         meta.block_tables.shape[1])
+            if self._layers[i].group != g:
+                self._layers[i].group = g
+        if not all(c.dtype == s.dtype == torch.float32 and c.is_contiguous() and s.is_contiguous()
+                   and c.shape[0] == s.shape[0] == n for c, s in zip(cos, sin)):
+            return 0
+        return len(groups)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor | list[torch.Tensor], sin: torch.Tensor | list[torch.Tensor],
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> bool:
         """Run the hidden states `x` [tokens, hidden] (fp32, contiguous) through every layer and the final norm,
-        in place."""
-        meta, n = metas[0], x.shape[0]
-        if (n > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous()
-                or any(m is not meta for m in metas) or not _batch_layout_ok(meta, cos, sin, n)
-                or not self._bind_caches(kv_caches)):
+        in place. `cos`, `sin`: the step's rotary tables [tokens, head_dim / 2] (a list where layers use
+        several); `metas`: each layer's batch layout (layers of one KV cache group share one object)."""
+        n = x.shape[0]
+        cos, sin = ([cos], [sin]) if isinstance(cos, torch.Tensor) else (cos, sin)
+        if (n > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous() or len(metas) != len(self._layers)
+                or len(cos) != len(sin) or not 0 < len(cos) <= MAX_ROPES
+                or any(layer.rope >= len(cos) for layer in self.stack.layers)
+                or not self._bind_caches(kv_caches) or not (num_groups := self._bind_groups(metas, cos, sin, n))):
             return False
-        num_seqs, width = meta.block_tables.shape
-        rc = self.lib.pagedlm_llama_decode(
-            ctypes.byref(self._model), x.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
-            meta.block_tables.data_ptr(), width, meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), num_seqs,
-            torch.get_num_threads())
+        cos_p = (ctypes.c_void_p * MAX_ROPES)(*(c.data_ptr() for c in cos))
+        sin_p = (ctypes.c_void_p * MAX_ROPES)(*(s.data_ptr() for s in sin))
+        rc = self.lib.pagedlm_llama_decode(ctypes.byref(self._model), x.data_ptr(), n, cos_p, sin_p, self._groups,
+                                           num_groups, metas[0].block_tables.shape[0], torch.get_num_threads())
         if rc:
             raise cbuild.kernel_error(rc, f"fused decode kernel ({self._model.num_blocks} KV blocks)")
         return True
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

@@ -3,10 +3,14 @@ matmul path serves a step of a given size. Decided once at start-up from the CPU
 user's settings; `ExecutionPlan.describe()` says what was chosen and why.
 
 The default (`dtype="auto"`, no `quantization`) on a CPU:
-- a GGUF whose linear weights are all Q4_0 / Q4_1 runs them as int4 (model/quant.py stores exactly these blocks:
-  groups of 32, fp16 scale and minimum), with fp32 activations, so decode steps take the fused C++ decoder stack,
-  and a bf16 KV cache (unless `kv_cache_dtype` says otherwise): half the bytes of fp32, so twice the tokens fit
-  (perplexity +0.17% against the fp32 path; the attention kernel's speed is the same for both);
+- a GGUF whose linear weights are all Q4_0 / Q4_1 / Q4_K runs them as int4 (model/quant.py stores exactly these
+  blocks: groups of 32, fp16 scale and minimum; Q4_K's scales rounded to fp16), with fp32 activations, so decode
+  steps take the fused C++ decoder stack, and a bf16 KV cache (unless `kv_cache_dtype` says otherwise): half the
+  bytes of fp32, so twice the tokens fit (perplexity +0.17% against the fp32 path; the attention kernel's speed is
+  the same for both);
+- a GGUF with other quantized blocks too (Gemma 3's Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0) runs the same way: its
+  int4 blocks as stored, every other linear weight requantized to int8 per channel (8 bits: at least as many as any
+  of those formats holds), said at start-up;
 - anything else runs in bf16 where the CPU has native bf16 (AVX512-BF16 or AMX), else in fp32, as before.
 Quantized layers keep a dense copy of their weights (bf16 where the CPU has native bf16 and the dtype was left to
 `auto`, else fp32) for steps with more rows than `kernel_max_rows`, where a GEMM beats the quantized kernels; the
@@ -23,8 +27,9 @@ import torch
 from pagedlm.config import KERNEL_MAX_ROWS, EngineConfig, parse_dtype
 from pagedlm.cpu import cpu_features
 
-# GGUF block formats that model/quant.py's int4 layout holds exactly (group size 32).
-NATIVE_INT4_TYPES = ("Q4_0", "Q4_1")
+# GGUF block formats that model/quant.py's int4 layout holds (group size 32; Q4_K's scales rounded to fp16).
+NATIVE_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass
@@ -37,10 +42,13 @@ class ExecutionPlan:
     reasons: list[str] = field(default_factory=list)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype, resolved ("auto": the activations' dtype)
     head_kernel_max_rows: int | None = None  # the same for the int8 embedding table as LM head (None: as above)
+    fallback: str | None = None  # "int8": linear weights the checkpoint holds no int4 blocks for (None: quantization)
 
     def describe(self) -> str:
         weights = {None: "dense", "int8": "int8 per channel",
                    "int4": f"int4 (groups of {self.group_size})"}[self.quantization]
+        if self.fallback:
+            weights += " where the checkpoint stores int4 blocks, else int8 per channel"
         kv = _name(self.dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         s = f"execution: activations {_name(self.dtype)}, weights {weights}, KV cache {kv}"
         if self.quantization and self.kernel_max_rows >= KERNEL_MAX_ROWS:
@@ -75,15 +83,19 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
     on_cpu = torch.device(config.device).type == "cpu"
     reasons: list[str] = [f"CPU flags: {cpu.describe()}"] if on_cpu else []
     quantization, group_size = config.quantization, config.quantization_group_size
+    fallback = None
     auto = config.dtype == "auto"
     if auto and quantization is None and on_cpu and path is not None:
         types = gguf_linear_types(path)
-        if types and types <= set(NATIVE_INT4_TYPES):
+        native, other = types & set(NATIVE_INT4_TYPES), types - set(NATIVE_INT4_TYPES)
+        if native:
             quantization, group_size = "int4", 32
-            reasons.append(f"the checkpoint's {'/'.join(sorted(types))} blocks run natively as int4")
-        elif types:
-            reasons.append(f"GGUF blocks {'/'.join(sorted(types))} are dequantized (native: "
-                           f"{'/'.join(NATIVE_INT4_TYPES)})")
+            reasons.append(f"the checkpoint's {'/'.join(sorted(native))} blocks run natively as int4")
+            fallback = "int8" if other else None
+        elif other - set(UNQUANTIZED_TYPES):
+            quantization = "int8"
+        if quantization and other:
+            reasons.append(f"its {'/'.join(sorted(other))} weights are requantized to int8 per channel")
     kv_cache_dtype = config.kv_cache_dtype
     if quantization and on_cpu and auto:
         dtype = torch.float32  # the fused decoder stack and the quantized kernels take fp32 activations
@@ -99,14 +111,14 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
         return ExecutionPlan(dtype, None, group_size, None, 0, reasons, kv_cache_dtype)
     dense = torch.bfloat16 if (dtype == torch.bfloat16 or (auto and cpu.native_bf16)) else torch.float32
     if not on_cpu:
-        return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons, kv_cache_dtype)
+        return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons, kv_cache_dtype, fallback=fallback)
     if config.kernel_max_rows is not None or not measure:
         rows = KERNEL_MAX_ROWS if config.kernel_max_rows is None else config.kernel_max_rows
         reasons.append(f"kernel_max_rows {rows} as configured")
-        return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype)
+        return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, fallback=fallback)
     from pagedlm.model.probe import HEAD_SHAPE, measure_kernel_max_rows
 
     rows, why = measure_kernel_max_rows(quantization, group_size, dense)
     head_rows, head_why = measure_kernel_max_rows("int8", 32, dense, HEAD_SHAPE)
     reasons += [why, f"int8 LM head: {head_why}"]
-    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, head_rows)
+    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, head_rows, fallback)

@@ -373,15 +373,17 @@ def make_quant_linear(weight: torch.Tensor | Int4Blocks, method: str, group_size
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dtype: torch.dtype | None = None,
-                   kernel_max_rows: int = KERNEL_MAX_ROWS, head_kernel_max_rows: int | None = None) -> int:
+                   kernel_max_rows: int = KERNEL_MAX_ROWS, head_kernel_max_rows: int | None = None,
+                   fallback: str | None = None) -> int:
     """Replace, in place, every layers.Linear of a loaded `model` ([out, in] or transposed) by its quantized
-    twin, and the embedding table by an int8 one (which a tied LM head then shares). Products with more than
+    twin, and the embedding table by an int8 one (which a tied LM head then shares); with a `fallback` method,
+    only the layers loaded as int4 blocks become int4 and the others `fallback`. Products with more than
     `kernel_max_rows` rows (`head_kernel_max_rows` for the embedding table, None: the same) use a dense copy in
     `dense_dtype` (None: dequantize per call). Returns the bytes of the dense copies."""
     from pagedlm.model.layers import Linear
 
-    if method not in METHODS:
-        raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
+    if method not in METHODS or fallback not in (None, *METHODS):
+        raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r} / {fallback!r}")
     embed = model.embed_tokens
     table = Int8Linear(embed.weight.data)
     model.embed_tokens = Int8Embedding(table, embed.weight.dtype)
@@ -392,9 +394,11 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dt
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
                 w = native.pop(f"{prefix}.{name}.weight".lstrip("."), None)
+                layer_method = method
                 if w is None:
                     w = child.weight.data.t() if child.transposed else child.weight.data
-                quantized = make_quant_linear(w, method, group_size)
+                    layer_method = fallback or method
+                quantized = make_quant_linear(w, layer_method, group_size)
                 setattr(parent, name, quantized if child.bias is None else WithBias(quantized, child.bias))
     if native:
         raise ValueError(f"int4 blocks for weights that are not linear layers: {sorted(native)[:4]}")

@@ -200,7 +200,7 @@ struct AttnSimd {
 #define PAGEDLM_ATTN_ISA 0
 #endif
 
-alignas(64) const float kZeroRow[128] = {};  // stands in for the keys past a partial tile
+alignas(64) const float kZeroRow[256] = {};  // stands in for the keys past a partial tile
 
 // s[r][j] = q[r] . k[j] for the R rows of a block and j < KT (0 for j >= n); k rows ldk floats apart.
 template <int D, int R>
@@ -321,7 +321,7 @@ void pv_block(float* const* op, const float* alpha, const float* const* pp, cons
 // lane), instead of being converted to fp32 scratch per tile. Both operands of a bf16 product must be bf16, so the
 // fp32 queries and probabilities are split into hi + lo bf16 parts (x = hi + lo to 16 significant bits; the
 // products are exact and the sums fp32), which keeps the results within ~1e-5 of the fp32 paths.
-alignas(64) const uint16_t kZeroRow16[128] = {};
+alignas(64) const uint16_t kZeroRow16[256] = {};
 
 inline __m512 bf16_to_f32(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 inline __m512i load16(const uint16_t* p) { return _mm512_loadu_si512(p); }
@@ -785,6 +785,7 @@ int dispatch(const void* q, const void* kc, const void* vc, void* out, const Arg
     case 80: return run(std::integral_constant<int, 80>{});
     case 96: return run(std::integral_constant<int, 96>{});
     case 128: return run(std::integral_constant<int, 128>{});
+    case 256: return run(std::integral_constant<int, 256>{});
     default: return PAGEDLM_UNSUPPORTED;
   }
 }

@@ -1,8 +1,11 @@
-// The whole LLaMA decoder stack for a few new tokens (decode steps) in one call: per layer RMSNorm, fused QKV
+// The whole decoder stack for a few new tokens (decode steps) in one call: per layer RMSNorm, fused QKV
 // projection, RoPE + paged K/V write, paged attention, output projection + residual, RMSNorm, fused gate/up
-// projection, SiLU * up, down projection + residual. It removes the ~40 torch ops (and their dispatch, dtype
-// checks and temporaries) per layer that dominate a single-stream decode step on a CPU once the weights are
-// quantized. Same arithmetic as the torch path except the order of sums inside RMSNorm and the exp in SiLU.
+// projection, SiLU (or GELU) * up, down projection + residual. It removes the ~40 torch ops (and their dispatch,
+// dtype checks and temporaries) per layer that dominate a single-stream decode step on a CPU once the weights are
+// quantized. LLaMA layers, and Gemma 3's: per-head RMSNorm of q and k before RoPE, RMSNorms of the attention and
+// MLP outputs before their residual adds, GELU (tanh), two RoPE tables and sliding-window layers with their own
+// KV cache group. Same arithmetic as the torch path except the order of sums inside RMSNorm and the exp in SiLU
+// and GELU.
 //
 // One translation unit with the kernels it chains (their helpers live in anonymous namespaces).
 #include "quant_linear.cpp"
@@ -20,16 +23,32 @@ struct Linear {
 };
 
 struct Layer {
-  const float *input_norm, *post_norm;  // [hidden]
+  const float *input_norm, *post_norm;  // [hidden]: before attention, before the MLP
   Linear qkv, o, gate_up, down;
   void *k_cache, *v_cache;  // [blocks, BS, KVH, D] fp32 or bf16, or [blocks, BS, KVH, D + 4] int8 entries (kv_kind)
+  const float *q_norm, *k_norm;  // [D]: RMSNorm of each q / k head before RoPE, or null
+  const float *attn_out_norm, *mlp_out_norm;  // [hidden]: RMSNorm of the attention / MLP output, or null
+  int window;  // sliding window (<= 0: none)
+  int rope;    // the rotary table it uses (index into cos / sin)
+  int group;   // the batch layout of its KV cache group (index into groups)
 };
+
+enum Activation { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 struct Model {
   int num_layers, hidden, H, KVH, D, inter, BS, num_blocks, kv_kind;  // every layer's cache: num_blocks x BS tokens
   float eps;
   const Layer* layers;
   const float* final_norm;  // [hidden]
+  int act;      // Activation of the gate
+  float scale;  // attention's softmax scale
+};
+
+// One KV cache group's view of the batch (see pagedlm_paged_attention): its slots, block tables, lengths.
+struct Group {
+  const int64_t* slots;
+  const int32_t *block_tables, *seq_lens, *query_start_loc;
+  int max_blocks;
 };
 
 constexpr int CB = 64;  // output columns per work item of the transposed fp32 product (8 accumulators)
@@ -119,6 +138,28 @@ void silu_mul(const float* g, const float* u, float* out, int n) {
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+// out = gelu_tanh(g) * u, gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), with
+// tanh(y) = 1 - 2 / (1 + exp(2 y)).
+void gelu_tanh_mul(const float* g, const float* u, float* out, int n) {
+  constexpr float kC = 0.7978845608028654f, kA = 0.044715f;
+  int i = 0;
+#ifdef PAGEDLM_AVX2
+  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
+  const __m256 c2 = _mm256_set1_ps(2.f * kC), a = _mm256_set1_ps(kA);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 y2 = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(a, x), _mm256_mul_ps(x, x), x));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, exp_ps(y2))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t)),
+                                            _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = g[i];
+    out[i] = 0.5f * x * (1.f + std::tanh(kC * (x + kA * x * x * x))) * u[i];
+  }
+}
+
 // One K or V row [KVH, D] into int8 cache entries (D values, then the fp32 scale), as kvcache/quant.py
 // quantizes: scale = max(max|x| / 127, 1e-12), q = round-half-even(x / scale) clamped to +-127.
 void write_int8_entries(const float* x, int KVH, int D, int8_t* dst) {
@@ -140,34 +181,54 @@ extern "C" {
 // x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. K/V are written
 // to (and attention reads) fp32, bf16 (rounded to nearest even, as torch's .to(bfloat16)) or int8 caches
 // (quantized per token and head as kvcache/quant.py does).
-// cos, sin: [M, D/2]; slots: [M] int64; block tables etc. as in pagedlm_paged_attention (one KV cache group
-// shared by all layers). The batch (check_batch) and the slots are validated before anything is computed or
-// written. Returns 0, a PagedlmStatus, or the first failing linear kernel's (positive) code.
-int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, const float* sin,
-                         const int64_t* slots, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
-                         const int32_t* query_start_loc, int num_seqs, int nthreads) {
+// cos[r], sin[r]: rotary table r, [M, D/2]; groups[g]: KV cache group g's batch layout (slots [M] int64, block
+// tables etc. as in pagedlm_paged_attention). Every group's batch and slots are validated before anything is
+// computed or written. Returns 0, a PagedlmStatus, or the first failing linear kernel's (positive) code.
+int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const* cos, const float* const* sin,
+                         const Group* groups, int num_groups, int num_seqs, int nthreads) {
   const Model& md = *model;
   const int hid = md.hidden, D = md.D, qd = md.H * D, kvd = md.KVH * D, qkvd = qd + 2 * kvd;
   if (md.kv_kind != KV_F32 && md.kv_kind != KV_BF16 && md.kv_kind != KV_INT8) return PAGEDLM_UNSUPPORTED;
-  Args a{md.H, md.KVH, D, md.BS, max_blocks, 0, 1, md.kv_kind, 1.f / std::sqrt(float(D)), block_tables, seq_lens,
-         query_start_loc};
-  if (int rc = check_batch(a, num_seqs, M, md.num_blocks)) return rc;
-  if (int rc = check_slots(slots, M, int64_t(md.num_blocks) * md.BS)) return rc;
+  for (int li = 0; li < md.num_layers; ++li)
+    if (md.layers[li].group < 0 || md.layers[li].group >= num_groups) return PAGEDLM_UNSUPPORTED;
+  std::vector<Args> args;
+  for (int g = 0; g < num_groups; ++g) {
+    const Group& gr = groups[g];
+    Args a{md.H, md.KVH, D, md.BS, gr.max_blocks, 0, 1, md.kv_kind, md.scale, gr.block_tables, gr.seq_lens,
+           gr.query_start_loc};
+    if (int rc = check_batch(a, num_seqs, M, md.num_blocks)) return rc;
+    if (int rc = check_slots(gr.slots, M, int64_t(md.num_blocks) * md.BS)) return rc;
+    args.push_back(a);
+  }
   if (nthreads < 1) nthreads = omp_get_max_threads();
   // Scratch kept between calls (grow-only): fresh multi-megabyte buffers every step cost page faults.
   thread_local std::vector<float> h, t, qkv, q, att, gu, act;
   h.resize(size_t(M) * hid); t.resize(size_t(M) * hid); qkv.resize(size_t(M) * qkvd); q.resize(size_t(M) * qd);
   att.resize(size_t(M) * qd); gu.resize(size_t(M) * 2 * md.inter); act.resize(size_t(M) * md.inter);
+  // y = x + (norm ? rms_norm(t) : t), the residual add of a block's output t
+  auto residual = [&](const float* norm) {
+    if (norm) rms_norm(t.data(), norm, t.data(), M, hid, md.eps);
+    for (size_t i = 0; i < size_t(M) * hid; ++i) x[i] += t[i];
+  };
   for (int li = 0; li < md.num_layers; ++li) {
     const Layer& L = md.layers[li];
+    const Group& gr = groups[L.group];
+    const int64_t* slots = gr.slots;
+    const float *cs = cos[L.rope], *sn = sin[L.rope];
     rms_norm(x, L.input_norm, h.data(), M, hid, md.eps);
     int rc = linear(L.qkv, h.data(), qkv.data(), M, nthreads);
     if (rc) return rc;
+    if (L.q_norm)
+      for (int m = 0; m < M; ++m) {
+        float* row = &qkv[size_t(m) * qkvd];
+        rms_norm(row, L.q_norm, row, md.H, D, md.eps);
+        rms_norm(row + qd, L.k_norm, row + qd, md.KVH, D, md.eps);
+      }
     if (md.kv_kind == KV_F32) {
-      rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, static_cast<float*>(L.k_cache),
+      rope_write_kv(qkv.data(), cs, sn, M, md.H, md.KVH, D, slots, static_cast<float*>(L.k_cache),
                     static_cast<float*>(L.v_cache), 1);
     } else if (md.kv_kind == KV_BF16) {
-      rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
+      rope_write_kv(qkv.data(), cs, sn, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
       for (int m = 0; m < M; ++m) {
         const float* row = &qkv[size_t(m) * qkvd];
         uint16_t* kd = static_cast<uint16_t*>(L.k_cache) + slots[m] * kvd;
@@ -175,7 +236,7 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
         for (int i = 0; i < kvd; ++i) { from_f(row[qd + i], kd + i); from_f(row[qd + kvd + i], vd + i); }
       }
     } else {
-      rope_write_kv(qkv.data(), cos, sin, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
+      rope_write_kv(qkv.data(), cs, sn, M, md.H, md.KVH, D, slots, nullptr, nullptr, 1);
       const int64_t entry_row = int64_t(md.KVH) * (D + KV_SCALE_BYTES);
       for (int m = 0; m < M; ++m) {
         const float* row = &qkv[size_t(m) * qkvd];
@@ -184,18 +245,22 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* cos, 
       }
     }
     for (int m = 0; m < M; ++m) std::memcpy(&q[size_t(m) * qd], &qkv[size_t(m) * qkvd], sizeof(float) * qd);
+    Args a = args[L.group];
+    a.window = L.window > 0 ? L.window : 0;
     rc = dispatch<float>(q.data(), L.k_cache, L.v_cache, att.data(), a, num_seqs, nthreads);
     if (rc) return rc;
     if ((rc = linear(L.o, att.data(), t.data(), M, nthreads))) return rc;
-    for (size_t i = 0; i < size_t(M) * hid; ++i) x[i] += t[i];
+    residual(L.attn_out_norm);
     rms_norm(x, L.post_norm, h.data(), M, hid, md.eps);
     if ((rc = linear(L.gate_up, h.data(), gu.data(), M, nthreads))) return rc;
     for (int m = 0; m < M; ++m) {
       const float* g = &gu[size_t(m) * 2 * md.inter];
-      silu_mul(g, g + md.inter, &act[size_t(m) * md.inter], md.inter);
+      float* out = &act[size_t(m) * md.inter];
+      if (md.act == ACT_GELU_TANH) gelu_tanh_mul(g, g + md.inter, out, md.inter);
+      else silu_mul(g, g + md.inter, out, md.inter);
     }
     if ((rc = linear(L.down, act.data(), t.data(), M, nthreads))) return rc;
-    for (size_t i = 0; i < size_t(M) * hid; ++i) x[i] += t[i];
+    residual(L.mlp_out_norm);
   }
   rms_norm(x, md.final_norm, h.data(), M, hid, md.eps);
   std::memcpy(x, h.data(), sizeof(float) * size_t(M) * hid);
