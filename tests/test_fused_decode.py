@@ -46,7 +46,7 @@ def tiny_gemma_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("int8", "auto"), ("int4", "auto"),
                                                          (None, "int8"), ("int4", "int8"), (None, "bfloat16"),
-                                                         ("int4", "bfloat16")])
+                                                         ("int4", "bfloat16"), ("bf16", "auto")])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir, quantization, kv_cache_dtype,
                                           count_runs):
@@ -54,18 +54,23 @@ def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir
     rounds the other way from a last-bit fp32 difference, and so for Q8 activations). The fused run's steps hold
     up to 16 tokens (prefill chunks mixed with decode tokens), and so do the torch run's, so both multiply with the
     same quantized kernels. Gemma 3: QK-norm, sandwich norms, GELU, its two RoPE tables and the sliding-window
-    layers' own KV cache group, past the window."""
+    layers' own KV cache group, past the window. "bf16": the default of an HF checkpoint on a CPU with AVX512-BF16
+    (bf16 weights, fp32 activations rounded to bf16 at each product, as Q8 activations are)."""
     path = tiny_model_dir if family == "llama" else tiny_gemma_dir
+    bf16 = quantization == "bf16"
+    if bf16 and not quant.bf16_x16_native():
+        pytest.skip("bf16 weights are the default only where the CPU has AVX512-BF16")
     # Q8 activations (int4, and the int8 x16 layout the LM head takes on AVX-512 VNNI) turn a last-bit difference
     # of the two paths' RMSNorm into the odd activation rounded to the other int8 step, as a bf16 cache does K/V.
-    quantized_acts = quantization == "int4" or (quantization is not None and quant.x16_native())
+    quantized_acts = quantization in ("int4", "bf16") or (quantization is not None and quant.x16_native())
     tol = 1e-2 if kv_cache_dtype == "bfloat16" or quantized_acts else 1e-4
     if family == "gemma3" and quantized_acts:
         tol = 3e-2  # its random norms after every block amplify an activation rounded to the other Q8 step
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
-    kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, quantization=quantization,
-              kv_cache_dtype=kv_cache_dtype, kernel_max_rows=MAX_TOKENS)
+    kw = dict(dtype="auto" if bf16 else "float32", num_kv_blocks=64, block_size=8,
+              quantization=None if bf16 else quantization, kv_cache_dtype=kv_cache_dtype, kernel_max_rows=MAX_TOKENS)
     fused_llm = LLM(str(path), max_num_batched_tokens=MAX_TOKENS, **kw)
+    assert (fused_llm.engine.plan.quantization == "bf16") == bf16
     fused = _generate(fused_llm, prompts)
     assert count_runs and max(count_runs) <= MAX_TOKENS and len(set(count_runs)) > 2
     if family == "gemma3":

@@ -73,6 +73,10 @@ class _CountingKernel:
         self.int4_calls += 1
         return self.lib.pagedlm_linear_int4(*args)
 
+    def pagedlm_linear_bf16_x16(self, *args):
+        self.bf16_calls = getattr(self, "bf16_calls", 0) + 1
+        return self.lib.pagedlm_linear_bf16_x16(*args)
+
 
 @pytest.mark.parametrize("x16", [False, True], ids=["rows", "x16"])
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -139,6 +143,41 @@ def test_int4_x16_layout_is_a_reordering_of_the_rows():
         torch.testing.assert_close(x16(x), rows(x), rtol=1e-5, atol=1e-5)
     assert quant.Int4Linear(w, 32).x16 == quant.x16_native()
     assert not quant.Int4Linear(w[:40], 32).x16  # 40 rows: not whole tiles of 16
+
+
+def test_bf16_x16_layout_and_kernel():
+    """bf16's x16 layout holds the weight's bf16 values (rows looked up for the embedding, the dequantized weight);
+    its product is bf16(x) @ W^T summed in fp32, bit-identical for a row whatever rows run with it (groups of 8, row
+    blocks of 256, partial groups); it is what the kernel runs (natively where the CPU has AVX512-BF16)."""
+    lib = quant.load_quant_kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the quantized kernels are not built")
+    from pagedlm.cpu import cpu_features
+
+    assert quant.bf16_x16_native() == ({"avx512_bf16", "avx512_vnni"} <= cpu_features().flags)
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(48, 96, generator=g) * 0.05
+    layer = quant.Bf16Linear(w)
+    assert layer.x16 and not torch.equal(layer.qweight, w.to(torch.bfloat16))
+    assert torch.equal(layer.row_layout(), w.to(torch.bfloat16)) and torch.equal(quant.bf16_from_x16(
+        quant.bf16_to_x16(w.to(torch.bfloat16))), w.to(torch.bfloat16))
+    ids = torch.tensor([[0, 17, 47], [16, 3, 31]])
+    assert torch.equal(layer.rows(ids), w.to(torch.bfloat16)[ids])
+    counting = _CountingKernel(lib)
+    layer.kernel_max_rows = quant.KERNEL_MAX_ROWS
+    x = torch.randn(523, 96, generator=g)
+    import unittest.mock
+
+    with unittest.mock.patch.object(quant, "load_quant_kernel", lambda: counting):
+        full = layer(x)
+        for start, size in ((3, 1), (3, 2), (8, 7), (0, 8), (5, 9), (250, 13), (100, 300)):
+            assert torch.equal(layer(x[start:start + size]), full[start:start + size]), (start, size)
+    assert counting.bf16_calls == 8
+    ref = F.linear(x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double())
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+    assert not quant.Bf16Linear(w[:, :80]).x16  # K not a multiple of 32: by rows, through torch
+    torch.testing.assert_close(quant.Bf16Linear(w[:, :80])(x[:4, :80]), F.linear(
+        x[:4, :80].to(torch.bfloat16), w[:, :80].to(torch.bfloat16)).float())
 
 
 def test_int8_packed_layout():
@@ -268,19 +307,35 @@ def test_quantized_engine_is_batch_invariant(tiny_model_dir, setting):
 # ---- the real model ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_perplexity_bounds_on_smollm2(smollm2_path):
+def test_perplexity_bounds_on_smollm2(smollm2_path, smollm2_hf, tmp_path):
     """Perplexity of SmolLM2 (fp32) on a fixed 2,100-token text: the default path of this CPU (whatever the plan
-    picks, in big steps and in steps of 16 tokens, which take the quantized kernels where the plan has them) and
-    int8 KV within 1% of the unquantized cache, fp8 KV within 2%, int8/int4 weights within 5% (the
-    checkpoint itself is Q4_1/Q8_0)."""
+    picks, in big steps and in steps of 16 tokens, which take the quantized kernels where the plan has them), and
+    that of the same weights saved as a bf16 HF checkpoint (bf16 weights with fp32 activations where the CPU has
+    AVX512-BF16), and int8 KV within 1% of the unquantized cache, fp8 KV within 2%, int8/int4 weights within 5%
+    (the checkpoint itself is Q4_1/Q8_0)."""
+    import json
+    import shutil
+
     from pagedlm.bench.quality import perplexity
     text = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
+    from safetensors.torch import save_file
+
+    hf_dir = tmp_path / "smollm2-bf16"  # the GGUF's weights as transformers loads them, saved in bf16
+    shutil.copytree(smollm2_path.with_name(smollm2_path.name + ".tokenizer"), hf_dir)
+    config = smollm2_hf.config.to_dict()
+    config.pop("quantization_config", None)
+    (hf_dir / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in smollm2_hf.state_dict().items()
+               if not (k == "lm_head.weight" and config.get("tie_word_embeddings"))}, hf_dir / "model.safetensors")
     ppl = {}
     for name, kw in {"base": {}, "kv-int8": dict(kv_cache_dtype="int8"), "kv-fp8": dict(kv_cache_dtype="fp8_e4m3"),
                      "w-int8": dict(quantization="int8"), "w-int4": dict(quantization="int4"), "default": {},
-                     "default-small-steps": dict(max_num_batched_tokens=16)}.items():
-        llm = (LLM(str(smollm2_path), kv_cache_memory="256MiB", **kw) if name.startswith("default") else
-               LLM(str(smollm2_path), dtype="float32", kv_cache_memory="256MiB", **kw))
+                     "default-small-steps": dict(max_num_batched_tokens=16), "default-hf-bf16": {}}.items():
+        path = hf_dir if name == "default-hf-bf16" else smollm2_path
+        llm = (LLM(str(path), kv_cache_memory="256MiB", **kw) if name.startswith("default") else
+               LLM(str(path), dtype="float32", kv_cache_memory="256MiB", **kw))
+        if name == "default-hf-bf16":
+            assert llm.engine.plan.quantization == ("bf16" if quant.bf16_x16_native() else None)
         ids = llm.get_tokenizer().encode(text)
         assert len(ids) > 2000
         ppl[name] = perplexity(llm, ids)
@@ -288,6 +343,7 @@ def test_perplexity_bounds_on_smollm2(smollm2_path):
     assert 5 < ppl["base"] < 60, ppl
     assert ppl["kv-int8"] <= ppl["base"] * 1.01, ppl
     assert ppl["default"] <= ppl["base"] * 1.01 and ppl["default-small-steps"] <= ppl["base"] * 1.01, ppl
+    assert ppl["default-hf-bf16"] <= ppl["base"] * 1.01, ppl
     assert ppl["kv-fp8"] <= ppl["base"] * 1.02, ppl
     assert ppl["w-int8"] <= ppl["base"] * 1.05 and ppl["w-int4"] <= ppl["base"] * 1.05, ppl
 
@@ -404,8 +460,11 @@ def test_plan_per_cpu_and_setting(tiny_model_dir, tiny_q4_gguf, monkeypatch):
     assert (p.quantization, p.dtype, p.kv_cache_dtype) == (None, torch.float32, "auto")
     p = plan(zen4, tiny_q4_gguf, dtype="float32", quantization="int8")
     assert (p.quantization, p.dtype, p.dense_dtype) == ("int8", torch.float32, torch.float32)
-    p = plan(zen4, tiny_model_dir)  # safetensors: nothing to run natively
-    assert p.quantization is None
+    p = plan(zen4, tiny_model_dir)  # safetensors with AVX512-BF16: bf16 weights, fp32 activations
+    assert (p.quantization, p.dtype, p.kv_cache_dtype) == ("bf16", torch.float32, "bfloat16")
+    assert "weights bf16" in p.describe() and "AVX512-BF16" in p.describe()
+    assert plan(avx2, tiny_model_dir).quantization is None  # no native bf16: fp32, layer by layer as before
+    assert plan(zen4, tiny_model_dir, dtype="bfloat16").quantization is None  # explicit: bf16 activations
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -505,9 +564,10 @@ def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
     assert variant is not None
     g = torch.Generator().manual_seed(11)
     w, x = torch.randn(48, 160, generator=g) * 0.05, torch.randn(9, 160, generator=g)
-    for method in ("int4", "int4-x16", "int8", "int8-x16"):
+    for method in ("int4", "int4-x16", "int8", "int8-x16", "bf16"):
         x16 = method.endswith("x16")
-        layer = quant.Int4Linear(w, 32, x16=x16) if method.startswith("int4") else quant.Int8Linear(w, x16=x16)
+        layer = (quant.Int4Linear(w, 32, x16=x16) if method.startswith("int4") else quant.Bf16Linear(w)
+                 if method == "bf16" else quant.Int8Linear(w, x16=x16))
         layer.kernel_max_rows = 64
         native = layer(x)
         counting = _CountingKernel(variant)
@@ -515,6 +575,7 @@ def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
         other = layer(x)
         monkeypatch.undo()
         assert counting.int4_calls == method.startswith("int4")
+        assert getattr(counting, "bf16_calls", 0) == (method == "bf16")
         if x16:  # one order of operations for the layout, in vector or scalar code
             assert torch.equal(other, native)
         torch.testing.assert_close(other, native, rtol=1e-6, atol=1e-6)

@@ -22,10 +22,10 @@ from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.kvcache.format import KV_BF16, KV_F32, KV_INT8, kv_kind
 from pagedlm.model.layers import Linear
-from pagedlm.model.quant import Int4Linear, Int8Linear, QuantLinear
+from pagedlm.model.quant import Bf16Linear, Int4Linear, Int8Linear, QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
-LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16 = 0, 1, 2, 3, 4, 5
+LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16, LIN_BF16_X16 = range(7)
 FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_INT8)  # the caches the stack writes (not fp8)
 
 
@@ -111,6 +111,10 @@ def _describe(linear: nn.Module) -> _Linear | None:
         kind = LIN_INT8_X16 if linear.x16 else LIN_INT8_PACKED if linear.packed else LIN_INT8
         return _Linear(kind, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(),
                        linear.scale.data_ptr(), None)
+    if isinstance(linear, Bf16Linear):
+        if not linear.x16:
+            return None
+        return _Linear(LIN_BF16_X16, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(), None, None)
     if isinstance(linear, Int4Linear):
         kind = LIN_INT4_X16 if linear.x16 else LIN_INT4
         return _Linear(kind, linear.in_features, linear.out_features, linear.group_size,

@@ -11,6 +11,10 @@ The default (`dtype="auto"`, no `quantization`) on a CPU:
 - a GGUF with other quantized blocks too (Gemma 3's Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0) runs the same way: its
   int4 blocks as stored, every other linear weight requantized to int8 per channel (8 bits: at least as many as any
   of those formats holds), said at start-up;
+- an HF checkpoint on a CPU with AVX512-BF16 keeps its weights in bf16 (a bf16 checkpoint's as stored; others
+  rounded) and runs fp32 activations through the bf16 kernels of model/quant.py (`Bf16Linear`: activations rounded
+  to bf16 at each product, as a bf16 GEMM does, but the residual stream, norms and attention in fp32), so decode
+  steps take the fused decoder stack too, with a bf16 KV cache;
 - anything else runs in bf16 where the CPU has native bf16 (AVX512-BF16 or AMX), else in fp32, as before.
 Quantized layers keep a dense copy of their weights (bf16 where the CPU has native bf16 and the dtype was left to
 `auto`, else fp32) for steps with more rows than `kernel_max_rows`, where a GEMM beats the quantized kernels; the
@@ -35,18 +39,18 @@ UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 @dataclass
 class ExecutionPlan:
     dtype: torch.dtype  # activations (and the KV cache unless kv_cache_dtype says otherwise)
-    quantization: str | None  # weight format of the linear layers: None | "int8" | "int4"
+    quantization: str | None  # weight format of the linear layers: None | "int8" | "int4" | "bf16"
     group_size: int
     dense_dtype: torch.dtype | None  # the quantized layers' dense copy for big steps (None: not quantized)
     kernel_max_rows: int  # steps of at most this many rows run the quantized kernels / the fused decoder stack
     reasons: list[str] = field(default_factory=list)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype, resolved ("auto": the activations' dtype)
-    head_kernel_max_rows: int | None = None  # the same for the int8 embedding table as LM head (None: as above)
+    head_kernel_max_rows: int | None = None  # the same for the embedding table as LM head (None: as above)
     fallback: str | None = None  # "int8": linear weights the checkpoint holds no int4 blocks for (None: quantization)
 
     def describe(self) -> str:
-        weights = {None: "dense", "int8": "int8 per channel",
-                   "int4": f"int4 (groups of {self.group_size})"}[self.quantization]
+        weights = {None: "dense", "int8": "int8 per channel", "int4": f"int4 (groups of {self.group_size})",
+                   "bf16": "bf16"}[self.quantization]
         if self.fallback:
             weights += " where the checkpoint stores int4 blocks, else int8 per channel"
         kv = _name(self.dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
@@ -57,7 +61,7 @@ class ExecutionPlan:
             s += (f"; steps of <= {self.kernel_max_rows} rows run the quantized kernels, larger ones a "
                   f"{_name(self.dense_dtype)} GEMM")
             if self.head_kernel_max_rows is not None:
-                s += f" (the int8 LM head's kernel: <= {self.head_kernel_max_rows} rows)"
+                s += f" (the LM head's kernel: <= {self.head_kernel_max_rows} rows)"
         return s + "; " + "; ".join(self.reasons)
 
 
@@ -85,7 +89,15 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
     quantization, group_size = config.quantization, config.quantization_group_size
     fallback = None
     auto = config.dtype == "auto"
-    if auto and quantization is None and on_cpu and path is not None:
+    if auto and quantization is None and on_cpu and path is not None and Path(path).is_dir():
+        if {"avx512_bf16", "avx512_vnni"} <= cpu.flags:
+            from pagedlm.hub.loader import load_hf_config
+
+            stored = load_hf_config(Path(path)).get("torch_dtype", "float32")
+            quantization = "bf16"
+            reasons.append(f"bf16 weights ({'as stored' if stored == 'bfloat16' else f'rounded from {stored}'}) "
+                           "with fp32 activations: the CPU has AVX512-BF16")
+    elif auto and quantization is None and on_cpu and path is not None:
         types = gguf_linear_types(path)
         native, other = types & set(NATIVE_INT4_TYPES), types - set(NATIVE_INT4_TYPES)
         if native:
@@ -119,6 +131,7 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
     from pagedlm.model.probe import HEAD_SHAPE, measure_kernel_max_rows
 
     rows, why = measure_kernel_max_rows(quantization, group_size, dense)
-    head_rows, head_why = measure_kernel_max_rows("int8", 32, dense, HEAD_SHAPE)
-    reasons += [why, f"int8 LM head: {head_why}"]
+    head = "bf16" if quantization == "bf16" else "int8"
+    head_rows, head_why = measure_kernel_max_rows(head, 32, dense, HEAD_SHAPE)
+    reasons += [why, f"{head} LM head: {head_why}"]
     return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, head_rows, fallback)

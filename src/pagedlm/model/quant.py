@@ -32,7 +32,7 @@ from pagedlm.hub.blocks import Int4Blocks
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_linear.cpp"
-METHODS = QUANTIZATION_METHODS
+METHODS = (*QUANTIZATION_METHODS, "bf16")  # "bf16": a bf16 checkpoint's weights as stored, fp32 activations
 
 
 def _configure(lib: ctypes.CDLL) -> None:
@@ -41,10 +41,13 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
     lib.pagedlm_int4_x16_native.argtypes = []
     lib.pagedlm_linear_int8_x16.argtypes = [p, p, p, p, i, i, i, i]
+    lib.pagedlm_linear_bf16_x16.argtypes = [p, p, p, i, i, i, i]
+    lib.pagedlm_bf16_x16_native.argtypes = []
     lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
-               lib.pagedlm_int4_x16_native, lib.pagedlm_linear_int8_x16):
+               lib.pagedlm_int4_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
+               lib.pagedlm_bf16_x16_native):
         fn.restype = ctypes.c_int
 
 
@@ -140,6 +143,25 @@ def int8_from_x16(q: torch.Tensor) -> torch.Tensor:
     """The inverse of `int8_to_x16`."""
     n, k = q.shape
     return q.view(n // X16, k // 32, 8, X16, 4).permute(0, 3, 1, 2, 4).contiguous().view(n, k)
+
+
+def bf16_to_x16(w: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] by rows -> the kernel's bf16 x16 layout: per tile of 16 rows and pair of inputs (2p, 2p + 1), the
+    16 rows' pairs side by side ([N/16, K/2, 16, 2], returned as [N, K])."""
+    n, k = w.shape
+    return w.view(n // X16, X16, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(n, k)
+
+
+def bf16_from_x16(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of `bf16_to_x16`."""
+    n, k = w.shape
+    return w.view(n // X16, k // 2, X16, 2).permute(0, 2, 1, 3).contiguous().view(n, k)
+
+
+def bf16_x16_native() -> bool:
+    """Whether the kernel multiplies bf16 weights with AVX512-BF16 here (else portable code does, slowly)."""
+    lib = load_quant_kernel()
+    return lib is not None and bool(lib.pagedlm_bf16_x16_native())
 
 
 def x16_native() -> bool:
@@ -337,15 +359,58 @@ class Int4Linear(QuantLinear):
             raise RuntimeError(f"int4 kernel failed (code {rc})")
 
 
-class Int8Embedding(nn.Module):
-    """An embedding table kept as an Int8Linear ([vocab, hidden] rows): `forward(ids)` looks rows up and
-    dequantizes them to `dtype`; a tied LM head is that same Int8Linear, so one quantized copy serves both."""
+class Bf16Linear(QuantLinear):
+    """bf16 weights (a bf16 checkpoint's, as stored; others rounded to nearest even) with fp32 activations and
+    outputs: the kernel rounds the activations to bf16 and sums the exact products in fp32 (y = bf16(x) @ W^T), as a
+    bf16 GEMM does, while everything around the products (residual stream, norms, attention) stays fp32. `qweight`
+    is in the x16 layout (`bf16_to_x16`) where the shape allows (N % 16 == 0, K % 32 == 0), else by rows (then
+    products run through torch)."""
 
-    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight.shape[1], weight.shape[0])
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        n, k = w.shape
+        self.x16 = n % X16 == 0 and k % 32 == 0
+        self.register_buffer("qweight", bf16_to_x16(w) if self.x16 else w)
+
+    def row_layout(self) -> torch.Tensor:
+        """The bf16 weight [N, K] by rows."""
+        return bf16_from_x16(self.qweight) if self.x16 else self.qweight
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The bf16 rows `ids` ([*ids.shape, K]), whatever the layout."""
+        if not self.x16:
+            return self.qweight[ids]
+        q = self.qweight.view(self.out_features // X16, self.in_features // 2, X16, 2)
+        return q[ids // X16, :, ids % X16, :].reshape(*ids.shape, self.in_features)
+
+    def dense_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16).float()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.row_layout().float()
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
+        if not self.x16:
+            y.copy_(F.linear(x.to(torch.bfloat16), self.qweight))
+            return
+        rc = lib.pagedlm_linear_bf16_x16(x.data_ptr(), self.qweight.data_ptr(), y.data_ptr(), x.shape[0],
+                                         self.in_features, self.out_features, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"bf16 kernel failed (code {rc})")
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table kept as an Int8Linear ([vocab, hidden] rows; a Bf16Linear for bf16 weights): `forward(ids)`
+    looks rows up and dequantizes them to `dtype`; a tied LM head is that same layer, so one copy serves both."""
+
+    def __init__(self, table: Int8Linear | Bf16Linear, dtype: torch.dtype) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.table, Bf16Linear):
+            return self.table.rows(ids).to(self.dtype)
         return (self.table.rows(ids).float() * self.table.scale[ids, None]).to(self.dtype)
 
 
@@ -369,6 +434,8 @@ def make_quant_linear(weight: torch.Tensor | Int4Blocks, method: str, group_size
         return Int8Linear(weight)
     if method == "int4":
         return Int4Linear(weight, group_size)
+    if method == "bf16" and not isinstance(weight, Int4Blocks):
+        return Bf16Linear(weight)
     raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
 
 
@@ -385,7 +452,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dt
     if method not in METHODS or fallback not in (None, *METHODS):
         raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r} / {fallback!r}")
     embed = model.embed_tokens
-    table = Int8Linear(embed.weight.data)
+    table = Bf16Linear(embed.weight.data) if method == "bf16" else Int8Linear(embed.weight.data)
     model.embed_tokens = Int8Embedding(table, embed.weight.dtype)
     if model.cfg.tie_word_embeddings:
         model.lm_head = table

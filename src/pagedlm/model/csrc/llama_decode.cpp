@@ -13,10 +13,12 @@
 
 namespace {
 
-enum LinearKind { LIN_F32T = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_PACKED = 3, LIN_INT4_X16 = 4, LIN_INT8_X16 = 5 };
+enum LinearKind {
+  LIN_F32T = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_PACKED = 3, LIN_INT4_X16 = 4, LIN_INT8_X16 = 5, LIN_BF16_X16 = 6
+};
 
 // A linear layer y = x @ W^T: fp32 stored transposed ([K, N], as layers.Linear keeps it on CPUs), or the
-// int8 / int4 layouts of quant_linear.cpp.
+// int8 / int4 / bf16 layouts of quant_linear.cpp.
 struct Linear {
   int kind, K, N, G;
   const void *w, *scale, *mins;
@@ -101,6 +103,8 @@ int linear(const Linear& l, const float* x, float* y, int M, int nthreads) {
     case LIN_INT8_X16:
       return pagedlm_linear_int8_x16(x, static_cast<const int8_t*>(l.w), static_cast<const float*>(l.scale), y, M,
                                      l.K, l.N, nthreads);
+    case LIN_BF16_X16:
+      return pagedlm_linear_bf16_x16(x, static_cast<const uint32_t*>(l.w), y, M, l.K, l.N, nthreads);
     case LIN_INT4:
     case LIN_INT4_X16:
       return pagedlm_linear_int4(x, static_cast<const uint8_t*>(l.w), static_cast<const uint16_t*>(l.scale),

@@ -25,6 +25,7 @@
 //       bytes 4c..4c+3 of each row's block. Activations are then quantized per 32-value block as for int4 (so this
 //       layout computes y = Q8(x) @ W^T); vpdpbusd takes the weights as u8 (q + 128, corrected by 128 * the
 //       block's activation sum). Per output: over blocks in order f = fma(float(dot_b), d_b, f); y = f * s.
+// bf16 "x16" (bf16 checkpoints; where the CPU has AVX512-BF16): see pagedlm_linear_bf16_x16's section.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,6 +40,9 @@
 #endif
 #if defined(PAGEDLM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAGEDLM_AVX512_VNNI 1
+#endif
+#if defined(PAGEDLM_AVX512_VNNI) && defined(__AVX512BF16__)
+#define PAGEDLM_AVX512_BF16 1
 #endif
 
 namespace {
@@ -556,6 +560,139 @@ void int8x16_tile(const int8_t* xq, const float* d, const int32_t* bsum, const i
 #endif
 }
 
+// ---- bf16 weights in the x16 layout (y = bf16(x) @ W^T; needs N % 16 == 0 and K % 32 == 0) ------------------
+// w [N/16, K/2, 16] uint32: per tile of 16 output rows and pair of inputs (2p, 2p+1), each row's two bf16 weights
+// in one 32-bit lane (input 2p in the low half). Activations are rounded to bf16 (nearest even) and packed per group
+// of 8 rows, [M/8, K/2, 8] uint32 (row i's pair p at p * 8 + i), so one embedded broadcast feeds a vdpbf16ps for 16
+// outputs and all 8 rows are addressed off one pointer. Per output two fp32 chains, over the even and the odd pairs,
+// each step adding the pair's two exact products (input 2p + 1 first, as vdpbf16ps does); y = chain 0 + chain 1.
+// Builds without AVX512-BF16 compute the same sums in scalar code.
+constexpr int BF16_ROWS = 8;  // rows of a packed activation group
+
+inline uint16_t bf16_round(float f) {  // nearest even, a NaN stays a NaN (torch's .to(bfloat16))
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_value(uint32_t h) {
+  const uint32_t u = h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// x [M, K] fp32 -> xp [ceil(M / 8) * 8 rows] packed as above (rows past M zero).
+void pack_bf16_act(const float* x, int M, int K, uint32_t* xp, int nthreads) {
+  const int pairs = K / 2, Mr = int(rows_allocated(M, true));
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (int64_t(M) * K >= (1 << 16))
+  for (int m = 0; m < Mr; ++m) {
+    uint32_t* dst = xp + int64_t(m / BF16_ROWS) * pairs * BF16_ROWS + m % BF16_ROWS;
+    if (m >= M) {
+      for (int p = 0; p < pairs; ++p) dst[int64_t(p) * BF16_ROWS] = 0;
+      continue;
+    }
+    const float* xm = x + int64_t(m) * K;
+    int p = 0;
+#ifdef PAGEDLM_AVX512_BF16
+    alignas(32) uint32_t tmp[8];
+    for (; p + 8 <= pairs; p += 8) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xm + 2 * p)));
+      for (int i = 0; i < 8; ++i) dst[int64_t(p + i) * BF16_ROWS] = tmp[i];
+    }
+#endif
+    for (; p < pairs; ++p)
+      dst[int64_t(p) * BF16_ROWS] = bf16_round(xm[2 * p]) | uint32_t(bf16_round(xm[2 * p + 1])) << 16;
+  }
+}
+
+#ifdef PAGEDLM_AVX512_BF16
+// acc += (16 rows' bf16 weight pairs w) . (the activation pair at p, broadcast), the broadcast embedded in the
+// instruction's memory operand.
+inline __m512 dpbf16_bcast(__m512 acc, __m512i w, const uint32_t* p) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(int(*p)));
+}
+
+// A full group of 8 rows against tile wt, as bf16x16_rows below, with the pair loop's vdpbf16ps in asm: broadcasts
+// embedded in the memory operand (the intrinsics compile to a separate vpbroadcastd each) and the 16 accumulators
+// named registers (arrays of them around asm went through the stack): about 2x the intrinsics' speed.
+#define PAGEDLM_DP(c, off, w) "vdpbf16ps " #off "*4(%[x])%{1to16%}, %[" #w "], %[" #c "]\n\t"
+void bf16x16_rows8(const uint32_t* xg, const uint32_t* wt, float* y, int K, int N, int n0, int m0, bool prefetch) {
+  const int pairs = K / 2;
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+  for (int p = 0; p < pairs; p += 2) {
+    const uint32_t* w = wt + int64_t(p) * X16;
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w) + PF_BYTES, _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + X16);
+    const uint32_t* xp = xg + int64_t(p) * BF16_ROWS;
+    asm(PAGEDLM_DP(a0, 0, w0) PAGEDLM_DP(a1, 1, w0) PAGEDLM_DP(a2, 2, w0) PAGEDLM_DP(a3, 3, w0)
+        PAGEDLM_DP(a4, 4, w0) PAGEDLM_DP(a5, 5, w0) PAGEDLM_DP(a6, 6, w0) PAGEDLM_DP(a7, 7, w0)
+        : [a0] "+v"(a0), [a1] "+v"(a1), [a2] "+v"(a2), [a3] "+v"(a3), [a4] "+v"(a4), [a5] "+v"(a5),
+          [a6] "+v"(a6), [a7] "+v"(a7)
+        : [w0] "v"(w0), [x] "r"(xp), "m"(*reinterpret_cast<const uint32_t(*)[8]>(xp)));
+    asm(PAGEDLM_DP(b0, 8, w1) PAGEDLM_DP(b1, 9, w1) PAGEDLM_DP(b2, 10, w1) PAGEDLM_DP(b3, 11, w1)
+        PAGEDLM_DP(b4, 12, w1) PAGEDLM_DP(b5, 13, w1) PAGEDLM_DP(b6, 14, w1) PAGEDLM_DP(b7, 15, w1)
+        : [b0] "+v"(b0), [b1] "+v"(b1), [b2] "+v"(b2), [b3] "+v"(b3), [b4] "+v"(b4), [b5] "+v"(b5),
+          [b6] "+v"(b6), [b7] "+v"(b7)
+        : [w1] "v"(w1), [x] "r"(xp), "m"(*reinterpret_cast<const uint32_t(*)[8]>(xp + BF16_ROWS)));
+  }
+  float* ym = y + int64_t(m0) * N + n0;
+  const __m512 sums[8] = {_mm512_add_ps(a0, b0), _mm512_add_ps(a1, b1), _mm512_add_ps(a2, b2),
+                          _mm512_add_ps(a3, b3), _mm512_add_ps(a4, b4), _mm512_add_ps(a5, b5),
+                          _mm512_add_ps(a6, b6), _mm512_add_ps(a7, b7)};
+  for (int i = 0; i < 8; ++i) _mm512_storeu_ps(ym + int64_t(i) * N, sums[i]);
+}
+#undef PAGEDLM_DP
+
+// Rows m0 .. m0+R of x (packed group xg) against tile wt (16 outputs): y[m, n0 .. n0+15].
+template <int R>
+void bf16x16_rows(const uint32_t* xg, const uint32_t* wt, float* y, int K, int N, int n0, int m0, bool prefetch) {
+  const int pairs = K / 2;
+  __m512 a[R], b[R];
+  for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  for (int p = 0; p < pairs; p += 2) {
+    const uint32_t* w = wt + int64_t(p) * X16;
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w) + PF_BYTES, _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + X16);
+    const uint32_t* xp = xg + int64_t(p) * BF16_ROWS;
+    for (int i = 0; i < R; ++i) {
+      a[i] = dpbf16_bcast(a[i], w0, xp + i);
+      b[i] = dpbf16_bcast(b[i], w1, xp + BF16_ROWS + i);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, _mm512_add_ps(a[i], b[i]));
+}
+#endif
+
+// The bf16 x16 product for tile n0 / 16, every row of the packed activations xp.
+void bf16x16_tile(const uint32_t* xp, const uint32_t* w, float* y, int M, int K, int N, int n0) {
+  const int pairs = K / 2;
+  const uint32_t* wt = w + int64_t(n0 / X16) * pairs * X16;
+#ifdef PAGEDLM_AVX512_BF16
+  for_row_groups(M, [&](auto r, int m0) {
+    constexpr int R = decltype(r)::value;
+    if constexpr (R == BF16_ROWS) bf16x16_rows8(xp + int64_t(m0) * pairs, wt, y, K, N, n0, m0, m0 == 0);
+    else bf16x16_rows<R>(xp + int64_t(m0) * pairs, wt, y, K, N, n0, m0, m0 == 0);
+  });
+#else
+  for (int m = 0; m < M; ++m) {
+    const uint32_t* xg = xp + int64_t(m / BF16_ROWS) * pairs * BF16_ROWS + m % BF16_ROWS;
+    for (int j = 0; j < X16; ++j) {
+      float c[2] = {0.f, 0.f};
+      for (int p = 0; p < pairs; ++p) {
+        const uint32_t wv = wt[int64_t(p) * X16 + j], xv = xg[int64_t(p) * BF16_ROWS];
+        float& acc = c[p % 2];
+        acc += bf16_value(wv >> 16) * bf16_value(xv >> 16);
+        acc += bf16_value(wv & 0xffffu) * bf16_value(xv & 0xffffu);
+      }
+      y[int64_t(m) * N + n0 + j] = c[0] + c[1];
+    }
+  }
+#endif
+}
+
 // The weights of rows n0 .. n0+nt dequantized to fp32, [nt, K].
 void dequant_int8_rows(const int8_t* q, const float* s, int K, int n0, int nt, float* w) {
   for (int j = 0; j < nt; ++j) {
@@ -711,6 +848,32 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
                    y + int64_t(m0) * N, rows, K, N, t * X16);
   }
   return 0;
+}
+
+// y = bf16(x) @ W^T over bf16 weights in the x16 layout (needs N % 16 == 0 and K % 32 == 0; returns 1 otherwise).
+int pagedlm_linear_bf16_x16(const float* x, const uint32_t* w, float* y, int M, int K, int N, int nthreads) {
+  if (N % X16 != 0 || K % 32 != 0) return 1;
+  thread_local std::vector<uint32_t> xp;  // kept between calls, as in pagedlm_linear_int4
+  xp.resize(size_t(rows_allocated(M, true)) * (K / 2));
+  uint32_t* const xpp = xp.data();
+  pack_bf16_act(x, M, K, xpp, nthreads);
+#pragma omp parallel num_threads(nthreads)
+  for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
+    const int rows = std::min(X16_MBLOCK, M - m0);
+#pragma omp for schedule(static)
+    for (int t = 0; t < N / X16; ++t)
+      bf16x16_tile(xpp + int64_t(m0) * (K / 2), w, y + int64_t(m0) * N, rows, K, N, t * X16);
+  }
+  return 0;
+}
+
+// Whether this build multiplies bf16 weights with AVX512-BF16 (else portable code computes the same sums).
+int pagedlm_bf16_x16_native() {
+#ifdef PAGEDLM_AVX512_BF16
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // Whether this build runs the x16 layout with AVX-512 VNNI (else it is computed by portable code).
