@@ -233,3 +233,15 @@ def test_prepare_refuses_a_new_token_outside_its_blocks(tiny_model_dir, bad):
         runner.execute(chunks, [0])
     for kv, before in zip(runner.layer_caches, saved):
         assert all(torch.equal(c, b) for c, b in zip(kv, before))
+
+
+def test_fp32_weights_take_the_stack_for_small_steps_only(tiny_model_dir, count_runs):
+    """Over fp32 weights the stack runs steps of up to F32_MAX_TOKENS tokens; a longer prefill chunk runs the torch
+    layers (whose sgemm is faster there), the decode steps after it the stack."""
+    from pagedlm.model.llama_decode import F32_MAX_TOKENS
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
+    out = _generate(llm, [[5, 6, 7] * 40])
+    assert len(out[0].token_ids) == PARAMS.max_tokens
+    assert count_runs and max(count_runs) <= F32_MAX_TOKENS < 120
+    assert llm.engine.runner.model.decode_kernel().max_tokens == F32_MAX_TOKENS
