@@ -207,7 +207,7 @@ def test_int4_rejects_bad_group_size():
 def test_quantized_model_shares_one_int8_table_for_tied_embedding(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32", quantization="int4", num_kv_blocks=32)
     model = llm.engine.runner.model
-    assert isinstance(model.embed_tokens, quant.Int8Embedding)
+    assert isinstance(model.embed_tokens, quant.TableEmbedding)
     assert model.lm_head is model.embed_tokens.table
     linears = [m for m in model.modules() if isinstance(m, quant.QuantLinear)]
     assert sum(isinstance(m, quant.Int4Linear) for m in linears) == 4 * model.cfg.num_layers

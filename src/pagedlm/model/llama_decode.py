@@ -157,6 +157,7 @@ class LlamaDecodeKernel:
                              cfg.intermediate_size, 0, 0, KV_F32, cfg.rms_norm_eps, self._layers,
                              _ptr(stack.final_norm), ACTIVATIONS[stack.activation], stack.scale)
         self._groups = (_Group * cfg.num_layers)()  # at most one KV cache group per layer
+        self._num_ropes = 1 + max(layer.rope for layer in stack.layers)  # rotary tables a step must bring
         self._bound_caches: tuple[int, ...] = ()
         self._bound_list: list | None = None
 
@@ -237,8 +238,7 @@ class LlamaDecodeKernel:
         n = x.shape[0]
         cos, sin = ([cos], [sin]) if isinstance(cos, torch.Tensor) else (cos, sin)
         if (n > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous() or len(metas) != len(self._layers)
-                or len(cos) != len(sin) or not 0 < len(cos) <= MAX_ROPES
-                or any(layer.rope >= len(cos) for layer in self.stack.layers)
+                or len(cos) != len(sin) or not self._num_ropes <= len(cos) <= MAX_ROPES
                 or not self._bind_caches(kv_caches) or not (num_groups := self._bind_groups(metas, cos, sin, n))):
             return False
         cos_p = (ctypes.c_void_p * MAX_ROPES)(*(c.data_ptr() for c in cos))

@@ -273,6 +273,10 @@ class Int8Linear(QuantLinear):
         self.register_buffer("qweight", int8_to_x16(q) if self.x16 else pack_int8(q) if self.packed else q)
         self.register_buffer("scale", scale)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized to fp32 (the table of a `TableEmbedding`)."""
+        return self.rows(ids).float() * self.scale[ids, None]
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The int8 rows `ids` ([*ids.shape, K]), whatever the layout."""
         if self.x16:
@@ -384,6 +388,9 @@ class Bf16Linear(QuantLinear):
         q = self.qweight.view(self.out_features // X16, self.in_features // 2, X16, 2)
         return q[ids // X16, :, ids % X16, :].reshape(*ids.shape, self.in_features)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids).float()
+
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16).float()
 
@@ -400,18 +407,16 @@ class Bf16Linear(QuantLinear):
             raise RuntimeError(f"bf16 kernel failed (code {rc})")
 
 
-class Int8Embedding(nn.Module):
-    """An embedding table kept as an Int8Linear ([vocab, hidden] rows; a Bf16Linear for bf16 weights): `forward(ids)`
-    looks rows up and dequantizes them to `dtype`; a tied LM head is that same layer, so one copy serves both."""
+class TableEmbedding(nn.Module):
+    """An embedding table kept as an Int8Linear or a Bf16Linear ([vocab, hidden] rows): `forward(ids)` looks rows up
+    (`embed`) in `dtype`; a tied LM head is that same layer, so one copy serves both."""
 
     def __init__(self, table: Int8Linear | Bf16Linear, dtype: torch.dtype) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.table, Bf16Linear):
-            return self.table.rows(ids).to(self.dtype)
-        return (self.table.rows(ids).float() * self.table.scale[ids, None]).to(self.dtype)
+        return self.table.embed(ids).to(self.dtype)
 
 
 class WithBias(nn.Module):
@@ -453,7 +458,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dt
         raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r} / {fallback!r}")
     embed = model.embed_tokens
     table = Bf16Linear(embed.weight.data) if method == "bf16" else Int8Linear(embed.weight.data)
-    model.embed_tokens = Int8Embedding(table, embed.weight.dtype)
+    model.embed_tokens = TableEmbedding(table, embed.weight.dtype)
     if model.cfg.tie_word_embeddings:
         model.lm_head = table
     native = getattr(model, "native_weights", {})  # int4 blocks loaded as stored, by parameter name

@@ -195,7 +195,8 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const
   if (md.kv_kind != KV_F32 && md.kv_kind != KV_BF16 && md.kv_kind != KV_INT8) return PAGEDLM_UNSUPPORTED;
   for (int li = 0; li < md.num_layers; ++li)
     if (md.layers[li].group < 0 || md.layers[li].group >= num_groups) return PAGEDLM_UNSUPPORTED;
-  std::vector<Args> args;
+  thread_local std::vector<Args> args;  // kept between calls, as the scratch below
+  args.clear();
   for (int g = 0; g < num_groups; ++g) {
     const Group& gr = groups[g];
     Args a{md.H, md.KVH, D, md.BS, gr.max_blocks, 0, 1, md.kv_kind, md.scale, gr.block_tables, gr.seq_lens,
