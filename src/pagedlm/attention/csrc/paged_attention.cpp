@@ -1,5 +1,5 @@
 // Paged attention for CPUs: reads K/V in place from the scattered cache blocks (no gather), GQA without
-// repeating K/V, decode and prefill chunks, fp32 and bf16 (math in fp32), online softmax, OpenMP.
+// repeating K/V, decode and prefill chunks, fp32 and bf16 (math in fp32), online softmax, threads from csrc/pool.h.
 // K/V caches may also be quantized (int8 or fp8 e4m3 values, each (token, kv head) entry followed by its fp32
 // scale, see kvcache/quant.py); tiles are then dequantized once into fp32 scratch, as bf16 ones are converted
 // (except on AVX512-BF16 builds, which read bf16 tiles in place with vdpbf16ps).
@@ -8,8 +8,8 @@
 // Work item = (sequence, tile of query tokens, range of keys). Its rows are the tile's tokens x all heads
 // (at most MAX_ROWS), so each cached token's K/V row [kv_heads, D] is streamed once per item and shared by
 // the G query heads of each kv head. When there are too few items for the threads, key ranges are split
-// (flash-decoding) and the partial softmax states merged afterwards. Threads claim items in order, one ahead,
-// and prefetch the next item's K/V (cold: the weights evicted them) while they run the current one.
+// (flash-decoding) and the partial softmax states merged afterwards. Each thread runs its share of the items in
+// order and prefetches the next item's K/V (cold: the weights evicted them) while it runs the current one.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -19,9 +19,9 @@
 #include <atomic>
 #include <type_traits>
 #include <vector>
-#include <omp.h>
 #include "../../csrc/pagedlm.h"
 #include "../../csrc/simd_exp.h"
+#include "../../csrc/pool.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -121,8 +121,8 @@ __attribute__((optimize("fp-contract=off")))
 void rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H, int KVH, int D,
                    const int64_t* slots, float* k_cache, float* v_cache, int nthreads) {
   const int half = D / 2, row = (H + 2 * KVH) * D, kvd = KVH * D;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
-  for (int t = 0; t < T; ++t) {
+  parallel_for(T, T > 16 ? nthreads : 1, 1, [&](int64_t t0, int64_t t1) {
+  for (int t = int(t0); t < t1; ++t) {
     float* r = qkv + int64_t(t) * row;
     const float *c = cos + int64_t(t) * half, *s = sin + int64_t(t) * half;
     for (int h = 0; h < H + KVH; ++h) {
@@ -138,6 +138,7 @@ void rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H,
     std::memcpy(k_cache + slots[t] * kvd, r + H * D, sizeof(float) * kvd);
     std::memcpy(v_cache + slots[t] * kvd, r + (H + KVH) * D, sizeof(float) * kvd);
   }
+  });
 }
 
 // ---- the inner loop, one path per ISA level ------------------------------------------------------------------
@@ -751,22 +752,26 @@ void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a,
     }
   };
 
-  // One parallel region (a second one costs a barrier); groups split over several items are merged after it,
+  // One parallel loop (a second one costs a wait); groups split over several items are merged after it,
   // serially: splitting only happens when there are few groups.
-  // Items are taken in order, one ahead: a thread knows its next item while it runs one and prefetches its K/V.
-  std::atomic<int64_t> claim{0};
-#pragma omp parallel num_threads(nthreads)
-  {
-    bool warm = false;
-    for (int64_t k = claim++, next; k < nitems; k = next, warm = true) {
-      next = claim++;
+  // A thread takes its share of the items in order, so while it runs item k it prefetches item k + 1's K/V, and
+  // item k + 1 is warm if the same thread ran item k just before (in this call).
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = ++calls;
+  parallel_for(nitems, nthreads, 1, [&](int64_t k0, int64_t k1) {
+    thread_local uint64_t last_call = 0;
+    thread_local int64_t last_item = -1;
+    for (int64_t k = k0; k < k1; ++k) {
+      const bool warm = last_call == call && last_item == k - 1;
       float* mk = ml_p + size_t(k) * rows * 2;
       run_item<T, D>(a, items[k], q, kc, vc, acc_p + size_t(k) * rows * D, mk, mk + rows, warm,
-                     next < nitems ? &items[next] : nullptr);
+                     k + 1 < nitems ? &items[k + 1] : nullptr);
+      last_call = call;
+      last_item = k;
       const int gi = group_of[k];
       if (first[gi + 1] - first[gi] == 1) finish(int(k), int(k) + 1);
     }
-  }
+  });
   for (int gi = 0; gi + 1 < int(first.size()); ++gi)
     if (first[gi + 1] - first[gi] > 1) finish(first[gi], first[gi + 1]);
 }
@@ -807,7 +812,7 @@ int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* 
   if (kv_dtype < KV_F32 || kv_dtype > KV_FP8 || (kv_dtype == KV_F32 && dtype != 0)) return PAGEDLM_UNSUPPORTED;
   Args a{H, KVH, D, BS, max_blocks, window, 1, kv_dtype, scale, block_tables, seq_lens, query_start_loc};
   if (const int rc = check_batch(a, num_seqs, num_tokens, num_blocks)) return rc;
-  if (nthreads < 1) nthreads = omp_get_max_threads();
+  if (nthreads < 1) nthreads = default_threads();
   if (dtype == 0) return dispatch<float>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
   if (dtype == 1) return dispatch<uint16_t>(q, k_cache, v_cache, out, a, num_seqs, nthreads);
   return PAGEDLM_UNSUPPORTED;

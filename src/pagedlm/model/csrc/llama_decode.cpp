@@ -58,8 +58,8 @@ constexpr int CB = 64;  // output columns per work item of the transposed fp32 p
 // y[M, N] = x[M, K] @ w[K, N] for w stored [K, N] (row k holds input k's weights for every output).
 void linear_f32t(const float* x, const float* w, float* y, int M, int K, int N, int nthreads) {
   const int blocks = (N + CB - 1) / CB;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int b = 0; b < blocks; ++b) {
+  parallel_for(blocks, nthreads, 1, [&](int64_t b0, int64_t b1) {
+  for (int b = int(b0); b < b1; ++b) {
     const int n0 = b * CB, nc = std::min(CB, N - n0);
     for (int m = 0; m < M; ++m) {
       const float* xm = x + int64_t(m) * K;
@@ -91,6 +91,7 @@ void linear_f32t(const float* x, const float* w, float* y, int M, int K, int N, 
       }
     }
   }
+  });
 }
 
 int linear(const Linear& l, const float* x, float* y, int M, int nthreads) {
@@ -178,34 +179,10 @@ void write_int8_entries(const float* x, int KVH, int D, int8_t* dst) {
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. K/V are written
-// to (and attention reads) fp32, bf16 (rounded to nearest even, as torch's .to(bfloat16)) or int8 caches
-// (quantized per token and head as kvcache/quant.py does).
-// cos[r], sin[r]: rotary table r, [M, D/2]; groups[g]: KV cache group g's batch layout (slots [M] int64, block
-// tables etc. as in pagedlm_paged_attention). Every group's batch and slots are validated before anything is
-// computed or written. Returns 0, a PagedlmStatus, or the first failing linear kernel's (positive) code.
-int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const* cos, const float* const* sin,
-                         const Group* groups, int num_groups, int num_seqs, int nthreads) {
-  const Model& md = *model;
+// The layers and the final norm of pagedlm_llama_decode (batch checked; args[g]: group g's attention batch).
+int decode_layers(const Model& md, float* x, int M, const float* const* cos, const float* const* sin,
+                  const Group* groups, const Args* args, int num_seqs, int nthreads) {
   const int hid = md.hidden, D = md.D, qd = md.H * D, kvd = md.KVH * D, qkvd = qd + 2 * kvd;
-  if (md.kv_kind != KV_F32 && md.kv_kind != KV_BF16 && md.kv_kind != KV_INT8) return PAGEDLM_UNSUPPORTED;
-  for (int li = 0; li < md.num_layers; ++li)
-    if (md.layers[li].group < 0 || md.layers[li].group >= num_groups) return PAGEDLM_UNSUPPORTED;
-  thread_local std::vector<Args> args;  // kept between calls, as the scratch below
-  args.clear();
-  for (int g = 0; g < num_groups; ++g) {
-    const Group& gr = groups[g];
-    Args a{md.H, md.KVH, D, md.BS, gr.max_blocks, 0, 1, md.kv_kind, md.scale, gr.block_tables, gr.seq_lens,
-           gr.query_start_loc};
-    if (int rc = check_batch(a, num_seqs, M, md.num_blocks)) return rc;
-    if (int rc = check_slots(gr.slots, M, int64_t(md.num_blocks) * md.BS)) return rc;
-    args.push_back(a);
-  }
-  if (nthreads < 1) nthreads = omp_get_max_threads();
   // Scratch kept between calls (grow-only): fresh multi-megabyte buffers every step cost page faults.
   thread_local std::vector<float> h, t, qkv, q, att, gu, act;
   h.resize(size_t(M) * hid); t.resize(size_t(M) * hid); qkv.resize(size_t(M) * qkvd); q.resize(size_t(M) * qd);
@@ -270,6 +247,39 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const
   rms_norm(x, md.final_norm, h.data(), M, hid, md.eps);
   std::memcpy(x, h.data(), sizeof(float) * size_t(M) * hid);
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. K/V are written
+// to (and attention reads) fp32, bf16 (rounded to nearest even, as torch's .to(bfloat16)) or int8 caches
+// (quantized per token and head as kvcache/quant.py does).
+// cos[r], sin[r]: rotary table r, [M, D/2]; groups[g]: KV cache group g's batch layout (slots [M] int64, block
+// tables etc. as in pagedlm_paged_attention). Every group's batch and slots are validated before anything is
+// computed or written. Returns 0, a PagedlmStatus, or the first failing linear kernel's (positive) code.
+int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const* cos, const float* const* sin,
+                         const Group* groups, int num_groups, int num_seqs, int nthreads) {
+  const Model& md = *model;
+  const int D = md.D;
+  if (md.kv_kind != KV_F32 && md.kv_kind != KV_BF16 && md.kv_kind != KV_INT8) return PAGEDLM_UNSUPPORTED;
+  for (int li = 0; li < md.num_layers; ++li)
+    if (md.layers[li].group < 0 || md.layers[li].group >= num_groups) return PAGEDLM_UNSUPPORTED;
+  thread_local std::vector<Args> args;  // kept between calls, as the scratch below
+  args.clear();
+  for (int g = 0; g < num_groups; ++g) {
+    const Group& gr = groups[g];
+    Args a{md.H, md.KVH, D, md.BS, gr.max_blocks, 0, 1, md.kv_kind, md.scale, gr.block_tables, gr.seq_lens,
+           gr.query_start_loc};
+    if (int rc = check_batch(a, num_seqs, M, md.num_blocks)) return rc;
+    if (int rc = check_slots(gr.slots, M, int64_t(md.num_blocks) * md.BS)) return rc;
+    args.push_back(a);
+  }
+  if (nthreads < 1) nthreads = default_threads();
+  int rc = 0;
+  with_team(nthreads, [&] { rc = decode_layers(md, x, M, cos, sin, groups, args.data(), num_seqs, nthreads); });
+  return rc;
 }
 
 }  // extern "C"

@@ -32,7 +32,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#include <omp.h>
+#include "../../csrc/pool.h"
 #include "../../csrc/pagedlm.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -195,8 +195,9 @@ inline int64_t rows_allocated(int M, bool pack8) { return pack8 ? (int64_t(M) + 
 void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, float* gsum, int nthreads,
                   int32_t* bsum = nullptr, ActLayout lay = {false}) {
   const int nblk = K / 32, bpg = G / 32;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (int64_t(M) * K >= 8192)
-  for (int m = 0; m < M; ++m)
+  // Packed rows in whole groups of 8 per chunk: a group's rows share cache lines.
+  parallel_for(M, int64_t(M) * K >= 8192 ? nthreads : 1, 8, [&](int64_t m0, int64_t m1) {
+  for (int m = int(m0); m < m1; ++m)
     for (int b = 0; b < nblk; ++b) {
       const float* xb = x + int64_t(m) * K + b * 32;
       int8_t* qb = xq + lay.xq(m, b, nblk);
@@ -241,6 +242,7 @@ void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, flo
       float& gs = gsum[lay.blk(m, b / bpg, nblk / bpg)];
       gs = (b % bpg == 0 ? 0.f : gs) + db * float(sum);
     }
+  });
 }
 
 #ifdef PAGEDLM_AVX2
@@ -586,8 +588,8 @@ inline float bf16_value(uint32_t h) {
 // x [M, K] fp32 -> xp [ceil(M / 8) * 8 rows] packed as above (rows past M zero).
 void pack_bf16_act(const float* x, int M, int K, uint32_t* xp, int nthreads) {
   const int pairs = K / 2, Mr = int(rows_allocated(M, true));
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (int64_t(M) * K >= (1 << 16))
-  for (int m = 0; m < Mr; ++m) {
+  parallel_for(Mr, int64_t(M) * K >= (1 << 16) ? nthreads : 1, BF16_ROWS, [&](int64_t m0, int64_t m1) {
+  for (int m = int(m0); m < m1; ++m) {
     uint32_t* dst = xp + int64_t(m / BF16_ROWS) * pairs * BF16_ROWS + m % BF16_ROWS;
     if (m >= M) {
       for (int p = 0; p < pairs; ++p) dst[int64_t(p) * BF16_ROWS] = 0;
@@ -605,6 +607,7 @@ void pack_bf16_act(const float* x, int M, int K, uint32_t* xp, int nthreads) {
     for (; p < pairs; ++p)
       dst[int64_t(p) * BF16_ROWS] = bf16_round(xm[2 * p]) | uint32_t(bf16_round(xm[2 * p + 1])) << 16;
   }
+  });
 }
 
 #ifdef PAGEDLM_AVX512_BF16
@@ -767,20 +770,21 @@ int pagedlm_linear_int8(const float* x, const int8_t* q, const float* s, float* 
                         int nthreads) {
   if (packed && (N % NT || K % 16)) return 1;
   const int tiles = (N + NT - 1) / NT;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int t = 0; t < tiles; ++t) {
-    const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
-    if (M < BUFFERED_MIN_ROWS) {
-      if (packed) int8p_tile(x, q, s, y, M, K, N, n0);
-      else int8_tile(x, q, s, y, M, K, N, n0, nt);
-      continue;
+  parallel_for(tiles, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    for (int t = int(t0); t < t1; ++t) {
+      const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
+      if (M < BUFFERED_MIN_ROWS) {
+        if (packed) int8p_tile(x, q, s, y, M, K, N, n0);
+        else int8_tile(x, q, s, y, M, K, N, n0, nt);
+        continue;
+      }
+      thread_local std::vector<float> w;
+      w.resize(size_t(NT) * K);
+      if (packed) dequant_int8p_tile(q, s, K, n0, w.data());
+      else dequant_int8_rows(q, s, K, n0, nt, w.data());
+      dense_tile(x, w.data(), y, M, K, N, n0, nt);
     }
-    thread_local std::vector<float> w;
-    w.resize(size_t(NT) * K);
-    if (packed) dequant_int8p_tile(q, s, K, n0, w.data());
-    else dequant_int8_rows(q, s, K, n0, nt, w.data());
-    dense_tile(x, w.data(), y, M, K, N, n0, nt);
-  }
+  });
   return 0;
 }
 
@@ -793,7 +797,7 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
   const ActLayout lay{layout == 1};
   const int64_t Mr = rows_allocated(M, lay.pack8);
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / G));
-  // Pointers taken here: inside the parallel regions the names would be each thread's own (empty) vectors.
+  // Pointers taken here: inside the loops' bodies the names would be each thread's own (empty) vectors.
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
   quantize_act(x, M, K, G, xqp, dp, gp, nthreads, nullptr, lay);
@@ -801,26 +805,25 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales
     // Big products in blocks of X16_MBLOCK rows, so a block's activations stay in cache while every tile (the
     // same tiles on the same thread each time) passes over them.
     const int nblk = K / 32, ngroups = K / G;
-#pragma omp parallel num_threads(nthreads)
     for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
       const int rows = std::min(X16_MBLOCK, M - m0);
-#pragma omp for schedule(static)
-      for (int t = 0; t < N / X16; ++t)
-        int4x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, gp + int64_t(m0) * ngroups,
-                     q, scales, mins, y + int64_t(m0) * N, rows, K, N, G, t * X16);
+      parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+        for (int t = int(t0); t < t1; ++t)
+          int4x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, gp + int64_t(m0) * ngroups,
+                       q, scales, mins, y + int64_t(m0) * N, rows, K, N, G, t * X16);
+      });
     }
     return 0;
   }
   const int tiles = (N + NT - 1) / NT;
-#pragma omp parallel num_threads(nthreads)
-  {
-    std::vector<float> scratch(int4_scratch_floats(K, G));
-#pragma omp for schedule(static)
-    for (int t = 0; t < tiles; ++t) {
+  parallel_for(tiles, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(int4_scratch_floats(K, G));
+    for (int t = int(t0); t < t1; ++t) {
       const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
       int4_tile(xqp, dp, gp, q, scales, mins, y, M, K, N, G, n0, nt, scratch.data());
     }
-  }
+  });
   return 0;
 }
 
@@ -839,13 +842,13 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
   int32_t* const bp = bsum.data();
   quantize_act(x, M, K, 32, xqp, dp, gsum.data(), nthreads, bp, kPack8);
   const int nblk = K / 32;
-#pragma omp parallel num_threads(nthreads)
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
-#pragma omp for schedule(static)
-    for (int t = 0; t < N / X16; ++t)
-      int8x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk, q, s,
-                   y + int64_t(m0) * N, rows, K, N, t * X16);
+    parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+      for (int t = int(t0); t < t1; ++t)
+        int8x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk, q, s,
+                     y + int64_t(m0) * N, rows, K, N, t * X16);
+    });
   }
   return 0;
 }
@@ -857,12 +860,12 @@ int pagedlm_linear_bf16_x16(const float* x, const uint32_t* w, float* y, int M, 
   xp.resize(size_t(rows_allocated(M, true)) * (K / 2));
   uint32_t* const xpp = xp.data();
   pack_bf16_act(x, M, K, xpp, nthreads);
-#pragma omp parallel num_threads(nthreads)
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
-#pragma omp for schedule(static)
-    for (int t = 0; t < N / X16; ++t)
-      bf16x16_tile(xpp + int64_t(m0) * (K / 2), w, y + int64_t(m0) * N, rows, K, N, t * X16);
+    parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+      for (int t = int(t0); t < t1; ++t)
+        bf16x16_tile(xpp + int64_t(m0) * (K / 2), w, y + int64_t(m0) * N, rows, K, N, t * X16);
+    });
   }
   return 0;
 }
@@ -889,20 +892,23 @@ int pagedlm_int4_x16_native() {
 int pagedlm_dequant_int8(const int8_t* q, const float* s, float* w, int K, int N, int packed, int nthreads) {
   if (packed && (N % NT || K % 16)) return 1;
   if (packed) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int t = 0; t < N / NT; ++t) dequant_int8p_tile(q, s, K, t * NT, w + int64_t(t) * NT * K);
+    parallel_for(N / NT, nthreads, 1, [&](int64_t t0, int64_t t1) {
+      for (int t = int(t0); t < t1; ++t) dequant_int8p_tile(q, s, K, t * NT, w + int64_t(t) * NT * K);
+    });
     return 0;
   }
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int n = 0; n < N; ++n) dequant_int8_rows(q, s, K, n, 1, w + int64_t(n) * K);
+  parallel_for(N, nthreads, 16, [&](int64_t n0, int64_t n1) {
+    for (int n = int(n0); n < n1; ++n) dequant_int8_rows(q, s, K, n, 1, w + int64_t(n) * K);
+  });
   return 0;
 }
 
 int pagedlm_dequant_int4(const uint8_t* q, const uint16_t* scales, const uint16_t* mins, float* w, int K, int N,
                          int G, int nthreads) {
   if (G % 32 != 0 || K % G != 0) return 1;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int n = 0; n < N; ++n) dequant_int4_rows(q, scales, mins, K, G, n, 1, w + int64_t(n) * K);
+  parallel_for(N, nthreads, 16, [&](int64_t n0, int64_t n1) {
+    for (int n = int(n0); n < n1; ++n) dequant_int4_rows(q, scales, mins, K, G, n, 1, w + int64_t(n) * K);
+  });
   return 0;
 }
 

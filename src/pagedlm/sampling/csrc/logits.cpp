@@ -1,12 +1,12 @@
 // Row reductions of the sampler over fp32 logits [N, V]: the greedy token (the first index of each row's
 // maximum, as torch.argmax) and the log-sum-exp (max + log(sum(exp(x - max)))), in two passes over each row
-// instead of torch's separate argmax, max and exp-sum kernels. OpenMP over rows; AVX-512, AVX2 + FMA or
+// instead of torch's separate argmax, max and exp-sum kernels. Rows in parallel (csrc/pool.h); AVX-512, AVX2 + FMA or
 // portable loops by the build's ISA. Plain C ABI, loaded with ctypes by sampling/logits_kernel.py.
 #include <cmath>
 #include <cstdint>
-#include <omp.h>
 #include "../../csrc/pagedlm.h"
 #include "../../csrc/simd_exp.h"
+#include "../../csrc/pool.h"
 
 namespace {
 
@@ -101,18 +101,19 @@ extern "C" {
 int pagedlm_argmax_logsumexp(const float* x, int64_t N, int64_t V, int64_t ld, int64_t* tokens, float* lse,
                              int nthreads) {
   if (N < 0 || V < 1 || ld < V) return PAGEDLM_UNSUPPORTED;
-  if (nthreads < 1) nthreads = omp_get_max_threads();
-  int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (N > 1) reduction(| : bad)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = x + n * ld;
-    float m;
-    const int64_t t = row_argmax(row, V, &m);
-    if (t < 0 || !std::isfinite(m)) { bad = 1; continue; }
-    tokens[n] = t;
-    lse[n] = m + std::log(row_sum_exp(row, V, m));
-  }
-  return bad ? PAGEDLM_UNSUPPORTED : PAGEDLM_OK;
+  if (nthreads < 1) nthreads = default_threads();
+  std::atomic<int> bad{0};
+  parallel_for(N, nthreads, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* row = x + n * ld;
+      float m;
+      const int64_t t = row_argmax(row, V, &m);
+      if (t < 0 || !std::isfinite(m)) { bad.store(1, std::memory_order_relaxed); continue; }
+      tokens[n] = t;
+      lse[n] = m + std::log(row_sum_exp(row, V, m));
+    }
+  });
+  return bad.load() ? PAGEDLM_UNSUPPORTED : PAGEDLM_OK;
 }
 
 // Which loops this build compiled: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (portable).
