@@ -50,8 +50,9 @@ def tiny_gemma_dir(tmp_path_factory):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir, quantization, kv_cache_dtype,
                                           count_runs):
-    """Greedy tokens are identical and logprobs agree to float32 rounding (a bf16 cache: to the odd K/V entry that
-    rounds the other way from a last-bit fp32 difference, and so for Q8 activations). The fused run's steps hold
+    """Greedy tokens are identical (up to a near-tie, where one sequence at most may part) and logprobs agree to
+    float32 rounding (a bf16 cache: to the odd K/V entry that rounds the other way from a last-bit fp32
+    difference, and so for Q8 activations). The fused run's steps hold
     up to 16 tokens (prefill chunks mixed with decode tokens), and so do the torch run's, so both multiply with the
     same quantized kernels. Gemma 3: QK-norm, sandwich norms, GELU, its two RoPE tables and the sliding-window
     layers' own KV cache group, past the window. "bf16": the default of an HF checkpoint on a CPU with AVX512-BF16
@@ -83,10 +84,13 @@ def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir
     count_runs.clear()
     plain = _generate(torch_llm, prompts)
     assert not count_runs
+    diverged = 0
     for f, p in zip(fused, plain):
-        assert f.token_ids == p.token_ids
-        assert f.cumulative_logprob == pytest.approx(p.cumulative_logprob, abs=tol)
-        for lf, lp in zip(f.logprobs, p.logprobs):
+        n = _agreeing_prefix(f, p, tol)
+        diverged += n < len(p.token_ids)
+        if n == len(p.token_ids):
+            assert f.cumulative_logprob == pytest.approx(p.cumulative_logprob, abs=tol)
+        for lf, lp in zip(f.logprobs[:n], p.logprobs[:n]):
             for tok in set(lf) | set(lp):  # the runner-up may differ between near-ties, within tol
                 if tok in lf and tok in lp:
                     assert lf[tok].logprob == pytest.approx(lp[tok].logprob, abs=tol)
@@ -94,6 +98,20 @@ def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir
                     other = lp if tok in lf else lf
                     shown = (lf if tok in lf else lp)[tok].logprob
                     assert shown <= min(t.logprob for t in other.values()) + tol
+    assert diverged <= 1, "more than one sequence met a near-tie"
+
+
+def _agreeing_prefix(f, p, tol: float) -> int:
+    """How many greedy tokens the two runs share. They may part only at a near-tie: where both runs' top two
+    tokens are within `tol` of each other (a last-bit difference of the two paths' sums picks either), after which
+    the sequences are different texts."""
+    for i, (a, b) in enumerate(zip(f.token_ids, p.token_ids)):
+        if a != b:
+            for lps in (f.logprobs[i], p.logprobs[i]):
+                assert a in lps and b in lps and abs(lps[a].logprob - lps[b].logprob) <= tol, (i, a, b)
+            return i
+    assert len(f.token_ids) == len(p.token_ids)
+    return len(p.token_ids)
 
 
 def test_fused_decode_forward_matches_on_mixed_batch(tiny_model_dir, count_runs):
