@@ -165,10 +165,9 @@ void parallel_for(int64_t n, int nthreads, int64_t grain, F&& body) {
     return;
   }
   using Fn = std::remove_reference_t<F>;
-  auto run = [&] {
-    current_team->run(n, grain, chunks, threads, [](void* ctx, int64_t b, int64_t e) { (*static_cast<Fn*>(ctx))(b, e); },
-                      const_cast<void*>(static_cast<const void*>(&body)));
-  };
+  const Team::Body call = [](void* ctx, int64_t b, int64_t e) { (*static_cast<Fn*>(ctx))(b, e); };
+  void* const ctx = const_cast<void*>(static_cast<const void*>(&body));
+  auto run = [&] { current_team->run(n, grain, chunks, threads, call, ctx); };
   if (current_team != nullptr) run();
   else with_team(threads, run);
 }

@@ -222,21 +222,19 @@ int decode_layers(const Model& md, float* x, int M, const float* const* cos, con
         rms_norm(row, L.q_norm, row, md.H, D, md.eps);
         rms_norm(row + qd, L.k_norm, row + qd, md.KVH, D, md.eps);
       }
-      if (md.kv_kind == KV_F32) {
-        rope_write_kv(row, cs + int64_t(m) * (D / 2), sn + int64_t(m) * (D / 2), 1, md.H, md.KVH, D, slots + m,
-                      static_cast<float*>(L.k_cache), static_cast<float*>(L.v_cache), 1);
-      } else {
-        rope_write_kv(row, cs + int64_t(m) * (D / 2), sn + int64_t(m) * (D / 2), 1, md.H, md.KVH, D, slots + m,
-                      nullptr, nullptr, 1);
-        if (md.kv_kind == KV_BF16) {
-          uint16_t* kd = static_cast<uint16_t*>(L.k_cache) + slots[m] * kvd;
-          uint16_t* vd = static_cast<uint16_t*>(L.v_cache) + slots[m] * kvd;
-          for (int i = 0; i < kvd; ++i) { from_f(row[qd + i], kd + i); from_f(row[qd + kvd + i], vd + i); }
-        } else {
-          const int64_t entry_row = int64_t(md.KVH) * (D + KV_SCALE_BYTES);
-          write_int8_entries(row + qd, md.KVH, D, static_cast<int8_t*>(L.k_cache) + slots[m] * entry_row);
-          write_int8_entries(row + qd + kvd, md.KVH, D, static_cast<int8_t*>(L.v_cache) + slots[m] * entry_row);
-        }
+      // An fp32 cache takes the rotated K/V as they are; bf16 and int8 ones are written here.
+      const bool f32 = md.kv_kind == KV_F32;
+      rope_write_kv(row, cs + int64_t(m) * (D / 2), sn + int64_t(m) * (D / 2), 1, md.H, md.KVH, D, slots + m,
+                    f32 ? static_cast<float*>(L.k_cache) : nullptr, f32 ? static_cast<float*>(L.v_cache) : nullptr,
+                    1);
+      if (md.kv_kind == KV_BF16) {
+        uint16_t* kd = static_cast<uint16_t*>(L.k_cache) + slots[m] * kvd;
+        uint16_t* vd = static_cast<uint16_t*>(L.v_cache) + slots[m] * kvd;
+        for (int i = 0; i < kvd; ++i) { from_f(row[qd + i], kd + i); from_f(row[qd + kvd + i], vd + i); }
+      } else if (md.kv_kind == KV_INT8) {
+        const int64_t entry_row = int64_t(md.KVH) * (D + KV_SCALE_BYTES);
+        write_int8_entries(row + qd, md.KVH, D, static_cast<int8_t*>(L.k_cache) + slots[m] * entry_row);
+        write_int8_entries(row + qd + kvd, md.KVH, D, static_cast<int8_t*>(L.v_cache) + slots[m] * entry_row);
       }
       std::memcpy(qp + int64_t(m) * qd, row, sizeof(float) * qd);
     });
