@@ -121,7 +121,7 @@ def test_int8_x16_layout():
         assert torch.equal(x16(x[3:3 + size]), full[3:3 + size]), size
     ref = F.linear(quant.quantize_activations_q8(x).double(), x16.dequantize().double())
     torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
-    assert quant.Int8Linear(w).x16 == quant.x16_native()
+    assert quant.Int8Linear(w).x16 == quant.x16_native(8)
 
 
 def test_int4_x16_layout_is_a_reordering_of_the_rows():
@@ -141,7 +141,7 @@ def test_int4_x16_layout_is_a_reordering_of_the_rows():
     for m in (5, 8, 523):
         x = torch.randn(m, 256, generator=g)
         torch.testing.assert_close(x16(x), rows(x), rtol=1e-5, atol=1e-5)
-    assert quant.Int4Linear(w, 32).x16 == quant.x16_native()
+    assert quant.Int4Linear(w, 32).x16 == quant.x16_native(4)
     assert not quant.Int4Linear(w[:40], 32).x16  # 40 rows: not whole tiles of 16
 
 
@@ -563,10 +563,11 @@ def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
     variant = quant.kernel_variant(march).load()
     assert variant is not None
     g = torch.Generator().manual_seed(11)
-    w, x = torch.randn(48, 160, generator=g) * 0.05, torch.randn(9, 160, generator=g)
-    for method in ("int4", "int4-x16", "int8", "int8-x16", "bf16"):
-        x16 = method.endswith("x16")
-        layer = (quant.Int4Linear(w, 32, x16=x16) if method.startswith("int4") else quant.Bf16Linear(w)
+    w, x = torch.randn(48, 192, generator=g) * 0.05, torch.randn(9, 192, generator=g)
+    for method in ("int4", "int4-x16", "int4-x16-g64", "int8", "int8-x16", "bf16"):
+        x16 = "x16" in method
+        group = 64 if method.endswith("g64") else 32
+        layer = (quant.Int4Linear(w, group, x16=x16) if method.startswith("int4") else quant.Bf16Linear(w)
                  if method == "bf16" else quant.Int8Linear(w, x16=x16))
         layer.kernel_max_rows = 64
         native = layer(x)

@@ -39,14 +39,14 @@ def _configure(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_linear_int8.argtypes = [p, p, p, p, i, i, i, i, i]
     lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
-    lib.pagedlm_int4_x16_native.argtypes = []
+    lib.pagedlm_x16_native.argtypes = [ctypes.c_int]
     lib.pagedlm_linear_int8_x16.argtypes = [p, p, p, p, i, i, i, i]
     lib.pagedlm_linear_bf16_x16.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_bf16_x16_native.argtypes = []
     lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
-               lib.pagedlm_int4_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
+               lib.pagedlm_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
                lib.pagedlm_bf16_x16_native):
         fn.restype = ctypes.c_int
 
@@ -164,10 +164,11 @@ def bf16_x16_native() -> bool:
     return lib is not None and bool(lib.pagedlm_bf16_x16_native())
 
 
-def x16_native() -> bool:
-    """Whether the quantized kernel runs the int4 x16 layout natively here (AVX-512 VNNI)."""
+def x16_native(bits: int) -> bool:
+    """Whether the quantized kernel runs the x16 layout of `bits`-bit weights in SIMD code here (int4: AVX-512 VNNI
+    or AVX2; int8: AVX-512 VNNI)."""
     lib = load_quant_kernel()
-    return lib is not None and bool(lib.pagedlm_int4_x16_native())
+    return lib is not None and bool(lib.pagedlm_x16_native(bits))
 
 
 def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
@@ -268,7 +269,7 @@ class Int8Linear(QuantLinear):
         super().__init__(weight.shape[1], weight.shape[0])
         q, scale = quantize_int8(weight)
         n, k = q.shape
-        self.x16 = (x16_native() if x16 is None else x16) and n % X16 == 0 and k % 32 == 0
+        self.x16 = (x16_native(8) if x16 is None else x16) and n % X16 == 0 and k % 32 == 0
         self.packed = not self.x16 and can_pack_int8(n, k)
         self.register_buffer("qweight", int8_to_x16(q) if self.x16 else pack_int8(q) if self.packed else q)
         self.register_buffer("scale", scale)
@@ -330,7 +331,7 @@ class Int4Linear(QuantLinear):
             blocks = weight
         else:
             blocks = Int4Blocks(*quantize_int4(weight, group_size))
-        self.x16 = (x16_native() if x16 is None else x16) and self.out_features % X16 == 0
+        self.x16 = (x16_native(4) if x16 is None else x16) and self.out_features % X16 == 0
         tensors = (blocks.qweight, blocks.scale, blocks.mins)
         if self.x16:
             tensors = to_x16(*tensors)

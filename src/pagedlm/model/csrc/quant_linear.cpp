@@ -240,7 +240,7 @@ void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, flo
       d[lay.blk(m, b, nblk)] = db;
       if (bsum != nullptr) bsum[lay.blk(m, b, nblk)] = sum;
       float& gs = gsum[lay.blk(m, b / bpg, nblk / bpg)];
-      gs = (b % bpg == 0 ? 0.f : gs) + db * float(sum);
+      gs = std::fma(db, float(sum), b % bpg == 0 ? 0.f : gs);  // one rounding in every build (no contraction)
     }
   });
 }
@@ -395,6 +395,23 @@ constexpr int X16_ROWS = 8;   // rows of x that share one unpacking of a tile's 
 constexpr int X16_BLOCK = 256;  // bytes per tile and 32-value block
 constexpr int X16_MBLOCK = 256;  // rows of x per pass over all tiles
 
+// Calls rows(std::integral_constant<int, R>{}, m0) for rows m0 .. m0+R of M: R = X16_ROWS but for the last group.
+template <class F>
+inline void for_row_groups(int M, F rows) {
+  for (int m0 = 0; m0 < M; m0 += X16_ROWS) {
+    switch (std::min(X16_ROWS, M - m0)) {
+      case 8: rows(std::integral_constant<int, 8>{}, m0); break;
+      case 7: rows(std::integral_constant<int, 7>{}, m0); break;
+      case 6: rows(std::integral_constant<int, 6>{}, m0); break;
+      case 5: rows(std::integral_constant<int, 5>{}, m0); break;
+      case 4: rows(std::integral_constant<int, 4>{}, m0); break;
+      case 3: rows(std::integral_constant<int, 3>{}, m0); break;
+      case 2: rows(std::integral_constant<int, 2>{}, m0); break;
+      default: rows(std::integral_constant<int, 1>{}, m0); break;
+    }
+  }
+}
+
 #ifdef PAGEDLM_AVX512_VNNI
 // acc += (u8 codes w) . (four s8 activations at p, broadcast to every lane), with the broadcast embedded in the
 // instruction's memory operand (compilers emit a separate vpbroadcastd for the intrinsic, 1.x slower here).
@@ -413,23 +430,6 @@ inline __m512i dot_block32(const __m512i* w, const int8_t* xb) {
     a1 = dpbusd_bcast(a1, w[c + 1], xb + 4 * c + 4);
   }
   return _mm512_add_epi32(a0, a1);
-}
-
-// Calls rows(std::integral_constant<int, R>{}, m0) for rows m0 .. m0+R of M: R = X16_ROWS but for the last group.
-template <class F>
-inline void for_row_groups(int M, F rows) {
-  for (int m0 = 0; m0 < M; m0 += X16_ROWS) {
-    switch (std::min(X16_ROWS, M - m0)) {
-      case 8: rows(std::integral_constant<int, 8>{}, m0); break;
-      case 7: rows(std::integral_constant<int, 7>{}, m0); break;
-      case 6: rows(std::integral_constant<int, 6>{}, m0); break;
-      case 5: rows(std::integral_constant<int, 5>{}, m0); break;
-      case 4: rows(std::integral_constant<int, 4>{}, m0); break;
-      case 3: rows(std::integral_constant<int, 3>{}, m0); break;
-      case 2: rows(std::integral_constant<int, 2>{}, m0); break;
-      default: rows(std::integral_constant<int, 1>{}, m0); break;
-    }
-  }
 }
 
 // Rows m0 .. m0+R of x (m0 a multiple of 8; activations packed, see ActLayout) against tile t (16 outputs):
@@ -473,10 +473,75 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
 }
+#elif defined(PAGEDLM_AVX2)
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The AVX2 form of int4x16_rows: rows m0 + i0 .. m0 + i0 + R of x (R <= 4) against half h of tile t (outputs
+// 16t + 8h .. 16t + 8h + 7, one per 32-bit lane). vpmaddubsw sums pairs of code x activation products into 16-bit
+// lanes, which hold a whole 32-value block's partial sums exactly (codes 0..15, |activations| <= 127: at most 8 x
+// 2 x 15 x 127 = 30,480), then vpmaddwd sums them into the block's integer dot products: the same integers as
+// vpdpbusd, in the same fp32 operations, so the results are bit-identical to the AVX-512 build.
+template <int R>
+void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const uint16_t* st,
+                       const uint16_t* mt, float* y, int K, int N, int G, int n0, int m0, int i0, int h) {
+  const int nblk = K / 32, bpg = G / 32, ngroups = K / G;
+  const int8_t* xg = xq + int64_t(m0) * K;
+  const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
+  const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm256_setzero_ps();
+  __m256 s = _mm256_setzero_ps(), mn = s;
+  for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
+    const uint8_t* wb = qt + int64_t(b) * X16_BLOCK + 32 * h;
+    if (i0 == 0) _mm_prefetch(reinterpret_cast<const char*>(wb) + PF_BYTES, _MM_HINT_T0);
+    if (in_group == 0) {
+      s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(st + int64_t(g) * X16 + 8 * h)));
+      mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt + int64_t(g) * X16 + 8 * h)));
+    }
+    const bool group_end = ++in_group == bpg;
+    const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
+    __m256i acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
+      const __m256i wl = _mm256_and_si256(v, lo), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+      for (int i = 0; i < R; ++i) {
+        acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wl, bcast4(xb + 32 * i + 4 * c)));
+        acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wh, bcast4(xb + 32 * i + 16 + 4 * c)));
+      }
+    }
+    const float* db = dg + int64_t(b) * 8 + i0;
+    for (int i = 0; i < R; ++i) {
+      const __m256 cs = _mm256_mul_ps(s, _mm256_set1_ps(db[i]));
+      f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], ones)), cs, f[i]);
+      if (group_end) f[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(gg[int64_t(g) * 8 + i0 + i]), f[i]);
+    }
+    if (group_end) in_group = 0, ++g;
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * h, f[i]);
+}
+
+// Rows m0 .. m0+R of x (R <= 8, one packed group) against tile n0 / 16: two halves of 8 outputs, rows 4 at a time.
+template <int R>
+void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const uint16_t* st,
+                  const uint16_t* mt, float* y, int K, int N, int G, int n0, int m0) {
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (R > 4) {
+      int4x16_half_rows<4>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, 0, h);
+      int4x16_half_rows<R - 4>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, 4, h);
+    } else {
+      int4x16_half_rows<R>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, 0, h);
+    }
+  }
+}
 #endif
 
-// The x16 product for tile n0 / 16, every row of x. Without AVX-512 VNNI: the same arithmetic in scalar code
-// (std::fma rounds as vfmadd does), so every build gives the same results for this layout.
+// The x16 product for tile n0 / 16, every row of x. Builds with neither AVX-512 VNNI nor AVX2: the same arithmetic
+// in scalar code (std::fma rounds as vfmadd does), so every build gives the same results for this layout.
 void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const uint16_t* sc,
                   const uint16_t* mn, float* y, int M, int K, int N, int G, int n0) {
   const int nblk = K / 32, ngroups = K / G, bpg = G / 32, t = n0 / X16;
@@ -485,6 +550,10 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uin
 #ifdef PAGEDLM_AVX512_VNNI
   for_row_groups(M, [&](auto r, int m0) {
     int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, m0 == 0);
+  });
+#elif defined(PAGEDLM_AVX2)
+  for_row_groups(M, [&](auto r, int m0) {
+    int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0);
   });
 #else
   for (int m = 0; m < M; ++m)
@@ -535,15 +604,81 @@ void int8x16_rows(const int8_t* xq, const float* d, const int32_t* bsum, const i
   const __m512 sv = _mm512_loadu_ps(s + n0);
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, _mm512_mul_ps(f[i], sv));
 }
+#elif defined(PAGEDLM_AVX2)
+// The AVX2 form of int8x16_rows: rows m0 + i0 .. m0 + i0 + R against H halves of tile n0 / 16 from half h0
+// (outputs 16t + 8h .. 16t + 8h + 7, one per 32-bit lane). vpmaddubsw takes |w| (u8) and x with w's sign (|w| <= 128,
+// |x| <= 127: pair sums fit 16 bits), vpmaddwd sums to 32 bits: the block's dot products are the integers vpdpbusd
+// gives, in the same fp32 operations, so the results are bit-identical to the AVX-512 build.
+template <int R, int H>
+void int8x16_half_rows(const int8_t* xq, const float* d, const int8_t* qt, const float* s, float* y, int K, int N,
+                       int n0, int m0, int i0, int h0) {
+  const int nblk = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xg = xq + int64_t(m0) * K;
+  const float* dg = d + int64_t(m0) * nblk;
+  __m256 f[R][H];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) f[i][h] = _mm256_setzero_ps();
+  for (int b = 0; b < nblk; ++b) {
+    const int8_t* wb = qt + int64_t(b) * X16_BLOCK8 + 32 * h0;
+    const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
+    __m256i acc[R][H];
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h) acc[i][h] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      if (i0 == 0 && h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + 64 * c) + PF_BYTES, _MM_HINT_T0);
+      for (int h = 0; h < H; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
+        const __m256i aw = _mm256_abs_epi8(v);
+        for (int i = 0; i < R; ++i) {
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xb + 32 * i + 4 * c), v));
+          acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+    const float* db = dg + int64_t(b) * 8 + i0;
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h)
+        f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), _mm256_set1_ps(db[i]), f[i][h]);
+  }
+  for (int h = 0; h < H; ++h) {
+    const __m256 sv = _mm256_loadu_ps(s + n0 + 8 * (h0 + h));
+    for (int i = 0; i < R; ++i)
+      _mm256_storeu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * (h0 + h), _mm256_mul_ps(f[i][h], sv));
+  }
+}
+
+// Rows m0 .. m0+R of x (one packed group): up to 2 rows against both halves of the tile in one pass, more rows 4 at a
+// time per half (16 ymm registers).
+template <int R>
+void int8x16_rows(const int8_t* xq, const float* d, const int8_t* qt, const float* s, float* y, int K, int N, int n0,
+                  int m0) {
+  if constexpr (R <= 2) {
+    int8x16_half_rows<R, 2>(xq, d, qt, s, y, K, N, n0, m0, 0, 0);
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (R > 4) {
+        int8x16_half_rows<4, 1>(xq, d, qt, s, y, K, N, n0, m0, 0, h);
+        int8x16_half_rows<R - 4, 1>(xq, d, qt, s, y, K, N, n0, m0, 4, h);
+      } else {
+        int8x16_half_rows<R, 1>(xq, d, qt, s, y, K, N, n0, m0, 0, h);
+      }
+    }
+  }
+}
 #endif
 
-// The int8 x16 product for tile n0 / 16, every row of x (scalar code without AVX-512 VNNI: the same results).
+// The int8 x16 product for tile n0 / 16, every row of x (scalar code without AVX-512 VNNI or AVX2: the same
+// results).
 void int8x16_tile(const int8_t* xq, const float* d, const int32_t* bsum, const int8_t* q, const float* s, float* y,
                   int M, int K, int N, int n0) {
   const int nblk = K / 32;
   const int8_t* qt = q + int64_t(n0 / X16) * nblk * X16_BLOCK8;
 #ifdef PAGEDLM_AVX512_VNNI
   for_row_groups(M, [&](auto r, int m0) { int8x16_rows<decltype(r)::value>(xq, d, bsum, qt, s, y, K, N, n0, m0); });
+#elif defined(PAGEDLM_AVX2)
+  (void)bsum;
+  for_row_groups(M, [&](auto r, int m0) { int8x16_rows<decltype(r)::value>(xq, d, qt, s, y, K, N, n0, m0); });
 #else
   (void)bsum;
   for (int m = 0; m < M; ++m)
@@ -879,12 +1014,15 @@ int pagedlm_bf16_x16_native() {
 #endif
 }
 
-// Whether this build runs the x16 layout with AVX-512 VNNI (else it is computed by portable code).
-int pagedlm_int4_x16_native() {
-#ifdef PAGEDLM_AVX512_VNNI
-  return 1;
+// Whether this build runs the x16 layout of `bits`-bit weights in SIMD code (else portable code computes the same
+// results): AVX-512 VNNI or AVX2.
+int pagedlm_x16_native(int bits) {
+#if defined(PAGEDLM_AVX512_VNNI)
+  return bits == 4 || bits == 8;
+#elif defined(PAGEDLM_AVX2)
+  return bits == 4 || bits == 8;
 #else
-  return 0;
+  return 0 * bits;
 #endif
 }
 
