@@ -450,3 +450,14 @@ def test_gguf_header_reader_equals_gguf_py(endian, tmp_path: Path) -> None:
         if t.name != "i32":
             np.testing.assert_array_equal(gguf.quants.dequantize(t.data, t.tensor_type),
                                           gguf.quants.dequantize(r.data, r.tensor_type))
+
+
+def test_deeply_nested_metadata_arrays_are_a_clear_error(tmp_path: Path) -> None:
+    """Arrays of arrays 100,000 deep (12 bytes each) are refused, not parsed until the stack runs out."""
+    import struct
+
+    path = tmp_path / "nested.gguf"
+    header = struct.pack("<4sIQQ", b"GGUF", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9)
+    path.write_bytes(header + struct.pack("<IQ", 9, 1) * 100_000)
+    with pytest.raises(ModelLoadError, match="nested.gguf.*nested more than"):
+        resolve_model(str(path))

@@ -24,6 +24,7 @@ __all__ = ["GGUFFile", "GGUFFormatError", "GGUFTensor", "read_gguf"]
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
 _STRING, _ARRAY = 8, 9
+_MAX_NESTING = 8  # arrays of arrays: a malformed file must not exhaust the stack
 _PLAIN_TENSORS = {gguf.GGMLQuantizationType.F32: "f4", gguf.GGMLQuantizationType.F16: "f2",
                   gguf.GGMLQuantizationType.F64: "f8", gguf.GGMLQuantizationType.I8: "i1",
                   gguf.GGMLQuantizationType.I16: "i2", gguf.GGMLQuantizationType.I32: "i4",
@@ -67,15 +68,15 @@ class _Cursor:
         self.pos += size
         return value
 
-    def string(self, decode: bool = True) -> str | bytes:
+    def string(self) -> str:
         n = self.take("Q")
         if self.pos + n > len(self.buf):
             raise GGUFFormatError("truncated header")
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
-        return raw.decode("utf-8", errors="replace") if decode else raw
+        return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
@@ -88,7 +89,9 @@ class _Cursor:
                 values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
                 self.pos = end
                 return values
-            return [self.value(itype) for _ in range(count)]
+            if depth >= _MAX_NESTING:
+                raise GGUFFormatError(f"arrays nested more than {_MAX_NESTING} deep")
+            return [self.value(itype, depth + 1) for _ in range(count)]
         if vtype not in _SCALAR:
             raise GGUFFormatError(f"unknown metadata value type {vtype}")
         return self.take(_SCALAR[vtype])
