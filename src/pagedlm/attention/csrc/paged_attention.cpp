@@ -9,7 +9,8 @@
 // (at most MAX_ROWS), so each cached token's K/V row [kv_heads, D] is streamed once per item and shared by
 // the G query heads of each kv head. When there are too few items for the threads, key ranges are split
 // (flash-decoding) and the partial softmax states merged afterwards. Each thread runs its share of the items in
-// order and prefetches the next item's K/V (cold: the weights evicted them) while it runs the current one.
+// order and loads the next tile's K/V (cold: the weights evicted them) while it runs the current one, across
+// item boundaries.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -590,22 +591,55 @@ inline int64_t kv_row_bytes(const Args& a) {
                                                                         : int64_t(a.KVH) * (a.D + KV_SCALE_BYTES);
 }
 
-// Prefetches (into L2: L1's few miss buffers cannot take a tile's lines) the K/V of tokens [lo, hi) of sequence
-// `seq`, whole blocks at a time.
-// (Inlined: as a call inside run_item's tile loop it cost 20%.)
-__attribute__((always_inline)) inline void prefetch_kv(const Args& a, const void* kc, const void* vc, int seq, int lo,
-                                                       int hi) {
-  if (lo >= hi) return;
-  const int32_t* table = a.tables + int64_t(seq) * a.max_blocks;
-  const int64_t row = kv_row_bytes(a), bytes = row * a.BS;
-  for (int b = lo / a.BS; b <= (hi - 1) / a.BS; ++b) {
-    const char* kp = static_cast<const char*>(kc) + int64_t(table[b]) * bytes;
-    const char* vp = static_cast<const char*>(vc) + int64_t(table[b]) * bytes;
-    for (int64_t o = 0; o < bytes; o += 64) {
-      __builtin_prefetch(kp + o, 0, 2);
-      __builtin_prefetch(vp + o, 0, 2);
+// Loads every cache line of the K and V spans [k, k + bytes), [v, v + bytes) and drops the values: real loads,
+// which the core keeps in flight all at once. Software prefetches of the same lines were measured not to keep up
+// (on a Zen 5 they wait for the few miss buffers and stall the loop: cold batch 64 x context 192, 30 layers,
+// 17.7 ms with prefetches alone, 12.1 ms touching the next tile and prefetching the one after).
+inline void touch_lines(const char* k, const char* v, int64_t bytes) {
+#if defined(__AVX512F__)
+  __m512i sink = _mm512_setzero_si512();
+  for (int64_t o = 0; o < bytes; o += 64)
+    sink = _mm512_ternarylogic_epi32(sink, _mm512_loadu_si512(k + o), _mm512_loadu_si512(v + o), 0xfe);
+  asm volatile("" : : "v"(sink));
+#elif defined(__AVX2__)
+  __m256i sink = _mm256_setzero_si256();
+  for (int64_t o = 0; o < bytes; o += 64)
+    sink = _mm256_or_si256(sink, _mm256_or_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + o)),
+                                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + o))));
+  asm volatile("" : : "x"(sink));
+#else
+  unsigned char sink = 0;
+  for (int64_t o = 0; o < bytes; o += 64) sink |= static_cast<unsigned char>(k[o] | v[o]);
+  asm volatile("" : : "r"(sink));
+#endif
+}
+
+inline void prefetch_lines(const char* k, const char* v, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(k + o, 0, 2);
+    __builtin_prefetch(v + o, 0, 2);
+  }
+}
+
+// The K/V bytes of the k-th tile after the one at `pos` of item `it` (k = 0: that tile), continuing into `next`
+// (whose tiles start at next->lo): {k row, v row, bytes}, or bytes = 0 past the end.
+struct TileSpan { const char *k, *v; int64_t bytes; };
+inline TileSpan tile_after(const Args& a, const void* kc, const void* vc, const Item& it, const Item* next, int pos,
+                           int k) {
+  const Item* cur = &it;
+  int p = pos;
+  for (int step = 0; step < k; ++step) {
+    p += std::min(KT, a.BS - p % a.BS);
+    if (p >= cur->hi) {
+      if (cur != &it || !next) return {nullptr, nullptr, 0};
+      cur = next;
+      p = next->lo;
     }
   }
+  const int32_t* table = a.tables + int64_t(cur->seq) * a.max_blocks;
+  const int64_t row = kv_row_bytes(a), off = (int64_t(table[p / a.BS]) * a.BS + p % a.BS) * row;
+  const int n = std::min(std::min(KT, a.BS - p % a.BS), cur->hi - p);
+  return {static_cast<const char*>(kc) + off, static_cast<const char*>(vc) + off, n * row};
 }
 
 // One item: rows r = token * H + head. Writes unnormalized acc [rows, D] plus running max m and sum l.
@@ -640,15 +674,15 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
     const int blk = pos / a.BS, off = pos % a.BS;
     const int n = std::min(std::min(KT, a.BS - off), it.hi - pos);
     const int64_t slot = int64_t(table[blk]) * a.BS + off;
-    // K/V rows are scattered and cold (the weights evicted them). Where this item's were not prefetched while
-    // the previous one ran, fetch the next tile's now; either way, spread the next item's over this one's tiles.
-    if (!warm && pos + n < it.hi) prefetch_kv(a, kc, vc, it.seq, pos + n, std::min(it.hi, pos + n + KT));
-    if (next) {
-      const int span = it.hi - it.lo, nspan = next->hi - next->lo;
-      const int64_t done = pos - it.lo;
-      prefetch_kv(a, kc, vc, next->seq, next->lo + int(done * nspan / span),
-                  next->lo + int((done + n) * nspan / span));
+    // K/V rows are scattered and cold (the weights evicted them): load the next tile's (this item's, or the next
+    // item's first) while this one runs, and prefetch the one after it.
+    if (pos == it.lo && !warm) {
+      const TileSpan t = tile_after(a, kc, vc, it, next, pos, 0);
+      touch_lines(t.k, t.v, t.bytes);
     }
+    const TileSpan t1 = tile_after(a, kc, vc, it, next, pos, 1), t2 = tile_after(a, kc, vc, it, next, pos, 2);
+    touch_lines(t1.k, t1.v, t1.bytes);
+    prefetch_lines(t2.k, t2.v, t2.bytes);
     // Rows that see part of this tile: [r_lo, r_hi) (query positions grow with r).
     int r_lo = 0, r_hi = nrows;
     while (r_lo < nrows && qpos[r_lo] < pos) ++r_lo;
