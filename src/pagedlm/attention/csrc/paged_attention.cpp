@@ -23,6 +23,7 @@
 #include "../../csrc/pagedlm.h"
 #include "../../csrc/simd_exp.h"
 #include "../../csrc/pool.h"
+#include "../../csrc/touch.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -32,6 +33,7 @@ namespace {
 #if defined(__AVX2__) && defined(__FMA__)
 using pagedlm_simd::exp_ps;
 #endif
+using pagedlm_touch::touch_lines;
 
 // y[i] = exp(x[i]) for n values, in place.
 inline void exp_inplace(float* x, int n) {
@@ -589,29 +591,6 @@ inline int64_t kv_row_bytes(const Args& a) {
   const int KVD = a.KVH * a.D;
   return a.kv_kind == KV_F32 ? int64_t(KVD) * 4 : a.kv_kind == KV_BF16 ? int64_t(KVD) * 2
                                                                         : int64_t(a.KVH) * (a.D + KV_SCALE_BYTES);
-}
-
-// Loads every cache line of the K and V spans [k, k + bytes), [v, v + bytes) and drops the values: real loads,
-// which the core keeps in flight all at once. Software prefetches of the same lines were measured not to keep up
-// (on a Zen 5 they wait for the few miss buffers and stall the loop: cold batch 64 x context 192, 30 layers,
-// 17.7 ms with prefetches alone, 12.1 ms touching the next tile and prefetching the one after).
-inline void touch_lines(const char* k, const char* v, int64_t bytes) {
-#if defined(__AVX512F__)
-  __m512i sink = _mm512_setzero_si512();
-  for (int64_t o = 0; o < bytes; o += 64)
-    sink = _mm512_ternarylogic_epi32(sink, _mm512_loadu_si512(k + o), _mm512_loadu_si512(v + o), 0xfe);
-  asm volatile("" : : "v"(sink));
-#elif defined(__AVX2__)
-  __m256i sink = _mm256_setzero_si256();
-  for (int64_t o = 0; o < bytes; o += 64)
-    sink = _mm256_or_si256(sink, _mm256_or_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + o)),
-                                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + o))));
-  asm volatile("" : : "x"(sink));
-#else
-  unsigned char sink = 0;
-  for (int64_t o = 0; o < bytes; o += 64) sink |= static_cast<unsigned char>(k[o] | v[o]);
-  asm volatile("" : : "r"(sink));
-#endif
 }
 
 inline void prefetch_lines(const char* k, const char* v, int64_t bytes) {

@@ -34,6 +34,7 @@
 #include <vector>
 #include "../../csrc/pool.h"
 #include "../../csrc/pagedlm.h"
+#include "../../csrc/touch.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PAGEDLM_AVX2 1
@@ -46,6 +47,8 @@
 #endif
 
 namespace {
+
+using pagedlm_touch::touch_lines;
 
 constexpr int NT = 4;  // output rows per tile: their weights are read once for every row of x
 constexpr int PF_TILES = 8;
@@ -675,6 +678,9 @@ void int8x16_tile(const int8_t* xq, const float* d, const int32_t* bsum, const i
   const int nblk = K / 32;
   const int8_t* qt = q + int64_t(n0 / X16) * nblk * X16_BLOCK8;
 #ifdef PAGEDLM_AVX512_VNNI
+  // The next tile's weights, loaded now where several row groups reuse this one's (one group streams them through
+  // once, which the hardware prefetcher keeps up with): 64 rows of SmolLM2's LM head 4.2 -> 3.3 ms on a Zen 5.
+  if (M > X16_ROWS && n0 + X16 < N) touch_lines(qt + int64_t(nblk) * X16_BLOCK8, int64_t(nblk) * X16_BLOCK8);
   for_row_groups(M, [&](auto r, int m0) { int8x16_rows<decltype(r)::value>(xq, d, bsum, qt, s, y, K, N, n0, m0); });
 #elif defined(PAGEDLM_AVX2)
   (void)bsum;
