@@ -390,7 +390,9 @@ class LLMEngine:
                 self._fail(req, e)
         if not sample_rows:
             return touched
-        tokens, chosen_logprobs, top_logprobs = self._sample_rows(logits[index], sample_rows, targets)
+        if index != list(range(logits.shape[0])):  # else every row once, in order: no copy of the logits
+            logits = logits[index]
+        tokens, chosen_logprobs, top_logprobs = self._sample_rows(logits, sample_rows, targets)
         now = time.monotonic()
         for k, (req, seq) in enumerate(targets):
             if req.request_id in self._failed:

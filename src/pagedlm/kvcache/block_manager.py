@@ -251,7 +251,8 @@ class BlockManager:
         full = min(num_tokens // self.block_size, len(table))
         bs = self.block_size
         for i, h in enumerate(self._chain_hashes(seq, full)):
-            self.gpu.register(table[i], h, seq.token_slice(i * bs, (i + 1) * bs))
+            if self.gpu.block_hash[table[i]] != h:  # registered before: nothing to do (and no token slice)
+                self.gpu.register(table[i], h, seq.token_slice(i * bs, (i + 1) * bs))
 
     # --- allocation ----------------------------------------------------------------------------------
     def can_allocate(self, seqs: list[SeqLike], num_new_tokens: list[int],

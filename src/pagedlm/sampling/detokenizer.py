@@ -1,9 +1,20 @@
 """Incremental detokenization (vLLM / HF TextStreamer style) and stop-string matching."""
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded as context before the first output token
+_SPECIAL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's special token ids, computed once per tokenizer (transformers rebuilds the list on every
+    `convert_ids_to_tokens(..., skip_special_tokens=True)`, a cost per generated token)."""
+    ids = _SPECIAL_IDS.get(tokenizer)
+    if ids is None:
+        ids = _SPECIAL_IDS[tokenizer] = frozenset(tokenizer.all_special_ids)
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -19,6 +30,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._skip = special_ids(tokenizer) if skip_special_tokens else frozenset()
         # Two extra tokens in case some of the context tokens are skipped special tokens.
         self.tokens = self._to_tokens(prompt_token_ids[-_PROMPT_CONTEXT - 2 :])
         self.read_offset = len(self.tokens)
@@ -26,7 +38,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _to_tokens(self, ids: list[int]) -> list[str]:
-        toks = self.tokenizer.convert_ids_to_tokens(list(ids), skip_special_tokens=self.skip_special_tokens)
+        toks = self.tokenizer.convert_ids_to_tokens([i for i in ids if i not in self._skip])
         return [t or "" for t in toks]  # out-of-vocab ids (padded model vocab) decode to nothing
 
     def _pending(self) -> tuple[str, str]:
