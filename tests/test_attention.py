@@ -369,3 +369,46 @@ def test_cpu_kernel_isa_paths_match_reference(march):
             ref = BACKENDS["reference"].forward(q, kc, vc, meta, dim ** -0.5, sliding_window=window)
             tol = dict(atol=1e-5, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
             torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def _guarded(like: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """A copy of `like` whose last byte is the last one before an unreadable page (and the mapping that holds it),
+    so that a kernel reading past the end of the tensor faults instead of reading garbage."""
+    import ctypes
+    import mmap
+
+    nbytes = like.numel() * like.element_size()
+    page = mmap.PAGESIZE
+    total = -(-nbytes // page) * page + page
+    buf = mmap.mmap(-1, total)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(base + total - page), ctypes.c_size_t(page), 0) == 0  # PROT_NONE
+    t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=total - page - nbytes)
+    t = t.view(like.dtype).view(like.shape)
+    t.copy_(like)
+    return t, buf
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_kernel_reads_nothing_past_the_cache(dtype):
+    """The kernel loads the next tile's K/V lines ahead of use (csrc/touch.h): whole aligned lines, never past the
+    last row of the cache. Rows of 32 or 64 bytes (head_dim 16), one token per block, the cache ending at an
+    unreadable page, and sequences that end in its last rows."""
+    _kernel_or_skip()
+    q, _, _, kc, vc, meta = build_case([3, 9, 5], [1, 1, 1], 2, 1, 16, 1, dtype, seed=3)
+    # relabel the physical blocks so that sequence i's last token sits in block num_blocks - 1 - i
+    n = kc.shape[0]
+    lasts = [int(meta.block_tables[i, s - 1]) for i, s in enumerate(meta.seq_lens_list)]
+    order = [b for b in range(n) if b not in lasts] + lasts[::-1]  # order[new id] = old id
+    new_id = torch.empty(n, dtype=torch.long)
+    new_id[torch.tensor(order)] = torch.arange(n)
+    kc, vc = kc[order], vc[order]
+    meta.block_tables = new_id[meta.block_tables.long()].to(torch.int32)
+    assert [int(meta.block_tables[i, s - 1]) for i, s in enumerate(meta.seq_lens_list)] == [n - 1, n - 2, n - 3]
+    ref = BACKENDS["reference"].forward(q, kc, vc, meta, 0.25)
+    (kg, kbuf), (vg, vbuf) = _guarded(kc), _guarded(vc)
+    out = BACKENDS["cpu"].forward(q, kg, vg, meta, 0.25)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    del kg, vg, kbuf, vbuf
