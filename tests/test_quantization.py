@@ -163,18 +163,21 @@ def test_bf16_x16_layout_and_kernel():
         quant.bf16_to_x16(w.to(torch.bfloat16))), w.to(torch.bfloat16))
     ids = torch.tensor([[0, 17, 47], [16, 3, 31]])
     assert torch.equal(layer.rows(ids), w.to(torch.bfloat16)[ids])
-    counting = _CountingKernel(lib)
-    layer.kernel_max_rows = quant.KERNEL_MAX_ROWS
-    x = torch.randn(523, 96, generator=g)
     import unittest.mock
 
-    with unittest.mock.patch.object(quant, "load_quant_kernel", lambda: counting):
-        full = layer(x)
-        for start, size in ((3, 1), (3, 2), (8, 7), (0, 8), (5, 9), (250, 13), (100, 300)):
-            assert torch.equal(layer(x[start:start + size]), full[start:start + size]), (start, size)
-    assert counting.bf16_calls == 8
-    ref = F.linear(x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double())
-    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+    x = torch.randn(523, 96, generator=g)
+    # 3 tiles of 16 outputs run one by one; 4 tiles run in pairs from 8 rows on (bf16x16_rows4_tiles2)
+    for w in (w, torch.randn(64, 96, generator=g) * 0.05):
+        layer = quant.Bf16Linear(w)
+        counting = _CountingKernel(lib)
+        layer.kernel_max_rows = quant.KERNEL_MAX_ROWS
+        with unittest.mock.patch.object(quant, "load_quant_kernel", lambda: counting):
+            full = layer(x)
+            for start, size in ((3, 1), (3, 2), (8, 7), (0, 8), (5, 9), (250, 13), (100, 300)):
+                assert torch.equal(layer(x[start:start + size]), full[start:start + size]), (start, size)
+        assert counting.bf16_calls == 8
+        ref = F.linear(x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double())
+        torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
     assert not quant.Bf16Linear(w[:, :80]).x16  # K not a multiple of 32: by rows, through torch
     torch.testing.assert_close(quant.Bf16Linear(w[:, :80])(x[:4, :80]), F.linear(
         x[:4, :80].to(torch.bfloat16), w[:, :80].to(torch.bfloat16)).float())
@@ -563,7 +566,7 @@ def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
     variant = quant.kernel_variant(march).load()
     assert variant is not None
     g = torch.Generator().manual_seed(11)
-    w, x = torch.randn(48, 192, generator=g) * 0.05, torch.randn(9, 192, generator=g)
+    w, x = torch.randn(64, 192, generator=g) * 0.05, torch.randn(9, 192, generator=g)  # 4 tiles: bf16 in pairs
     for method in ("int4", "int4-x16", "int4-x16-g64", "int8", "int8-x16", "bf16"):
         x16 = "x16" in method
         group = 64 if method.endswith("g64") else 32

@@ -790,6 +790,48 @@ void bf16x16_rows8(const uint32_t* xg, const uint32_t* wt, float* y, int K, int 
 }
 #undef PAGEDLM_DP
 
+// Rows m0 + i0 .. m0 + i0 + 3 of x (half of packed group xg) against two tiles, wt (outputs n0 ..) and wt2 (n0 + 16
+// ..): each activation pair is broadcast into a register once for both tiles, 12 loads per 16 vdpbf16ps instead of
+// 18. The same two chains per output as bf16x16_rows8, so the same results.
+void bf16x16_rows4_tiles2(const uint32_t* xg, const uint32_t* wt, const uint32_t* wt2, float* y, int K, int N, int n0,
+                          int m0, int i0) {
+  const int pairs = K / 2;
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+  __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, d0 = a0, d1 = a0, d2 = a0, d3 = a0;
+  auto dp = [](__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); };
+  for (int p = 0; p < pairs; p += 2) {
+    const uint32_t *w = wt + int64_t(p) * X16, *v = wt2 + int64_t(p) * X16;
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + X16);
+    const __m512i v0 = _mm512_loadu_si512(v), v1 = _mm512_loadu_si512(v + X16);
+    const uint32_t* xp = xg + int64_t(p) * BF16_ROWS + i0;
+    __m512i x = _mm512_set1_epi32(int(xp[0]));
+    a0 = dp(a0, w0, x); c0 = dp(c0, v0, x);
+    x = _mm512_set1_epi32(int(xp[1]));
+    a1 = dp(a1, w0, x); c1 = dp(c1, v0, x);
+    x = _mm512_set1_epi32(int(xp[2]));
+    a2 = dp(a2, w0, x); c2 = dp(c2, v0, x);
+    x = _mm512_set1_epi32(int(xp[3]));
+    a3 = dp(a3, w0, x); c3 = dp(c3, v0, x);
+    x = _mm512_set1_epi32(int(xp[BF16_ROWS]));
+    b0 = dp(b0, w1, x); d0 = dp(d0, v1, x);
+    x = _mm512_set1_epi32(int(xp[BF16_ROWS + 1]));
+    b1 = dp(b1, w1, x); d1 = dp(d1, v1, x);
+    x = _mm512_set1_epi32(int(xp[BF16_ROWS + 2]));
+    b2 = dp(b2, w1, x); d2 = dp(d2, v1, x);
+    x = _mm512_set1_epi32(int(xp[BF16_ROWS + 3]));
+    b3 = dp(b3, w1, x); d3 = dp(d3, v1, x);
+  }
+  float* ym = y + int64_t(m0 + i0) * N + n0;
+  _mm512_storeu_ps(ym, _mm512_add_ps(a0, b0));
+  _mm512_storeu_ps(ym + N, _mm512_add_ps(a1, b1));
+  _mm512_storeu_ps(ym + 2 * int64_t(N), _mm512_add_ps(a2, b2));
+  _mm512_storeu_ps(ym + 3 * int64_t(N), _mm512_add_ps(a3, b3));
+  _mm512_storeu_ps(ym + X16, _mm512_add_ps(c0, d0));
+  _mm512_storeu_ps(ym + N + X16, _mm512_add_ps(c1, d1));
+  _mm512_storeu_ps(ym + 2 * int64_t(N) + X16, _mm512_add_ps(c2, d2));
+  _mm512_storeu_ps(ym + 3 * int64_t(N) + X16, _mm512_add_ps(c3, d3));
+}
+
 // Rows m0 .. m0+R of x (packed group xg) against tile wt (16 outputs): y[m, n0 .. n0+15].
 template <int R>
 void bf16x16_rows(const uint32_t* xg, const uint32_t* wt, float* y, int K, int N, int n0, int m0, bool prefetch) {
@@ -807,6 +849,24 @@ void bf16x16_rows(const uint32_t* xg, const uint32_t* wt, float* y, int K, int N
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, _mm512_add_ps(a[i], b[i]));
+}
+#endif
+
+#ifdef PAGEDLM_AVX512_BF16
+// Tiles n0 / 16 and the next one, every row of xp: full groups 4 rows at a time for both tiles.
+void bf16x16_tile(const uint32_t* xp, const uint32_t* w, float* y, int M, int K, int N, int n0);
+void bf16x16_tiles2(const uint32_t* xp, const uint32_t* w, float* y, int M, int K, int N, int n0) {
+  const int pairs = K / 2;
+  const uint32_t* wt = w + int64_t(n0 / X16) * pairs * X16;
+  const int full = M / BF16_ROWS * BF16_ROWS;
+  for (int m0 = 0; m0 < full; m0 += BF16_ROWS)
+    for (int i0 = 0; i0 < BF16_ROWS; i0 += 4)
+      bf16x16_rows4_tiles2(xp + int64_t(m0) * pairs, wt, wt + int64_t(pairs) * X16, y, K, N, n0, m0, i0);
+  if (full < M) {
+    const int64_t off = int64_t(full) * pairs;  // the last, partial group: as bf16x16_tile runs it
+    bf16x16_tile(xp + off, w, y + int64_t(full) * N, M - full, K, N, n0);
+    bf16x16_tile(xp + off, w, y + int64_t(full) * N, M - full, K, N, n0 + X16);
+  }
 }
 #endif
 
@@ -1003,6 +1063,15 @@ int pagedlm_linear_bf16_x16(const float* x, const uint32_t* w, float* y, int M, 
   pack_bf16_act(x, M, K, xpp, nthreads);
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
+#ifdef PAGEDLM_AVX512_BF16
+    if (rows >= BF16_ROWS && (N / X16) % 2 == 0) {  // tiles in pairs (see bf16x16_rows4_tiles2)
+      parallel_for(N / X16 / 2, nthreads, 1, [&](int64_t t0, int64_t t1) {
+        for (int t = int(t0); t < t1; ++t)
+          bf16x16_tiles2(xpp + int64_t(m0) * (K / 2), w, y + int64_t(m0) * N, rows, K, N, 2 * t * X16);
+      });
+      continue;
+    }
+#endif
     parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
       for (int t = int(t0); t < t1; ++t)
         bf16x16_tile(xpp + int64_t(m0) * (K / 2), w, y + int64_t(m0) * N, rows, K, N, t * X16);
