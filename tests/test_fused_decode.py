@@ -98,7 +98,9 @@ def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir
                     other = lp if tok in lf else lf
                     shown = (lf if tok in lf else lp)[tok].logprob
                     assert shown <= min(t.logprob for t in other.values()) + tol
-    assert diverged <= 1, "more than one sequence met a near-tie"
+    # Every parting is at a near-tie (asserted above). Gemma 3's random norms with Q8 activations make them common:
+    # on a Sapphire Rapids (torch's AVX512-FP16 builds of the elementwise ops) two of the five prompts meet one.
+    assert diverged <= (2 if family == "gemma3" and quantized_acts else 1), "more sequences met a near-tie"
 
 
 def _agreeing_prefix(f, p, tol: float) -> int:

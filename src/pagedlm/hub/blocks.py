@@ -1,11 +1,17 @@
 """A checkpoint's quantized blocks as read, kept in their own format: GGUF's Q4_0 / Q4_1 / Q4_K tensors become
-`Int4Blocks`, which model/quant.py's int4 layers run without dequantizing."""
+`Int4Blocks`, which model/quant.py's int4 layers run without dequantizing; `LazyRows` are other GGUF matrices,
+dequantized a few rows at a time by whoever converts them (a 128k-row vocabulary table in fp32 would be GBs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import gguf
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from pagedlm.hub.gguf_file import GGUFFile, GGUFTensor
 
 
 @dataclass
@@ -66,3 +72,32 @@ class Int4Blocks:
     @staticmethod
     def cat(parts: list["Int4Blocks"]) -> "Int4Blocks":
         return Int4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qweight", "scale", "mins")))
+
+
+@dataclass
+class LazyRows:
+    """A GGUF matrix [rows, cols] read on demand: `rows[i:j]` is those rows dequantized to fp32 (their file pages
+    are released once read, see `GGUFFile.release`); `materialize()` the whole matrix."""
+
+    reader: GGUFFile
+    tensor: GGUFTensor
+    dtype = torch.float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        cols, rows = self.tensor.shape
+        return rows, cols
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _ = rows.indices(self.shape[0])
+        data = self.tensor.data[start:stop]
+        out = gguf.quants.dequantize(data, self.tensor.tensor_type).reshape(stop - start, self.shape[1])
+        row_bytes = self.tensor.data.nbytes // self.shape[0]
+        self.reader.release(self.tensor, start * row_bytes, (stop - start) * row_bytes)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+
+    def materialize(self, chunk: int = 4096) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=torch.float32)
+        for i in range(0, self.shape[0], chunk):
+            out[i:i + chunk] = self[i:i + chunk]
+        return out

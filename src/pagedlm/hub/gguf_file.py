@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # GGUF order: the fastest-varying dimension first
     tensor_type: gguf.GGMLQuantizationType
     data: np.ndarray  # read-only view of the file
+    offset: int = 0  # of its data in the file
 
     @property
     def n_elements(self) -> int:
@@ -53,6 +54,20 @@ class GGUFFile:
     fields: dict[str, Any]  # key -> int / float / bool / str, or a list of them for an array
     tensors: list[GGUFTensor]
     alignment: int
+    mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)
+
+    def release(self, tensor: GGUFTensor, start: int = 0, nbytes: int | None = None) -> None:
+        """Unmap the pages of `tensor`'s data (bytes `start` .. `start + nbytes` of it, None: to its end) from this
+        process; they stay in the page cache and are read again if the data is touched again: once a tensor has
+        been converted, its file pages need not count in the process's resident memory beside the converted copy."""
+        if self.mapping is None or not hasattr(self.mapping, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        first = tensor.offset + start
+        start, end = first // page * page, tensor.offset + (tensor.data.nbytes if nbytes is None else start + nbytes)
+        end = min(end, len(self.mapping))
+        if end > start:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 class _Cursor:
@@ -105,7 +120,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise GGUFFormatError("empty file")
-        buf = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = np.frombuffer(mapping, np.uint8)
     raw = memoryview(buf)
     if len(buf) < 24 or bytes(raw[:4]) != b"GGUF":
         raise GGUFFormatError("bad magic")
@@ -147,5 +163,5 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             data = buf[at:at + nbytes].view(np.dtype(order + _PLAIN_TENSORS[ttype])).reshape(dims)
         else:
             data = buf[at:at + nbytes].reshape(*dims[:-1], dims[-1] // block * type_size) if dims else buf[at:at]
-        tensors.append(GGUFTensor(name, shape, ttype, data))
-    return GGUFFile(path, fields, tensors, alignment)
+        tensors.append(GGUFTensor(name, shape, ttype, data, at))
+    return GGUFFile(path, fields, tensors, alignment, mapping)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from pagedlm.hub.blocks import Int4Blocks
+from pagedlm.hub.blocks import Int4Blocks, LazyRows
 from pagedlm.hub.gguf_file import GGUFFile
 from pagedlm.hub.registry import ModelLoadError, open_gguf
 
@@ -235,19 +235,20 @@ def _normalize(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def iter_weights(path: Path, dtype: torch.dtype = torch.float32,
-                 native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
+def iter_weights(path: Path, dtype: torch.dtype = torch.float32, native: Collection[str] = (),
+                 lazy: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | Int4Blocks | LazyRows]]:
     """Yield (HF parameter name, tensor in `dtype` with HF shape) for every weight in the model.
 
     `lm_head.weight` is absent when embeddings are tied. GGUF tensors are dequantized and
     Q/K rows are un-permuted exactly as transformers does it, so results are bit-identical; linear weights
-    whose GGUF type is in `native` (Q4_0, Q4_1) come as `Int4Blocks`, as stored.
+    whose GGUF type is in `native` (Q4_0, Q4_1) come as `Int4Blocks`, as stored, and the GGUF matrices named in
+    `lazy` (HF names) as `LazyRows`, to be dequantized by rows by their consumer.
     """
     path = Path(path)
     if path.is_dir():
         yield from _iter_safetensors(path, dtype)
     else:
-        yield from _iter_gguf(path, dtype, native)
+        yield from _iter_gguf(path, dtype, native, lazy)
 
 
 def _iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -281,7 +282,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = (),
+               lazy: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | Int4Blocks | LazyRows]]:
     reader = open_gguf(path)
     cfg = _gguf_config(path, reader)
     arch = _meta(reader, "general.architecture")
@@ -296,7 +298,11 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = ()) -> 
             blocks = Int4Blocks.from_gguf(t.data, t.tensor_type.name)
             if (kind := t.name.split(".")[-2]) in heads:
                 blocks = blocks.rows(_unpermute(np.arange(blocks.shape[0]), heads[kind]))
+            reader.release(t)
             yield name, blocks
+            continue
+        if name in lazy and len(t.shape) == 2:  # never a permuted (Q/K) or shifted (Gemma norm) tensor
+            yield name, LazyRows(reader, t)
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
         if (kind := t.name.split(".")[-2]) in heads:  # weights and biases alike
@@ -305,8 +311,18 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = ()) -> 
             w = w - 1
         if kind == "ffn_gate_inp_shexp":
             w = w.reshape(1, -1)
+        reader.release(t)
         if "{}" in name:  # a stack of experts
             for e in range(w.shape[0]):
                 yield name.format(e), torch.from_numpy(np.copy(w[e])).to(dtype)
         else:
-            yield name, torch.from_numpy(np.copy(w)).to(dtype)
+            yield name, _owned(w, dtype)
+            del w
+
+
+def _owned(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """`w` as a tensor in `dtype` that does not hold on to the file's pages (read-only views of the mapping are
+    copied; arrays dequantization made are taken as they are)."""
+    if not w.flags.writeable or not w.flags.c_contiguous:
+        w = np.copy(w)
+    return torch.from_numpy(w).to(dtype)

@@ -16,35 +16,40 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
                group_size: int = 32, dense_dtype: torch.dtype | None = None,
                kernel_max_rows: int = KERNEL_MAX_ROWS,
                head_kernel_max_rows: int | None = None,
-               fallback: str | None = None) -> tuple[CausalLM, ModelConfig]:
+               fallback: str | None = None, dense_copy: bool = True) -> tuple[CausalLM, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
-    rows through a dense copy in `dense_dtype`, see model/quant.py and model/plan.py; `head_kernel_max_rows` for
+    rows through a dense copy in `dense_dtype` (per call without `dense_copy`), see model/quant.py and plan.py; `head_kernel_max_rows` for
     the int8 embedding table as LM head, None: the same; `fallback`: the method for the linear weights a GGUF holds
-    no int4 blocks for, None: `quantization`)."""
+    no int4 blocks for, None: `quantization`). Weights stream from the checkpoint into their final format one
+    tensor at a time: the model is built without weights (`layers.deferred_weights`) and each Linear is quantized
+    as soon as it is loaded, so loading never holds more than the result plus one tensor's temporaries."""
     from pagedlm.hub.loader import iter_weights, load_hf_config
     from pagedlm.model.gemma3 import Gemma3ForCausalLM
+    from pagedlm.model.layers import Linear, deferred_weights
     from pagedlm.model.llama import LlamaForCausalLM
+    from pagedlm.model.plan import NATIVE_INT4_TYPES
+    from pagedlm.model.quant import LinearQuantizer
 
     cfg = ModelConfig.from_hf(load_hf_config(path))
     model_cls = Gemma3ForCausalLM if cfg.model_type == "gemma3_text" else LlamaForCausalLM  # + every LLaMA style
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), deferred_weights():
             model = model_cls(cfg)
     finally:
         torch.set_default_dtype(prev)
-    from pagedlm.model.plan import NATIVE_INT4_TYPES
-
     native = NATIVE_INT4_TYPES if quantization == "int4" and group_size == 32 else ()
-    model.load_weights(iter_weights(path, dtype, native))
-    if quantization:
-        from pagedlm.model.quant import quantize_model
-        quantize_model(model, quantization, group_size, dense_dtype, kernel_max_rows, head_kernel_max_rows, fallback)
+    quantizer = LinearQuantizer(model, quantization, group_size, fallback) if quantization else None
+    # the vocabulary matrices become int8 (bf16) tables: read them by rows, never whole in fp32
+    lazy = ("model.embed_tokens.weight", "lm_head.weight") if quantization else ()
+    model.load_weights(iter_weights(path, dtype, native, lazy), quantizer, device)
+    if quantizer is not None:
+        quantizer.finish(dense_dtype, kernel_max_rows, head_kernel_max_rows, dense_copy)
+    model.process_weights_after_loading()
     if dtype == torch.bfloat16 and device.type == "cpu":
         from pagedlm.cpu import cpu_features
-        from pagedlm.model.layers import Linear
 
         if cpu_features().native_bf16:  # the remaining bf16 Linears, prepacked for oneDNN
             for m in model.modules():

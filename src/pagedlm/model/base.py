@@ -3,7 +3,7 @@ the way in, int4 blocks set aside for quantization), weight repacking after load
 fused decode path and the MoE layers."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
-from pagedlm.hub.blocks import Int4Blocks
+from pagedlm.hub.blocks import Int4Blocks, LazyRows
 from pagedlm.model.layers import Linear
 
 if TYPE_CHECKING:
@@ -43,7 +43,8 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.sliding_window = cfg.sliding_window
         self.layer_sliding_windows = cfg.layer_sliding_windows
-        self.native_weights: dict[str, Int4Blocks] = {}  # checkpoint int4 blocks by parameter name (_copy)
+        # checkpoint tensors kept in their own format for `finalize`, by parameter name (_copy)
+        self.native_weights: dict[str, Int4Blocks | LazyRows] = {}
         self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
 
     # ---- forward -------------------------------------------------------------------------------------------
@@ -100,7 +101,8 @@ class CausalLM(nn.Module):
     # ---- weights -------------------------------------------------------------------------------------------
 
     def process_weights_after_loading(self) -> None:
-        """Let each Linear repack its weight for speed (see `Linear.process_weights_after_loading`)."""
+        """Once every weight is in its final format: let each remaining Linear repack its weight for speed (see
+        `Linear.process_weights_after_loading`; idempotent)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.process_weights_after_loading()
@@ -109,12 +111,35 @@ class CausalLM(nn.Module):
         """The parameter a checkpoint tensor `name` goes to (before q/k/v and gate/up fusing)."""
         return name.removeprefix("model.")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up, then `process_weights_after_loading`. Raises on
-        missing or unexpected tensors."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Blocks]],
+                     finalize: Finalize | None = None, device: torch.device | str = "cpu") -> None:
+        """Take HF-named tensors in checkpoint order, fusing q/k/v and gate/up. A parameter still on the meta device
+        (built under `layers.deferred_weights`) becomes the tensor itself (on `device`), any other one is copied
+        into. As soon as a Linear or the embedding table has all its parameters it is handed to
+        `finalize(name, module)`, whose result takes its place: a quantizer turns each weight into its final format
+        while the rest still loads, so at most one full-precision weight exists at a time (default: a Linear's
+        `process_weights_after_loading`).
+        Raises on missing or unexpected tensors; int4 blocks and lazy rows are set aside in `native_weights` for
+        `finalize`."""
         params = dict(self.named_parameters())
+        waiting = {name: {p for p, _ in m.named_parameters()} for name, m in self.named_modules()
+                   if isinstance(m, (Linear, nn.Embedding))}
+        finalize = finalize or _process
         pending: dict[str, dict[int, torch.Tensor]] = {}
         loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor | Int4Blocks) -> None:
+            self._copy(params, name, tensor, device)
+            loaded.add(name)
+            owner, _, attr = name.rpartition(".")
+            if owner in waiting:
+                waiting[owner].discard(attr)
+                if not waiting[owner]:
+                    del waiting[owner]
+                    parent, _, child = owner.rpartition(".")
+                    holder = self.get_submodule(parent) if parent else self
+                    setattr(holder, child, finalize(owner, getattr(holder, child)))
+
         for name, tensor in self._expand_experts(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -133,18 +158,15 @@ class CausalLM(nn.Module):
                         fused_tensor = Int4Blocks.cat(parts)
                     else:  # int4 blocks beside other formats (Gemma's q/k Q5_0, v Q8_0): one dense weight
                         fused_tensor = torch.cat([_dense(p, params[target].dtype) for p in parts], dim=0)
-                    self._copy(params, target, fused_tensor)
-                    loaded.add(target)
-                    del pending[target]
+                    del pending[target], group, parts
+                    put(target, fused_tensor)
                 continue
             if name not in params:
                 raise ValueError(f"Unexpected weight {name!r} in checkpoint.")
-            self._copy(params, name, tensor)
-            loaded.add(name)
+            put(name, tensor)
         missing = set(params) - loaded
         if pending or missing:
             raise ValueError(f"Checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
-        self.process_weights_after_loading()
 
     @staticmethod
     def _expand_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -158,16 +180,30 @@ class CausalLM(nn.Module):
             else:
                 yield name, tensor
 
-    def _copy(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | Int4Blocks) -> None:
-        """Copy a checkpoint tensor into its parameter; int4 blocks kept as stored are set aside in
-        `native_weights` for quantize_model instead."""
+    def _copy(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | Int4Blocks,
+              device: torch.device | str) -> None:
+        """Put a checkpoint tensor into its parameter; int4 blocks kept as stored and lazy rows are set aside in
+        `native_weights` instead."""
         p = params[name]
         if tuple(p.shape) != tuple(tensor.shape):
             raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}.")
-        if isinstance(tensor, Int4Blocks):
+        if isinstance(tensor, (Int4Blocks, LazyRows)):
             self.native_weights[name] = tensor
+        elif p.is_meta:
+            owner, _, attr = name.rpartition(".")
+            module = self.get_submodule(owner) if owner else self
+            setattr(module, attr, nn.Parameter(tensor.to(device, p.dtype), requires_grad=False))
         else:
             p.data.copy_(tensor)
+
+
+Finalize = Callable[[str, nn.Module], nn.Module]
+
+
+def _process(name: str, module: nn.Module) -> nn.Module:
+    if isinstance(module, Linear):
+        module.process_weights_after_loading()
+    return module
 
 
 def _dense(w: torch.Tensor | Int4Blocks, dtype: torch.dtype) -> torch.Tensor:

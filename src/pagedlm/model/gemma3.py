@@ -10,7 +10,7 @@ from torch import nn
 from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.model.base import CausalLM
-from pagedlm.model.layers import ACTIVATIONS, Linear, rope_inv_freq
+from pagedlm.model.layers import ACTIVATIONS, Linear, embedding, rope_inv_freq
 from pagedlm.model.llama_decode import FusedLayer, FusedStack
 
 
@@ -121,8 +121,7 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(cfg)
         self.rotary_local = Rotary(cfg.head_dim, cfg.rope_local_base_freq)
         self.rotary_global = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, self.rotary_global if w is None else self.rotary_local, w)
             for w in self.layer_sliding_windows)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -14,6 +17,31 @@ ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+
+
+_DEFERRED = ContextVar("pagedlm_deferred_weights", default=False)
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Inside, `weight_placeholder` makes weights on the meta device: shapes without memory, which
+    `CausalLM.load_weights` replaces by the checkpoint's tensors, so that no full-precision copy of a quantized
+    checkpoint is ever built."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def weight_placeholder(*shape: int) -> torch.Tensor:
+    """An uninitialized weight in the default dtype: on the meta device inside `deferred_weights`."""
+    return torch.empty(*shape, device="meta") if _DEFERRED.get() else torch.empty(*shape)
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """A frozen embedding table whose weight is a `weight_placeholder` (the checkpoint fills it)."""
+    return nn.Embedding(num, dim, _weight=weight_placeholder(num, dim), _freeze=True)
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +75,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = nn.Parameter(weight_placeholder(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.transposed = False
         self.packed = False  # weight is a oneDNN-blocked bf16 weight (pack_bf16)

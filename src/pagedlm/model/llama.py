@@ -10,7 +10,7 @@ from torch import nn
 from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.model.base import CausalLM
-from pagedlm.model.layers import ACTIVATIONS, Linear, RMSNorm, RotaryEmbedding, prefer_transposed
+from pagedlm.model.layers import ACTIVATIONS, Linear, RMSNorm, RotaryEmbedding, embedding, prefer_transposed
 from pagedlm.model.llama_decode import FusedLayer, FusedStack
 
 
@@ -99,8 +99,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
@@ -136,9 +135,11 @@ class LlamaForCausalLM(CausalLM):
     def process_weights_after_loading(self) -> None:
         """Repack the loaded weights for speed (see `Linear.process_weights_after_loading`). A tied LM head
         gets its own Linear (a copy of the embedding) when that Linear would store it in another layout."""
-        if self.lm_head is None and prefer_transposed(self.embed_tokens.weight.dtype, self.embed_tokens.weight.device):
+        table = self.embed_tokens
+        if self.lm_head is None and isinstance(table, nn.Embedding) and prefer_transposed(table.weight.dtype,
+                                                                                          table.weight.device):
             head = Linear(self.cfg.hidden_size, self.cfg.vocab_size)
-            head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)
+            head.weight = nn.Parameter(table.weight.data, requires_grad=False)
             self.lm_head = head
         super().process_weights_after_loading()
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.config import ModelConfig
+from pagedlm.model.layers import weight_placeholder
 from pagedlm.model.llama import LlamaMLP
 
 
@@ -22,7 +23,7 @@ class Router(nn.Module):
 
     def __init__(self, hidden_size: int, num_outputs: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_outputs, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(weight_placeholder(num_outputs, hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

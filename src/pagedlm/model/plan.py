@@ -16,13 +16,17 @@ The default (`dtype="auto"`, no `quantization`) on a CPU:
   to bf16 at each product, as a bf16 GEMM does, but the residual stream, norms and attention in fp32), so decode
   steps take the fused decoder stack too, with a bf16 KV cache;
 - anything else runs in bf16 where the CPU has native bf16 (AVX512-BF16 or AMX), else in fp32, as before.
-Quantized layers keep a dense copy of their weights (bf16 where the CPU has native bf16 and the dtype was left to
-`auto`, else fp32) for steps with more rows than `kernel_max_rows`, where a GEMM beats the quantized kernels; the
-crossover is measured by model/probe.py (cached per CPU) unless `kernel_max_rows` is set.
+Steps with more rows than `kernel_max_rows`, where a GEMM beats the quantized kernels, run a GEMM over the weights
+dequantized (bf16 where the CPU has native bf16 and the dtype was left to `auto`, else fp32): over a dense copy kept
+beside the quantized weights where that copy takes at most DENSE_COPY_MEMORY_FRACTION of the machine's memory (small
+models), else over each weight dequantized per call into one shared scratch buffer, so that a model's footprint stays
+near its file size (`ExecutionPlan.dense_copy`). The crossover is measured by model/probe.py for that path (cached per
+CPU) unless `kernel_max_rows` is set.
 An explicit `dtype` keeps its meaning: `dtype="float32"` without `quantization` is the full-precision path.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from pagedlm.cpu import cpu_features
 # GGUF block formats that model/quant.py's int4 layout holds (group size 32; Q4_K's scales rounded to fp16).
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
+DENSE_COPY_MEMORY_FRACTION = 1 / 32  # the most of the machine's memory a dense copy of the weights may take
 
 
 @dataclass
@@ -47,6 +52,7 @@ class ExecutionPlan:
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype, resolved ("auto": the activations' dtype)
     head_kernel_max_rows: int | None = None  # the same for the embedding table as LM head (None: as above)
     fallback: str | None = None  # "int8": linear weights the checkpoint holds no int4 blocks for (None: quantization)
+    dense_copy: bool = True  # big steps over a dense copy of the weights (else dequantized per call)
 
     def describe(self) -> str:
         weights = {None: "dense", "int8": "int8 per channel", "int4": f"int4 (groups of {self.group_size})",
@@ -58,8 +64,9 @@ class ExecutionPlan:
         if self.quantization and self.kernel_max_rows >= KERNEL_MAX_ROWS:
             s += "; every step runs the quantized kernels (no dense copy)"
         elif self.quantization:
+            over = "a dense copy" if self.dense_copy else "the weights dequantized per call"
             s += (f"; steps of <= {self.kernel_max_rows} rows run the quantized kernels, larger ones a "
-                  f"{_name(self.dense_dtype)} GEMM")
+                  f"{_name(self.dense_dtype)} GEMM over {over}")
             if self.head_kernel_max_rows is not None:
                 s += f" (the LM head's kernel: <= {self.head_kernel_max_rows} rows)"
         return s + "; " + "; ".join(self.reasons)
@@ -78,6 +85,32 @@ def gguf_linear_types(path: Path) -> set[str]:
 
     return {t.tensor_type.name for t in open_gguf(path).tensors
             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+
+
+def machine_memory() -> int:
+    """Bytes of physical memory, or of the cgroup's limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        return min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        return total
+
+
+def dense_weight_bytes(path: Path, dtype: torch.dtype) -> int:
+    """About the bytes a dense copy in `dtype` of a checkpoint's matrices takes (GGUF: from its tensors' shapes; HF:
+    from the size of its safetensors files and stored dtype)."""
+    path = Path(path)
+    size = torch.empty(0, dtype=dtype).element_size()
+    if path.is_dir():
+        from pagedlm.hub.loader import load_hf_config
+
+        stored = parse_dtype(load_hf_config(path).get("torch_dtype", "float32"))
+        files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return files // torch.empty(0, dtype=stored).element_size() * size
+    from pagedlm.hub.loader import open_gguf
+
+    return sum(t.n_elements for t in open_gguf(path).tensors if len(t.shape) == 2) * size
 
 
 def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True) -> ExecutionPlan:
@@ -124,14 +157,23 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
     dense = torch.bfloat16 if (dtype == torch.bfloat16 or (auto and cpu.native_bf16)) else torch.float32
     if not on_cpu:
         return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons, kv_cache_dtype, fallback=fallback)
+    copy = True
+    if path is not None:
+        need, limit = dense_weight_bytes(path, dense), int(machine_memory() * DENSE_COPY_MEMORY_FRACTION)
+        copy = need <= limit
+        if not copy:
+            reasons.append(f"big steps dequantize the weights per call: a dense copy would take {need / 2**30:.1f} "
+                           f"GiB, more than 1/{round(1 / DENSE_COPY_MEMORY_FRACTION)} of the memory")
     if config.kernel_max_rows is not None or not measure:
         rows = KERNEL_MAX_ROWS if config.kernel_max_rows is None else config.kernel_max_rows
         reasons.append(f"kernel_max_rows {rows} as configured")
-        return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, fallback=fallback)
+        return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, fallback=fallback,
+                             dense_copy=copy)
     from pagedlm.model.probe import HEAD_SHAPE, measure_kernel_max_rows
 
-    rows, why = measure_kernel_max_rows(quantization, group_size, dense)
+    rows, why = measure_kernel_max_rows(quantization, group_size, dense, copy=copy)
     head = "bf16" if quantization == "bf16" else "int8"
-    head_rows, head_why = measure_kernel_max_rows(head, 32, dense, HEAD_SHAPE)
+    head_rows, head_why = measure_kernel_max_rows(head, 32, dense, HEAD_SHAPE, copy=copy)
     reasons += [why, f"{head} LM head: {head_why}"]
-    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, head_rows, fallback)
+    return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, head_rows, fallback,
+                         copy)

@@ -29,10 +29,11 @@ PROBE_VERSION = 4  # 2: the dense side is the layer's own big-step path (prepack
 
 
 def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dtype,
-                            shape: tuple[int, int] = SHAPE) -> tuple[int, str]:
-    """(rows, a sentence saying how they were found) for a layer of `shape` (in, out)."""
+                            shape: tuple[int, int] = SHAPE, copy: bool = True) -> tuple[int, str]:
+    """(rows, a sentence saying how they were found) for a layer of `shape` (in, out) whose big steps run over a
+    dense copy (`copy`) or over the weight dequantized per call (`QuantLinear.set_dense`)."""
     key = json.dumps([sorted(cpu_features().flags), torch.__version__, method, group_size, str(dense_dtype),
-                      shape, ROWS, torch.get_num_threads(), _kernel_version(), PROBE_VERSION])
+                      shape, ROWS, torch.get_num_threads(), _kernel_version(), PROBE_VERSION, copy])
     path = cbuild.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         rows = int(json.loads(path.read_text())["kernel_max_rows"])
@@ -40,7 +41,7 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
     except (OSError, ValueError, KeyError):
         pass
     t0 = time.perf_counter()
-    rounds = [_time_paths(method, group_size, dense_dtype, shape) for _ in range(ROUNDS)]
+    rounds = [_time_paths(method, group_size, dense_dtype, shape, copy) for _ in range(ROUNDS)]
     found = [_crossover(t) for t in rounds]
     rows, timings = max(zip(found, rounds), key=lambda x: x[0])
     stable = len(set(found)) == 1
@@ -92,8 +93,8 @@ def _crossover(timings: dict[int, tuple[float, float]]) -> int:
     return KERNEL_MAX_ROWS
 
 
-def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype,
-                shape: tuple[int, int]) -> dict[int, tuple[float, float]]:
+def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype, shape: tuple[int, int],
+                copy: bool = True) -> dict[int, tuple[float, float]]:
     from pagedlm.model.quant import make_quant_linear
 
     k, n = shape
@@ -103,7 +104,7 @@ def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype,
     quant.kernel_max_rows = max(ROWS)
     dense = make_quant_linear(w, method, group_size)  # the same layer's big-step path, as the engine runs it
     dense.kernel_max_rows = 0
-    dense.set_dense(dense_dtype)
+    dense.set_dense(dense_dtype, copy)
     flush = torch.ones(FLUSH_BYTES // 4)
     out: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():

@@ -27,7 +27,7 @@ from torch import nn
 
 from pagedlm import cbuild
 from pagedlm.config import KERNEL_MAX_ROWS, QUANTIZATION_METHODS
-from pagedlm.hub.blocks import Int4Blocks
+from pagedlm.hub.blocks import Int4Blocks, LazyRows
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,10 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_bf16_x16_native.argtypes = []
     lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
+    lib.pagedlm_dequant_int4_x16_bf16.argtypes = [p, p, p, p, i, i, i, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
                lib.pagedlm_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
-               lib.pagedlm_bf16_x16_native):
+               lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16):
         fn.restype = ctypes.c_int
 
 
@@ -69,12 +70,19 @@ def load_quant_kernel() -> ctypes.CDLL | None:
     return KERNEL.load()
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (q int8 [N, K], scale fp32 [N])."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
+def quantize_int8(w: torch.Tensor | LazyRows, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q int8 [N, K], scale fp32 [N]), `chunk` rows at a time (the fp32 temporaries of a
+    128k-row embedding table would be GBs; LazyRows are dequantized by those rows)."""
+    n, k = w.shape
+    device = w.device if isinstance(w, torch.Tensor) else torch.device("cpu")  # LazyRows: read on the host
+    q = torch.empty(n, k, dtype=torch.int8, device=device)
+    scale = torch.empty(n, dtype=torch.float32, device=device)
+    for i in range(0, n, chunk):
+        rows = w[i:i + chunk].float()
+        s = (rows.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q[i:i + chunk] = torch.round(rows / s[:, None]).clamp_(-127, 127)
+        scale[i:i + chunk] = s
+    return q, scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -203,6 +211,18 @@ def prepack_bf16(w: torch.Tensor) -> torch.Tensor | None:
     return packed if same else None
 
 
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of `numel` elements shared by every layer's per-call dequantization (one step runs at a time;
+    reusing it saves a fresh allocation, and its page faults, per product)."""
+    buf = _SCRATCH.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
 class QuantLinear(nn.Module):
     """Drop-in for layers.Linear ([*, in] -> [*, out]) over a quantized weight; see the module docstring."""
 
@@ -214,14 +234,20 @@ class QuantLinear(nn.Module):
         self.dense: torch.Tensor | None = None  # see set_dense
         self.dense_transposed = False
         self.dense_packed = False  # dense is a oneDNN-blocked bf16 weight (prepack_bf16)
+        self.per_call_dtype: torch.dtype | None = None  # see set_dense
 
-    def set_dense(self, dtype: torch.dtype | None) -> None:
-        """Keep (or with None drop) a dense copy of the dequantized weight in `dtype` for products with more than
-        `kernel_max_rows` rows, in the layout layers.Linear would use."""
+    def set_dense(self, dtype: torch.dtype | None, copy: bool = True) -> None:
+        """How products with more than `kernel_max_rows` rows run: over a dense copy of the dequantized weight in
+        `dtype` kept in the layout layers.Linear would use (`copy`), or over the weight dequantized to `dtype` per
+        call into a shared scratch buffer (no memory held: for models whose dense copy would not fit); None: per
+        call in fp32 over the kernel's quantized activations."""
         from pagedlm.model.layers import prefer_transposed
 
-        self.dense, self.dense_packed = None, False
+        self.dense, self.dense_packed, self.per_call_dtype = None, False, None
         if dtype is None:
+            return
+        if not copy:
+            self.per_call_dtype = dtype
             return
         w = self.dequantize().to(dtype)
         if (packed := prepack_bf16(w)) is not None:
@@ -245,12 +271,19 @@ class QuantLinear(nn.Module):
                 y = torch.ops.mkldnn._linear_pointwise(xin.contiguous(), w, None, "none", [], "")
             else:
                 y = xin @ w if self.dense_transposed else F.linear(xin, w)
+        elif self.per_call_dtype is not None:
+            y = F.linear(x2.to(self.per_call_dtype), self.dequantize_to(self.per_call_dtype))
         else:
             y = F.linear(self.dense_input(x2.float()), self.dequantize())
         return y.to(dtype).reshape(*shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def dequantize_to(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight [N, K] in `dtype`, possibly in the shared scratch buffer (valid until the next
+        call of any layer's)."""
+        return self.dequantize().to(dtype)
 
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
         """The activations as the kernel multiplies them (identity unless it quantizes them)."""
@@ -265,13 +298,23 @@ class Int8Linear(QuantLinear):
     shape allows, else packed ([N/4, K/16, 4, 16], see `pack_int8`) where the shape allows, else plain. The x16
     kernel multiplies Q8 activations (as the int4 kernel does); the others fp32 ones."""
 
-    def __init__(self, weight: torch.Tensor, x16: bool | None = None) -> None:
-        super().__init__(weight.shape[1], weight.shape[0])
-        q, scale = quantize_int8(weight)
-        n, k = q.shape
+    def __init__(self, weight: torch.Tensor | LazyRows, x16: bool | None = None) -> None:
+        n, k = weight.shape
+        super().__init__(k, n)
         self.x16 = (x16_native(8) if x16 is None else x16) and n % X16 == 0 and k % 32 == 0
         self.packed = not self.x16 and can_pack_int8(n, k)
-        self.register_buffer("qweight", int8_to_x16(q) if self.x16 else pack_int8(q) if self.packed else q)
+        layout = int8_to_x16 if self.x16 else pack_int8 if self.packed else None
+        if layout is None:
+            q, scale = quantize_int8(weight)
+        else:  # by rows straight into the layout (tiles of 16 / 4 rows are contiguous): no second copy of the table
+            device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+            q = torch.empty(n * k, dtype=torch.int8, device=device)
+            scale = torch.empty(n, dtype=torch.float32, device=device)
+            for i in range(0, n, 512):
+                qc, scale[i:i + 512] = quantize_int8(weight[i:i + 512])
+                q[i * k:i * k + qc.numel()] = layout(qc).view(-1)
+            q = q.view(n, k) if self.x16 else q.view(n // 4, k // 16, 4, 16)
+        self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -354,6 +397,18 @@ class Int4Linear(QuantLinear):
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         lib.pagedlm_dequant_int4(q.data_ptr(), scale.data_ptr(), mins.data_ptr(), w.data_ptr(),
                                  self.in_features, self.out_features, self.group_size, torch.get_num_threads())
+        return w
+
+    def dequantize_to(self, dtype: torch.dtype) -> torch.Tensor:
+        lib = load_quant_kernel()
+        if dtype != torch.bfloat16 or not self.x16 or lib is None or self.qweight.device.type != "cpu":
+            return super().dequantize_to(dtype)
+        w = scratch(self.out_features * self.in_features, dtype).view(self.out_features, self.in_features)
+        rc = lib.pagedlm_dequant_int4_x16_bf16(self.qweight.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(),
+                                               w.data_ptr(), self.in_features, self.out_features, self.group_size,
+                                               torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"int4 dequantization failed (code {rc})")
         return w
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -445,42 +500,72 @@ def make_quant_linear(weight: torch.Tensor | Int4Blocks, method: str, group_size
     raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
 
 
+class LinearQuantizer:
+    """Quantizes a model's layers one by one: called as `load_weights`'s `finalize`, it turns each layers.Linear
+    into its quantized twin as soon as that Linear is loaded (int4 blocks the checkpoint stores, from
+    `model.native_weights`, as they are; other weights with `fallback`, None: `method`), so that the model never
+    exists in full precision; `finish` then does the embedding table and the dense copies."""
+
+    def __init__(self, model: nn.Module, method: str, group_size: int = 32, fallback: str | None = None) -> None:
+        if method not in METHODS or fallback not in (None, *METHODS):
+            raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r} / {fallback!r}")
+        self.model, self.method, self.group_size, self.fallback = model, method, group_size, fallback
+
+    def __call__(self, name: str, child: nn.Module) -> nn.Module:
+        """The quantized replacement of the loaded Linear `child` (module name `name`), or of the embedding table:
+        an int8 (bf16 for "bf16") table, which a tied LM head then shares (`finish`)."""
+        w = getattr(self.model, "native_weights", {}).pop(f"{name}.weight", None)
+        if isinstance(child, nn.Embedding):
+            w = child.weight.data if w is None else w
+            table = Bf16Linear(_dense(w)) if self.method == "bf16" else Int8Linear(w)
+            return TableEmbedding(table, child.weight.dtype)
+        method = self.method
+        if not isinstance(w, Int4Blocks):
+            w = w if w is not None else child.weight.data.t() if child.transposed else child.weight.data
+            method = self.fallback or self.method
+            w = w if method == "int8" else _dense(w)  # int8 quantizes lazy rows by rows
+        quantized = make_quant_linear(w, method, self.group_size)
+        return quantized if child.bias is None else WithBias(quantized, child.bias)
+
+    def finish(self, dense_dtype: torch.dtype | None = None, kernel_max_rows: int = KERNEL_MAX_ROWS,
+               head_kernel_max_rows: int | None = None, dense_copy: bool = True) -> int:
+        """Once every layer is quantized: a tied LM head shares the embedding table; products with more than
+        `kernel_max_rows` rows (`head_kernel_max_rows` for the table, None: the same) use a dense copy in
+        `dense_dtype`, or without `dense_copy` the weight dequantized to it per call (None: dequantize per call in
+        fp32). Returns the bytes of the dense copies."""
+        model = self.model
+        if native := getattr(model, "native_weights", {}):
+            raise ValueError(f"int4 blocks for weights that are not linear layers: {sorted(native)[:4]}")
+        if not isinstance(model.embed_tokens, TableEmbedding):
+            model.embed_tokens = self("embed_tokens", model.embed_tokens)
+        table = model.embed_tokens.table
+        if model.cfg.tie_word_embeddings:
+            model.lm_head = table
+        dense_bytes = 0
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.kernel_max_rows = kernel_max_rows
+                if m is table and head_kernel_max_rows is not None:
+                    m.kernel_max_rows = head_kernel_max_rows
+                m.set_dense(dense_dtype if m.kernel_max_rows < KERNEL_MAX_ROWS else None, dense_copy)
+                dense_bytes += 0 if m.dense is None else m.dense.numel() * m.dense.element_size()
+        return dense_bytes
+
+
+def _dense(w: torch.Tensor | LazyRows) -> torch.Tensor:
+    return w.materialize() if isinstance(w, LazyRows) else w
+
+
 def quantize_model(model: nn.Module, method: str, group_size: int = 32, dense_dtype: torch.dtype | None = None,
                    kernel_max_rows: int = KERNEL_MAX_ROWS, head_kernel_max_rows: int | None = None,
                    fallback: str | None = None) -> int:
-    """Replace, in place, every layers.Linear of a loaded `model` ([out, in] or transposed) by its quantized
-    twin, and the embedding table by an int8 one (which a tied LM head then shares); with a `fallback` method,
-    only the layers loaded as int4 blocks become int4 and the others `fallback`. Products with more than
-    `kernel_max_rows` rows (`head_kernel_max_rows` for the embedding table, None: the same) use a dense copy in
-    `dense_dtype` (None: dequantize per call). Returns the bytes of the dense copies."""
+    """Replace, in place, every layers.Linear of a loaded `model` ([out, in] or transposed) by its quantized twin
+    and the embedding table by an int8 one (see LinearQuantizer). Returns the bytes of the dense copies."""
     from pagedlm.model.layers import Linear
 
-    if method not in METHODS or fallback not in (None, *METHODS):
-        raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r} / {fallback!r}")
-    embed = model.embed_tokens
-    table = Bf16Linear(embed.weight.data) if method == "bf16" else Int8Linear(embed.weight.data)
-    model.embed_tokens = TableEmbedding(table, embed.weight.dtype)
-    if model.cfg.tie_word_embeddings:
-        model.lm_head = table
-    native = getattr(model, "native_weights", {})  # int4 blocks loaded as stored, by parameter name
+    quantizer = LinearQuantizer(model, method, group_size, fallback)
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
-                w = native.pop(f"{prefix}.{name}.weight".lstrip("."), None)
-                layer_method = method
-                if w is None:
-                    w = child.weight.data.t() if child.transposed else child.weight.data
-                    layer_method = fallback or method
-                quantized = make_quant_linear(w, layer_method, group_size)
-                setattr(parent, name, quantized if child.bias is None else WithBias(quantized, child.bias))
-    if native:
-        raise ValueError(f"int4 blocks for weights that are not linear layers: {sorted(native)[:4]}")
-    dense_bytes = 0
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            m.kernel_max_rows = kernel_max_rows
-            if m is table and head_kernel_max_rows is not None:
-                m.kernel_max_rows = head_kernel_max_rows
-            m.set_dense(dense_dtype if m.kernel_max_rows < KERNEL_MAX_ROWS else None)  # the kernel takes every step
-            dense_bytes += 0 if m.dense is None else m.dense.numel() * m.dense.element_size()
-    return dense_bytes
+                setattr(parent, name, quantizer(f"{prefix}.{name}".lstrip("."), child))
+    return quantizer.finish(dense_dtype, kernel_max_rows, head_kernel_max_rows)

@@ -924,6 +924,48 @@ void dequant_int4_rows(const uint8_t* q, const uint16_t* sc, const uint16_t* mn,
   }
 }
 
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite values: the dequantized weights)
+  uint32_t u; std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// Tile t (rows 16t .. 16t+15) of an int4 x16 weight dequantized to bf16 rows of w [N, K]: the same fp32 value per
+// weight as dequant_int4_rows, rounded to bf16.
+void dequant_int4x16_tile_bf16(const uint8_t* q, const uint16_t* sc, const uint16_t* mn, int K, int G, int t,
+                               uint16_t* w) {
+  const int nblocks = K / 32, ngroups = K / G;
+  const uint8_t* qt = q + int64_t(t) * 16 * (K / 2);
+  for (int b = 0; b < nblocks; ++b) {
+    const uint8_t* qb = qt + int64_t(b) * 256;
+    const int g = b * 32 / G;
+    for (int j = 0; j < 16; ++j) {
+      const int64_t sidx = (int64_t(t) * ngroups + g) * 16 + j;
+      const float s = half_to_float(sc[sidx]), m = half_to_float(mn[sidx]);
+      uint16_t* wj = w + (int64_t(t) * 16 + j) * K + b * 32;
+#ifdef PAGEDLM_AVX512_BF16
+      // The row's 16 bytes in their natural order (byte 4c + i from chunk c), nibbles widened to fp32, the same
+      // mul and add as below (no fma), rounded to nearest even by vcvtneps2bf16.
+      auto word = [&](int c) { int32_t v; std::memcpy(&v, qb + c * 64 + j * 4, 4); return v; };
+      const __m128i bytes = _mm_set_epi32(word(3), word(2), word(1), word(0)), low = _mm_set1_epi8(0x0f);
+      const __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+      const __m128i halves[2] = {_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)};
+      for (int h = 0; h < 2; ++h) {
+        const __m512 f = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h])), vs), vm);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wj + 16 * h), (__m256i)_mm512_cvtneps_pbh(f));
+      }
+      continue;
+#endif
+      for (int c = 0; c < 4; ++c) {
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t v = qb[c * 64 + j * 4 + i];
+          wj[4 * c + i] = float_to_bf16(float(v & 0x0f) * s + m);
+          wj[16 + 4 * c + i] = float_to_bf16(float(v >> 4) * s + m);
+        }
+      }
+    }
+  }
+}
+
 // y[:, n0 .. n0+nt] = x @ w^T for a dequantized tile w [nt, K] (kept in L1/L2 while all rows of x pass).
 void dense_tile(const float* x, const float* w, float* y, int M, int K, int N, int n0, int nt) {
   int m = 0;
@@ -1121,6 +1163,17 @@ int pagedlm_dequant_int4(const uint8_t* q, const uint16_t* scales, const uint16_
   if (G % 32 != 0 || K % G != 0) return 1;
   parallel_for(N, nthreads, 16, [&](int64_t n0, int64_t n1) {
     for (int n = int(n0); n < n1; ++n) dequant_int4_rows(q, scales, mins, K, G, n, 1, w + int64_t(n) * K);
+  });
+  return 0;
+}
+
+// W [N, K] in bf16 from the int4 x16 layout (N % 16 == 0): large-M products dequantize into a scratch buffer per
+// call and run a bf16 GEMM where no dense copy is kept.
+int pagedlm_dequant_int4_x16_bf16(const uint8_t* q, const uint16_t* scales, const uint16_t* mins, uint16_t* w, int K,
+                                  int N, int G, int nthreads) {
+  if (G % 32 != 0 || K % G != 0 || N % 16 != 0) return 1;
+  parallel_for(N / 16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    for (int t = int(t0); t < t1; ++t) dequant_int4x16_tile_bf16(q, scales, mins, K, G, t, w);
   });
   return 0;
 }
