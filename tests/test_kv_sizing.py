@@ -81,11 +81,12 @@ def test_an_explicit_budget_over_the_available_memory_is_refused():
 
 
 def test_nothing_fits_is_refused_naming_the_numbers():
-    with pytest.raises(ValueError, match=r"smallest KV cache \(one block per layer group\) \(16.0 KiB\) and the "
-                                         r"weights \(2.0 GiB\) need 2.0 GiB, but only 1.0 GiB of memory is available"):
+    with pytest.raises(ValueError, match=r"^The smallest KV cache \(one block per layer group\) \(16.0 KiB\) and "
+                                         r"the weights \(2.0 GiB\) need 2.0 GiB, but only 1.0 GiB of memory is "
+                                         r"available \(test\); use a smaller or more quantized model, or free memory"):
         plan_kv_budget(sizing(weights=2 * GiB), mem(GiB))
-    with pytest.raises(ValueError, match=r"one sequence of max_model_len 1,048,576 tokens \(1.0 GiB\).*"
-                                         r"lower --max-model-len"):
+    with pytest.raises(ValueError, match=r"^The KV cache of one sequence of max_model_len 1,048,576 tokens "
+                                         r"\(1.0 GiB\).*; lower --max-model-len, use a smaller"):
         plan_kv_budget(sizing(max_model_len=2**20, max_model_len_explicit=True), mem(GiB))
 
 

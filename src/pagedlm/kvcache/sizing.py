@@ -232,10 +232,10 @@ def plan_kv_budget(sizing: KVSizing, mem: AvailableMemory) -> KVBudget:
     room = (mem.bytes or 0) - sizing.weight_bytes  # what the weights leave for the KV cache and the overhead
     least = (one_seq if sizing.max_model_len_explicit else len(spec.groups) * per_block)
     if known and least > room:
-        what = (f"one sequence of max_model_len {sizing.max_model_len:,} tokens" if sizing.max_model_len_explicit
-                else "the smallest KV cache (one block per layer group)")
-        raise _refuse(f"The KV cache for {what}", least, sizing, mem,
-                      "lower --max-model-len, use a smaller or more quantized model, or free memory")
+        what = (f"The KV cache of one sequence of max_model_len {sizing.max_model_len:,} tokens"
+                if sizing.max_model_len_explicit else "The smallest KV cache (one block per layer group)")
+        fix = "use a smaller or more quantized model, or free memory"
+        raise _refuse(what, least, sizing, mem, f"lower --max-model-len, {fix}" if room > 0 else fix)
     if sizing.num_kv_blocks is not None or sizing.kv_cache_memory is not None:
         explicit = sizing.num_kv_blocks is not None
         blocks = sizing.num_kv_blocks if explicit else spec.num_blocks_for(sizing.kv_cache_memory)
