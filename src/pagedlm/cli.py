@@ -8,9 +8,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagedlm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, EngineConfig, add_arguments, from_args
+from pagedlm.config import DEFAULT_MODEL, EngineConfig, add_arguments, from_args
 
-MEMORY_FIELDS = ("model", "dtype", "block_size", "kv_cache_memory", "max_model_len", "kv_cache_dtype")
+MEMORY_FIELDS = ("model", "dtype", "block_size", "kv_cache_memory", "kv_cache_memory_fraction", "num_kv_blocks",
+                 "max_model_len", "max_num_seqs", "kv_cache_dtype")
 
 
 def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False, only: Sequence[str] | None = None) -> None:
@@ -51,28 +52,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from pagedlm.config import ModelConfig, parse_bytes
+    """The engine's KV sizing (kvcache/sizing.py) without loading the model: the weights are estimated by the
+    checkpoint's size on disk (parameters x dtype for a bare config.json). A configuration this machine cannot
+    hold is still reported (sized as if the available memory were unknown), with the engine's refusal."""
+    from dataclasses import replace
+
+    from pagedlm.config import ModelConfig
     from pagedlm.hub.loader import load_hf_config
     from pagedlm.hub.registry import resolve_model
     from pagedlm.kvcache.kv_cache import KVCacheSpec
     from pagedlm.kvcache.memory import MemoryReport
+    from pagedlm.kvcache.sizing import AvailableMemory, KVSizing, available_memory, checkpoint_bytes, plan_kv_budget
     from pagedlm.model.plan import plan_execution
 
-    target = args.model
-    path = Path(target)
+    config = EngineConfig(**engine_kwargs(args))
+    path = Path(config.model)
     if path.is_file() and path.suffix == ".json":
         hf, checkpoint = json.loads(path.read_text()), None
     else:
-        checkpoint = resolve_model(target)
+        checkpoint = resolve_model(config.model)
         hf = load_hf_config(checkpoint)
     cfg = ModelConfig.from_hf(hf)
-    plan = plan_execution(EngineConfig(model=target, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype),
-                          checkpoint, measure=False)
-    spec = KVCacheSpec.for_model(cfg, args.block_size, plan.dtype, plan.kv_cache_dtype)
-    budget = parse_bytes(args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
-    max_len = args.max_model_len or cfg.context_length
-    report = MemoryReport.build(cfg, spec, spec.num_blocks_for(budget), 0, max_len,
-                                weight_bytes=cfg.num_parameters() * plan.dtype.itemsize)
+    plan = plan_execution(config, checkpoint, measure=False)
+    spec = KVCacheSpec.for_model(cfg, config.block_size, plan.dtype, plan.kv_cache_dtype)
+    weights = checkpoint_bytes(checkpoint) if checkpoint is not None else cfg.num_parameters() * plan.dtype.itemsize
+    sizing = KVSizing.for_config(config, spec, cfg.context_length, weights)
+    memory, refusal = available_memory(), ""
+    try:
+        budget = plan_kv_budget(sizing, memory)
+    except ValueError as e:
+        budget, refusal = replace(plan_kv_budget(sizing, AvailableMemory(None, "unknown")), available=memory), str(e)
+    report = MemoryReport.build(cfg, spec, budget.num_blocks, 0, sizing.max_model_len, weight_bytes=weights,
+                                budget=budget, refusal=refusal)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0
 

@@ -269,7 +269,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see model/quant.py
 DEFAULT_MODEL = "smollm2-135m"  # what `pagedlm serve` and LLM() run without a model (a hub/registry.py name)
 KERNEL_MAX_ROWS = 1 << 16  # kernel_max_rows at this value: every step runs the quantized kernels (no dense copy)
-DEFAULT_KV_CACHE_MEMORY = 2 * 2**30  # the KV budget without kv_cache_memory / num_kv_blocks (off CUDA)
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.1  # the default KV budget's cap, of (available - weights): kvcache/sizing.py
 
 
 def option(default: Any, help: str, *, choices: Sequence[Any] | None = None,
@@ -304,7 +304,11 @@ class EngineConfig:
     device: str = option("cpu", "cpu | cuda")
     block_size: int = option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: int | float | str | None = option(
-        None, "KV cache budget, e.g. 2GiB (default: 2 GiB; on CUDA 80%% of the free memory)", parse=byte_size)
+        None, "KV cache budget, e.g. 2GiB (default: max_num_seqs sequences of max_model_len tokens, at most "
+        "--kv-cache-memory-fraction of the memory the weights leave but one sequence where it fits; on CUDA 80%% "
+        "of the free memory)", parse=byte_size)
+    kv_cache_memory_fraction: float = option(DEFAULT_KV_CACHE_MEMORY_FRACTION, "share of the host memory "
+                                             "available after the weights that the default KV budget may take")
     num_kv_blocks: int | None = option(None, "KV cache blocks (instead of --kv-cache-memory)")
     swap_space: int | float | str = option("1GiB", "host memory for swapped-out blocks (--preemption-mode swap)",
                                            parse=byte_size)
@@ -348,6 +352,8 @@ class EngineConfig:
                              f"got {self.quantization_group_size}.")
         if self.kernel_max_rows is not None and not 0 <= self.kernel_max_rows <= KERNEL_MAX_ROWS:
             raise ValueError(f"kernel_max_rows must be in [0, {KERNEL_MAX_ROWS}], got {self.kernel_max_rows}.")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         for name in ("kv_cache_memory", "swap_space"):

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from pagedlm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, EngineConfig, parse_bytes
+from pagedlm.config import DEFAULT_MODEL, EngineConfig, parse_bytes
 from pagedlm.engine.admission import AdmissionLimits, KVCacheShape, check_admission
 from pagedlm.engine.model_runner import Chunk, ModelRunner
 from pagedlm.engine.output_processor import OutputProcessor
@@ -22,6 +22,7 @@ from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
 from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.kvcache.memory import MemoryReport
+from pagedlm.kvcache.sizing import AvailableMemory, KVSizing, available_memory, check_peak, plan_kv_budget
 from pagedlm.model.plan import plan_execution
 from pagedlm.outputs import PositionLogprobs, RequestOutput
 from pagedlm.sampling.beam_search import BeamSearch
@@ -102,22 +103,21 @@ class LLMEngine:
         self.dtype = self.plan.dtype
         logger.info("%s", self.plan.describe())
         self.tokenizer = load_tokenizer(path)
+        host_memory = available_memory()  # before the weights load: the KV budget is sized against what they leave
         self.runner = ModelRunner(config, path, self.plan)
         self.model_config = self.runner.model_config
         spec = self.runner.kv_spec
 
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            budget = parse_bytes(config.kv_cache_memory) if config.kv_cache_memory is not None else None
-            if budget is None:
-                budget = DEFAULT_KV_CACHE_MEMORY
-                if self.runner.device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(self.runner.device)
-                    budget = int(free * 0.8)
-            num_blocks = spec.num_blocks_for(budget)
+        device = self.runner.device
+        sizing = KVSizing.for_config(config, spec, self.model_config.context_length, self.runner.weight_bytes(),
+                                     device.type)
+        memory = (AvailableMemory(torch.cuda.mem_get_info(device)[0], "CUDA free") if device.type == "cuda"
+                  else host_memory)
+        self.kv_budget = plan_kv_budget(sizing, memory)  # ValueError here for what cannot fit: nothing allocated
+        num_blocks = self.kv_budget.num_blocks
         if num_blocks < 1:
             raise ValueError("The KV cache budget holds no block; raise kv_cache_memory or num_kv_blocks.")
+        check_peak(self.kv_budget)
         num_cpu_blocks = spec.num_blocks_for(parse_bytes(config.swap_space)) if config.preemption_mode == "swap" else 0
         self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
@@ -137,7 +137,7 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         self.memory_report = MemoryReport.build(self.model_config, spec, num_blocks, num_cpu_blocks, max_len,
-                                                weight_bytes=self.runner.weight_bytes())
+                                                weight_bytes=sizing.weight_bytes, budget=self.kv_budget)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._requests: dict[str, Request] = {}

@@ -11,14 +11,8 @@ from dataclasses import asdict, dataclass
 from pagedlm.config import ModelConfig
 from pagedlm.kvcache.block_manager import max_blocks_needed, max_tokens_per_seq
 from pagedlm.kvcache.kv_cache import KVCacheSpec
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from pagedlm.kvcache.sizing import KVBudget
+from pagedlm.kvcache.sizing import format_bytes as _fmt_bytes
 
 
 @dataclass
@@ -51,10 +45,19 @@ class MemoryReport:
     weight_bytes: int = 0  # the weights as held for the run (or parameters x dtype size where not loaded)
     num_experts: int = 0
     moe_layers: int = 0
+    kv_budget: str = ""  # how the budget was chosen (kvcache/sizing.py; empty where no budget was planned)
+    kv_demand_bytes: int = 0
+    kv_cap_bytes: int = 0
+    overhead_bytes: int = 0
+    expected_peak_bytes: int = 0  # weights + KV cache + overhead
+    memory_available: int | None = None
+    memory_source: str = ""
+    refusal: str = ""  # why the engine would refuse this configuration on this machine (`pagedlm memory`)
 
     @classmethod
     def build(cls, cfg: ModelConfig, spec: KVCacheSpec, num_blocks: int, num_cpu_blocks: int,
-              max_model_len: int, weight_bytes: int | None = None) -> MemoryReport:
+              max_model_len: int, weight_bytes: int | None = None, budget: KVBudget | None = None,
+              refusal: str = "") -> MemoryReport:
         windows = spec.sliding_windows
         per_layer = 2 * spec.num_kv_heads * spec.entry_dim * spec.element_size
         full_layers = sum(len(g.layers) for g in spec.groups if g.sliding_window is None)
@@ -62,6 +65,10 @@ class MemoryReport:
         sliding = [w for w in windows if w is not None]
         blocks_per_seq = max_blocks_needed(windows, spec.block_size, max_model_len, max_model_len, 1, 1)
         sliding_blocks = max_blocks_needed(sliding, spec.block_size, max_model_len, max_model_len, 1, 1)
+        planned = {} if budget is None else dict(
+            kv_budget=budget.choice, kv_demand_bytes=budget.demand, kv_cap_bytes=budget.cap,
+            overhead_bytes=budget.overhead_bytes, expected_peak_bytes=budget.expected_peak,
+            memory_available=budget.available.bytes, memory_source=budget.available.source, refusal=refusal)
         return cls(
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             dtype=str(spec.dtype).removeprefix("torch."), dtype_bytes=spec.element_size,
@@ -78,7 +85,7 @@ class MemoryReport:
             weight_params=cfg.num_parameters(),
             weight_bytes=cfg.num_parameters() * spec.element_size if weight_bytes is None else weight_bytes,
             num_experts=cfg.num_experts if cfg.is_moe else 0, moe_layers=sum(cfg.moe_layers or [])
-            if cfg.is_moe else 0)
+            if cfg.is_moe else 0, **planned)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,4 +124,16 @@ class MemoryReport:
             f"  tokens that fit    : {self.tokens_capacity:,}" + (" in one sequence" if self.sliding_layers else ""),
             f"  max concurrency    : {concurrency}",
         ]
+        if self.kv_budget:
+            available = ("unknown" if self.memory_available is None else
+                         f"{_fmt_bytes(self.memory_available)} ({self.memory_source})")
+            lines += [
+                f"  KV budget          : {self.kv_budget}",
+                f"  memory available   : {available}",
+                f"  expected peak      : {_fmt_bytes(self.expected_peak_bytes)} = weights "
+                f"{_fmt_bytes(self.weight_bytes)} + KV cache {_fmt_bytes(self.kv_cache_bytes)} + overhead "
+                f"{_fmt_bytes(self.overhead_bytes)}",
+            ]
+        if self.refusal:
+            lines.append(f"  on this machine    : the engine would refuse to start: {self.refusal}")
         return "\n".join(lines)
