@@ -250,18 +250,22 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        kv = self.runner.kv_cache
-        kv.swap_out(sched.blocks_to_swap_out)
-        kv.swap_in(sched.blocks_to_swap_in)
-        kv.copy_blocks(sched.blocks_to_copy)
-        if sched.is_empty:
-            return []
-        batch = self._build_batch(sched)
-        self._start_masks(batch.samples)  # on a worker thread, while the forward pass runs
         try:
-            logits = self.runner.execute(batch.chunks, batch.logits_index)
-        finally:  # the matchers are the engine thread's again (forks copy them)
-            masks = self._pending_masks[1].result() if self._pending_masks is not None else None
+            kv = self.runner.kv_cache
+            kv.swap_out(sched.blocks_to_swap_out)
+            kv.swap_in(sched.blocks_to_swap_in)
+            kv.copy_blocks(sched.blocks_to_copy)
+            if sched.is_empty:
+                return []
+            batch = self._build_batch(sched)
+            self._start_masks(batch.samples)  # on a worker thread, while the forward pass runs
+            try:
+                logits = self.runner.execute(batch.chunks, batch.logits_index)
+            finally:  # the matchers are the engine thread's again (forks copy them)
+                masks = self._pending_masks[1].result() if self._pending_masks is not None else None
+        except BaseException:
+            self.scheduler.step_failed(sched)  # its blocks' hashes were registered before their KV was written
+            raise
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
 
