@@ -165,6 +165,8 @@ def test_token_controls_over_http(server):
     assert "at most" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": many}))
     assert "vocabulary size" in error(post(server, "/v1/chat/completions", {"messages": MSGS,
                                                                              "allowed_token_ids": [10**7]}))
+    huge = post(server, "/v1/completions", {"prompt": "x", "allowed_token_ids": [40] * 600_000})  # vocabulary 512
+    assert "allowed_token_ids holds 600000" in error(huge) and huge.json()["error"]["param"] == "allowed_token_ids"
     assert "bad_words" in error(post(server, "/v1/completions", {"prompt": "x", "bad_words": ["x" * 1000]}))
     ok = post(server, "/v1/completions", {"prompt": "x", "bad_words": ["the", "fox jumps"], "max_tokens": 4})
     assert ok.status_code == 200

@@ -26,7 +26,7 @@ from pagedlm.model.plan import plan_execution
 from pagedlm.outputs import PositionLogprobs, RequestOutput
 from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.params import SamplingParams
-from pagedlm.sampling.sampler import Sampler, SamplingRow
+from pagedlm.sampling.sampler import Sampler, SamplingRow, allowed_mask
 from pagedlm.sampling.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -567,12 +567,18 @@ def prepare_params(params: SamplingParams, vocab_size: int, tokenizer, structure
     constraint (cached) with `structured()`, the model's StructuredOutputManager. Raises ValueError naming the
     problem. Safe to call from any thread, and again. The engine and a replica's front end both use it."""
     vocab = vocab_size
+    allowed = params.allowed_token_ids
+    if allowed is not None and len(allowed) > vocab:
+        raise ValueError(f"allowed_token_ids holds {len(allowed)} ids; this model's vocabulary has {vocab} tokens.")
     unknown = sorted({t for t in (params.logit_bias or {}) if t >= vocab}
                      | {t for t in (params.allowed_token_ids or []) if t >= vocab})
     if unknown:
         name = "logit_bias" if any(t in (params.logit_bias or {}) for t in unknown) else "allowed_token_ids"
         raise ValueError(f"{name} names token ids this model does not have (vocabulary size {vocab}): "
                          f"{unknown[:10]}.")
+    if allowed is not None and params._allowed_mask is None:  # once per request, off the engine thread
+        params.allowed_token_ids = list(dict.fromkeys(allowed))
+        allowed_mask(params, vocab)
     if params.bad_words and not params._bad_words_token_ids:
         words: list[list[int]] = []
         for w in params.bad_words:

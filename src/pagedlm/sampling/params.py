@@ -104,6 +104,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # set by the engine: bad_words as token sequences (each with and without a leading space, as vLLM does)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # set by the sampler on first use (sampler.allowed_mask): allowed_token_ids as a [vocab] bool tensor
+    _allowed_mask: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
