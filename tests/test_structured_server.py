@@ -16,6 +16,8 @@ from server_utils import InProcessServer
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES
+from pagedlm.server import MAX_PROMPT_LOGPROB_ENTRIES
+from pagedlm.server import openai_handlers as handlers
 from pagedlm.server.api import UNKNOWN_FIELDS_HEADER, build_app
 
 SCHEMA = {
@@ -191,6 +193,31 @@ def test_echo_scoring_and_prompt_logprobs(server):
     assert "streamed" in error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "stream": True,
                                                                 "echo": True}))
     assert "needs echo" in error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0}))
+
+
+def test_prompt_logprobs_bounded_and_converted_once(server, monkeypatch):
+    """n x prompt length x (k + 1) beyond MAX_PROMPT_LOGPROB_ENTRIES is a 400 before any work (prompt_logprobs
+    or echo + logprobs: both repeat per choice); below it, the prompt's logprobs are converted once per prompt
+    whatever n, and every choice carries the same."""
+    prompt = [40 + i % 300 for i in range(500)]
+    assert 100 * 500 * 21 > MAX_PROMPT_LOGPROB_ENTRIES
+    for body in ({"prompt_logprobs": 20, "max_tokens": 0}, {"echo": True, "logprobs": 20, "max_tokens": 0},
+                 {"prompt_logprobs": 20, "max_tokens": 1, "stream": True}):
+        r = post(server, "/v1/completions", {"prompt": prompt, "n": 100, **body})
+        assert "prompt logprobs" in error(r) and r.json()["error"]["type"] == "invalid_request_error", body
+    chat = post(server, "/v1/chat/completions", {"messages": MSGS, "n": 2, "prompt_logprobs": 20, "max_tokens": 1})
+    assert chat.status_code == 200 and len(chat.json()["prompt_logprobs"]) > 5  # one copy per response in chat
+    converted, echoed = [], []
+    real_convert, real_echo = handlers._prompt_logprobs, handlers.ModelServer._add_completion_logprobs
+    monkeypatch.setattr(handlers, "_prompt_logprobs", lambda out: converted.append(1) or real_convert(out))
+    monkeypatch.setattr(handlers.ModelServer, "_add_completion_logprobs",
+                        lambda self, lp, ids, *a: echoed.append(len(ids)) or real_echo(self, lp, ids, *a))
+    r = post(server, "/v1/completions", {"prompt": prompt[:20], "n": 4, "prompt_logprobs": 2, "echo": True,
+                                         "logprobs": 1, "max_tokens": 0}).json()
+    plps = [c["prompt_logprobs"] for c in r["choices"]]
+    assert len(plps) == 4 and plps[0][0] is None and len(plps[0]) == 20 and all(p == plps[0] for p in plps)
+    assert all(len(c["logprobs"]["tokens"]) == 20 for c in r["choices"])
+    assert len(converted) == 1 and [n for n in echoed if n] == [20]
 
 
 def test_unknown_fields_header_and_strict_mode(server, strict):
