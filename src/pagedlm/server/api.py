@@ -60,13 +60,15 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
     tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: tools are refused).
     """
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if not all(isinstance(k, str) and k.strip() for k in keys):
+        raise ValueError("An API key is empty: give non-empty keys (or none to serve without one).")
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
         raise ValueError("build_app needs at least one engine")
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
-    keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or () if k]
     app = FastAPI(title="pagedlm", version=__version__)
     metrics = ServerMetrics(engines, router=route.router if route is not None else None)
     servers = {name: ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key,

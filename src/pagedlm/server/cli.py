@@ -150,6 +150,7 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     models = model_specs(args)
     router = build_router(args, [name for name, _ in models])
     template = chat_template(args.chat_template)
+    api_keys = resolve_api_keys(args)
     sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
     engines: dict[str, AsyncLLMEngine] = {}
     route = None
@@ -176,7 +177,6 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
         if router is not None:
             route = AutoRoute(router, engines, args.router_name)
             route.warm_up()
-        api_keys = args.api_key or [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
         if args.prefix_cache_per_key and not api_keys:
             logger.warning("--prefix-cache-per-key does nothing without API keys")
         app = build_app(engines, api_keys, args.max_body_bytes, route,
@@ -201,6 +201,20 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
             engine.shutdown()
         sock.close()
     return 0
+
+
+def resolve_api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of --api-key, else of $PAGEDLM_API_KEY (comma-separated); ValueError on an empty one (an unset
+    shell variable in `--api-key "$KEY"` would otherwise turn authentication off)."""
+    if args.api_key is not None:
+        keys, source = args.api_key, "--api-key"
+    elif API_KEY_ENV in os.environ:
+        keys, source = [k.strip() for k in os.environ[API_KEY_ENV].split(",")], f"${API_KEY_ENV}"
+    else:
+        return []
+    if not all(k.strip() for k in keys):
+        raise ValueError(f"{source} holds an empty API key: give non-empty keys (or none to serve without one).")
+    return keys
 
 
 def _names(value: str | None) -> list[str]:
