@@ -86,6 +86,7 @@ def test_hermes_parser_is_linear_and_unchanged():
         assert time.perf_counter() - t0 < 1.0
 
 
+@pytest.mark.slow
 def test_builtin_template_matches_smollm2_without_tools(smollm2_path):
     from pagedlm.hub.tokenizer import load_tokenizer
 
