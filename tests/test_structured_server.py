@@ -220,6 +220,24 @@ def test_prompt_logprobs_bounded_and_converted_once(server, monkeypatch):
     assert len(converted) == 1 and [n for n in echoed if n] == [20]
 
 
+def test_deeply_nested_json_text_is_400(server):
+    """JSON given as text inside a request (a schema, an assistant's tool-call arguments) nested past the depth
+    the body's own parser allows is a 400 naming the field, not a RecursionError (500); the server goes on."""
+    deep, nested = "[" * 10_000, "[" * 200 + "]" * 200  # one past Python's recursion limit, one within it
+    for text in (deep, nested):
+        for body in ({"structured_outputs": {"json": text}}, {"guided_json": text}):
+            r = post(server, "/v1/completions", {"prompt": "x", **body})
+            assert "nested more than" in error(r) and r.json()["error"]["param"] == next(iter(body)), body
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}
+        msgs = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        r = post(server, "/v1/chat/completions", {"messages": [*msgs, {"role": "user", "content": "ok"}]})
+        assert "nested more than" in error(r) and r.json()["error"]["param"] == "messages"
+        assert "nested more than" in error(server.post("/tokenize", json={"model": "tiny", "messages": msgs}))
+    call["function"]["arguments"] = json.dumps({"a": [[1]]})
+    r = post(server, "/v1/chat/completions", {"messages": [*msgs, {"role": "user", "content": "ok"}], "max_tokens": 2})
+    assert r.status_code == 200
+
+
 def test_unknown_fields_header_and_strict_mode(server, strict):
     body = {"prompt": "x", "max_tokens": 1, "frobnicate": 1, "response_format": {"type": "text", "extra_thing": 2}}
     r = post(server, "/v1/completions", body)

@@ -86,6 +86,31 @@ def test_hermes_parser_is_linear_and_unchanged():
         assert time.perf_counter() - t0 < 1.0
 
 
+def test_deep_tool_call_output_is_content_and_oversized_call_grammar_is_400(tiny_model_dir):
+    """Model output of a `<tool_call>` with JSON nested past Python's recursion limit is content, not a call (nor a
+    RecursionError); tools whose required-call grammar is over the grammar limit are a 400 (the tiny template
+    does not render tools, so the prompt stays short), and the server goes on."""
+    deep = "<tool_call>" + "[" * 10_000
+    assert HermesToolParser().parse(deep) == (deep, [])
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
+                            log_interval=0)
+    srv = InProcessServer(build_app({"tiny": engine}, tool_call_parser="hermes"))
+    try:
+        big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
+                                                for i in range(1000)}}
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            r = srv.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "tool_choice": choice,
+                                                       "tools": [{"type": "function", "function": {
+                                                           "name": "f", "parameters": big}}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+            assert "longer than" in r.json()["error"]["message"]
+        ok = srv.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
 @pytest.mark.slow
 def test_builtin_template_matches_smollm2_without_tools(smollm2_path):
     from pagedlm.hub.tokenizer import load_tokenizer

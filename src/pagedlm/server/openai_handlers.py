@@ -221,8 +221,11 @@ class ModelServer:
                                      prompt_logprobs=req.prompt_logprobs)
         functions = req.called_functions()
         if functions is not None:  # tool_choice "required" or a named function: the decoder enforces the calls
-            params.structured_outputs = self.tool_parser.call_grammar(
-                functions, parallel=req.parallel_tool_calls and not isinstance(req.tool_choice, P.NamedToolChoice))
+            parallel = req.parallel_tool_calls and not isinstance(req.tool_choice, P.NamedToolChoice)
+            try:
+                params.structured_outputs = self.tool_parser.call_grammar(functions, parallel)
+            except ValueError as e:
+                raise APIError(400, f"The tools' call grammar: {e}", param="tools") from None
         check_prompt_logprobs([len(ids)], params, 1)
         self._check_admission([len(ids)], params)
         await self._prepare(req, params)

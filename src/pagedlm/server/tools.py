@@ -104,7 +104,7 @@ class HermesToolParser:
 def _call(body: str) -> ParsedToolCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's recursion limit
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
