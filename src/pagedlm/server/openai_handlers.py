@@ -83,7 +83,7 @@ class ModelServer:
                            param="n" if num_prompts == 1 else "prompt")
 
     def model_card(self) -> P.ModelCard:
-        return P.ModelCard(id=self.name, created=self.created, root=str(self.facade.model_path),
+        return P.ModelCard(id=self.name, created=self.created, root=self.facade.model_path.name,
                            max_model_len=self.facade.max_model_len)
 
     # --- completions ---
