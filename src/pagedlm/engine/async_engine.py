@@ -76,6 +76,7 @@ class AsyncLLMEngine(EngineClient):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._dead: BaseException | None = None
+        self._step_since: float | None = None  # when the running step began (None between steps)
         self._closing = threading.Lock()  # submit's check-and-enqueue against the loop's final drain
         self._log_state = (time.monotonic(), self.stats.prompt_tokens, self.stats.generation_tokens)
         self._active_since_log = False
@@ -85,6 +86,13 @@ class AsyncLLMEngine(EngineClient):
     @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
+
+    @property
+    def step_stuck_for(self) -> float:
+        since = self._step_since
+        if since is None or not (self.stats.num_waiting or not self._inbox.empty()):
+            return 0.0
+        return time.monotonic() - since
 
     # --- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
@@ -227,6 +235,7 @@ class AsyncLLMEngine(EngineClient):
         """One engine step; returns (consecutive failures, whether any output came out)."""
         if not self._active_since_log:  # activity resumes: the throughput window starts now, not when idle began
             self._log_state = (time.monotonic(), self.stats.prompt_tokens, self.stats.generation_tokens)
+        self._step_since = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001
@@ -237,6 +246,8 @@ class AsyncLLMEngine(EngineClient):
                 self.num_failed += 1
                 self._fail(rid, _failed(rid, e), record)
             return failures + 1, True
+        finally:
+            self._step_since = None
         self._active_since_log = True
         now = time.monotonic()
         items = []

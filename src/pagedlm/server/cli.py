@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedlm.config import add_arguments, check_choices, from_args, option, parse_bytes
-from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from pagedlm.server import DEFAULT_HEALTH_STEP_TIMEOUT, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedlm.server.tools import BUILTIN_TEMPLATES, TOOL_PARSERS
 
 logger = logging.getLogger("pagedlm.server")
@@ -63,6 +63,9 @@ class ServerConfig:
     strict_request_fields: bool = option(False, "refuse requests with fields the server does not know (400) instead "
                                          "of naming them in the x-pagedlm-unknown-fields response header",
                                          group=LIMITS)
+    health_step_timeout: float = option(DEFAULT_HEALTH_STEP_TIMEOUT, "/health answers 503 while one engine step has "
+                                        "run longer than this many seconds with requests waiting (0: never)",
+                                        group=LIMITS)
     shutdown_timeout: float = option(30.0, "on SIGTERM, seconds running requests may finish before they are ended "
                                      "with an error", group=LIMITS)
     config: str | None = option(None, "YAML file of these options (keys: option names without --); command-line "
@@ -112,8 +115,8 @@ class ServerConfig:
         check_choices(self)
         if self.max_waiting < 1 or self.max_body_bytes < 1 or self.max_prompts_per_request < 1:
             raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
-        if self.stream_stall_timeout < 0 or self.shutdown_timeout < 0:
-            raise ValueError("--stream-stall-timeout and --shutdown-timeout must be >= 0.")
+        if min(self.stream_stall_timeout, self.shutdown_timeout, self.health_step_timeout) < 0:
+            raise ValueError("--stream-stall-timeout, --shutdown-timeout and --health-step-timeout must be >= 0.")
         if self.data_parallel_size < 1 or (self.threads_per_replica is not None and self.threads_per_replica < 1):
             raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
 
@@ -183,7 +186,8 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         max_prompts_per_request=args.max_prompts_per_request,
                         allowed_origins=_names(args.allowed_origins), allowed_hosts=allowed_hosts(args),
                         prefix_cache_per_key=args.prefix_cache_per_key,
-                        strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser)
+                        strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser,
+                        health_step_timeout=args.health_step_timeout)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])
