@@ -13,6 +13,7 @@ from pagedlm.config import DEFAULT_MODEL, EngineConfig, flag_name
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow
+from pagedlm.server.api import build_app
 from pagedlm.server.cli import ServerConfig, apply_config
 
 LLAMA_70B = {
@@ -167,6 +168,20 @@ def test_every_server_option_is_a_flag_with_the_field_default():
         2**20, 2, ["a", "b"], True)
     with pytest.raises(ValueError, match="--max-waiting"):
         ServerConfig(max_waiting=0)
+
+
+@pytest.mark.parametrize("flags, env", [(["--api-key", ""], None), (["--api-key", "k1", "--api-key", " "], None),
+                                        ([], ""), ([], "k1,,k2")])
+def test_empty_api_key_is_refused_at_start_up(flags, env, monkeypatch, capsys, tmp_path):
+    """`--api-key "$KEY"` with KEY unset (or such a $PAGEDLM_API_KEY) is an error before anything loads: it used
+    to turn authentication off while the start-up line said a key was required."""
+    monkeypatch.delenv("PAGEDLM_API_KEY", raising=False)
+    if env is not None:
+        monkeypatch.setenv("PAGEDLM_API_KEY", env)
+    assert main(["serve", "--model", str(tmp_path / "no-model"), "--port", "0", *flags]) == 2
+    assert "empty API key" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="API key is empty"):
+        build_app({"tiny": None}, api_key=["k1", " "] if flags else "")  # a library caller too
 
 
 def test_engine_flags_parse_into_the_config():

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.kvcache.block_manager import BlockManager
@@ -127,3 +128,51 @@ def test_cache_hit_reported_and_prompt_logprobs_unaffected(tiny_model_dir, promp
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
     lp = llm.generate(prompts[1], params, use_tqdm=False)[0].prompt_logprobs
     assert len(lp) == len(prompts[1]) and all(e is not None for e in lp[1:])
+
+
+def test_failed_step_leaves_no_cached_blocks(tiny_model_dir, monkeypatch):
+    """A forward pass that raises after scribbling over the KV it was to write (a kernel's range error): the
+    blocks it scheduled are not served from the prefix cache afterwards. The prompt is prefilled in chunks of 8
+    tokens and the second chunk fails: a retry reuses the first chunk's two blocks (written by a step that
+    succeeded), none of the failed chunk's, and its greedy output is a clean run's."""
+    from pagedlm.engine.llm_engine import LLMEngine
+
+    kw = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=8,
+              attention_backend="reference")
+    engine = LLMEngine.from_args(str(tiny_model_dir), **kw)
+    prompt = engine.tokenizer.encode("It was the best of times, it was the worst of times, it was the age of")
+    assert len(prompt) > 17
+    clean = LLMEngine.from_args(str(tiny_model_dir), **kw, enable_prefix_caching=False)
+    want = generate(clean, "clean", prompt)
+
+    real, calls = engine.runner.execute, []
+
+    def failing(chunks, logits_index):
+        calls.append(len(chunks))
+        if len(calls) == 2:
+            kv = engine.runner.kv_cache.gpu
+            for chunk in chunks:
+                for block in chunk.block_tables[0][chunk.start // 4:]:
+                    kv[:, :, block] = 1e3 * torch.randn_like(kv[:, :, block])
+            raise RuntimeError("injected fault")
+        return real(chunks, logits_index)
+
+    monkeypatch.setattr(engine.runner, "execute", failing)
+    engine.add_request("first", prompt, GREEDY)
+    engine.step()
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    engine.abort_request("first")  # what the server's engine loop does with the requests of a failed step
+    assert not engine.has_unfinished_requests()
+    out = generate(engine, "retry", prompt)
+    assert out.num_cached_tokens == 8
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def generate(engine, request_id: str, prompt: list[int]):
+    engine.add_request(request_id, prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("no output")

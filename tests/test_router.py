@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import math
+import re
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from pagedlm.router import (
 )
 from pagedlm.router.classifier import LEGACY_EMBEDDER, EmbedderConfig, WeakCorrectClassifier
 from pagedlm.router.evaluate import call_performance_curve, optimal_curve, plot_curves, random_curve
+from pagedlm.router.policies import count_choices
 
 WEAK, STRONG = ModelEntry("small", cost_per_output_token=1e-6), ModelEntry("big", True, 1e-5, 3e-5)
 CANDS = [Candidate("small", False, 0.0, 1e-6), Candidate("big", True, 1e-5, 3e-5)]
@@ -61,6 +64,23 @@ def test_features_classify_question_types():
     assert (f.question_type, f.max_tokens, f.has_code, f.has_math) == ("factual", 32, False, False)
     assert extract_features("x" * 400).prompt_tokens == 100
     assert extract_features("hi", prompt_tokens=7).prompt_tokens == 7
+
+
+_OLD_CHOICES = re.compile(r"^\s*[A-D][.)]\s", re.MULTILINE)  # quadratic on newlines (issue 31)
+CHOICE_PROMPTS = ["Pick one\nA. cat\nB. dog\nC. cow", "A) yes\nB) no", "  A. x\n\n\n   B. y", "\n\nA.\nB.\nC. z",
+                  "A. only one", "Options: A) x B) y", "\r\nA) a\r\nB) b\r\n", "a\n \t\n\tB) one\n \n C. two",
+                  "A.B. C.", "\x0bA. x\x0cB. y\n\u2028C) z", "E. no\nF. no", "", "\n" * 50 + "A) x\n" * 3]
+
+
+def test_choice_count_is_linear_and_unchanged():
+    """Multiple-choice lines are counted as the old regex counted them, and a prompt of newlines or blanks (the
+    old regex scanned every remaining newline from every line start) costs linear time."""
+    for prompt in CHOICE_PROMPTS:
+        assert count_choices(prompt) == len(_OLD_CHOICES.findall(prompt)), repr(prompt)
+    for prompt in ("\n" * 50_000, " \n" * 50_000, "\n" * 50_000 + "A) x\nB) y"):
+        t0 = time.perf_counter()
+        extract_features(prompt)
+        assert time.perf_counter() - t0 < 1.0
 
 
 def test_heuristic_policy_sends_hard_requests_strong():

@@ -70,10 +70,12 @@ def stream_text(chunks, chat: bool = False) -> tuple[str, list]:
 
 
 # --- basics ---------------------------------------------------------------------------------------------------------
-def test_startup_logs_models_health(server, client):
+def test_startup_logs_models_health(server, client, tiny_model_dir):
     log = server.log()
     assert "KV cache memory report" in log and f"at {server.url}" in log
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert card["root"] == tiny_model_dir.name  # the model's file name, not where it lies on the server
     assert client.models.retrieve("tiny").id == "tiny"
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]

@@ -12,6 +12,7 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES, StructuredOutputsParams
+from pagedlm.sampling import sampler as sampler_module
 from pagedlm.sampling.sampler import Sampler, SamplingRow, unpack_bitmask
 
 SCHEMA = {
@@ -120,6 +121,23 @@ def test_engine_checks_token_ids_and_bans_bad_words(llm):
     forced = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
                                                       logit_bias={77: 100}), use_tqdm=False)
     assert forced[0].outputs[0].token_ids == [77] * 4
+
+
+def test_allowed_token_ids_bounded_deduplicated_and_masked_once(llm, monkeypatch):
+    """More ids than the vocabulary is refused before anything is queued; duplicates are dropped; the mask is
+    built once per request (not per row per step): 2 prompts x n=3 x 5 tokens share one."""
+    eng, vocab = llm.engine, llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="allowed_token_ids holds"):
+        eng.add_request("huge", "Hello", SamplingParams(allowed_token_ids=[40] * (vocab + 1)))
+    assert not eng.has_unfinished_requests()
+    built = []
+    real = sampler_module.build_allowed_mask
+    monkeypatch.setattr(sampler_module, "build_allowed_mask", lambda ids, v: built.append(len(ids)) or real(ids, v))
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2, n=3,
+                            allowed_token_ids=[42, 40, 42, 41, 40] * 50)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert all(set(o.token_ids) <= {40, 41, 42} and len(o.token_ids) == 5 for out in outs for o in out.outputs)
+    assert params.allowed_token_ids == [42, 40, 41] and built == [3]
 
 
 def test_max_tokens_zero_scores_the_prompt(llm):

@@ -16,6 +16,8 @@ from server_utils import InProcessServer
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES
+from pagedlm.server import MAX_PROMPT_LOGPROB_ENTRIES
+from pagedlm.server import openai_handlers as handlers
 from pagedlm.server.api import UNKNOWN_FIELDS_HEADER, build_app
 
 SCHEMA = {
@@ -165,6 +167,8 @@ def test_token_controls_over_http(server):
     assert "at most" in error(post(server, "/v1/completions", {"prompt": "x", "logit_bias": many}))
     assert "vocabulary size" in error(post(server, "/v1/chat/completions", {"messages": MSGS,
                                                                              "allowed_token_ids": [10**7]}))
+    huge = post(server, "/v1/completions", {"prompt": "x", "allowed_token_ids": [40] * 600_000})  # vocabulary 512
+    assert "allowed_token_ids holds 600000" in error(huge) and huge.json()["error"]["param"] == "allowed_token_ids"
     assert "bad_words" in error(post(server, "/v1/completions", {"prompt": "x", "bad_words": ["x" * 1000]}))
     ok = post(server, "/v1/completions", {"prompt": "x", "bad_words": ["the", "fox jumps"], "max_tokens": 4})
     assert ok.status_code == 200
@@ -189,6 +193,49 @@ def test_echo_scoring_and_prompt_logprobs(server):
     assert "streamed" in error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "stream": True,
                                                                 "echo": True}))
     assert "needs echo" in error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0}))
+
+
+def test_prompt_logprobs_bounded_and_converted_once(server, monkeypatch):
+    """n x prompt length x (k + 1) beyond MAX_PROMPT_LOGPROB_ENTRIES is a 400 before any work (prompt_logprobs
+    or echo + logprobs: both repeat per choice); below it, the prompt's logprobs are converted once per prompt
+    whatever n, and every choice carries the same."""
+    prompt = [40 + i % 300 for i in range(500)]
+    assert 100 * 500 * 21 > MAX_PROMPT_LOGPROB_ENTRIES
+    for body in ({"prompt_logprobs": 20, "max_tokens": 0}, {"echo": True, "logprobs": 20, "max_tokens": 0},
+                 {"prompt_logprobs": 20, "max_tokens": 1, "stream": True}):
+        r = post(server, "/v1/completions", {"prompt": prompt, "n": 100, **body})
+        assert "prompt logprobs" in error(r) and r.json()["error"]["type"] == "invalid_request_error", body
+    chat = post(server, "/v1/chat/completions", {"messages": MSGS, "n": 2, "prompt_logprobs": 20, "max_tokens": 1})
+    assert chat.status_code == 200 and len(chat.json()["prompt_logprobs"]) > 5  # one copy per response in chat
+    converted, echoed = [], []
+    real_convert, real_echo = handlers._prompt_logprobs, handlers.ModelServer._add_completion_logprobs
+    monkeypatch.setattr(handlers, "_prompt_logprobs", lambda out: converted.append(1) or real_convert(out))
+    monkeypatch.setattr(handlers.ModelServer, "_add_completion_logprobs",
+                        lambda self, lp, ids, *a: echoed.append(len(ids)) or real_echo(self, lp, ids, *a))
+    r = post(server, "/v1/completions", {"prompt": prompt[:20], "n": 4, "prompt_logprobs": 2, "echo": True,
+                                         "logprobs": 1, "max_tokens": 0}).json()
+    plps = [c["prompt_logprobs"] for c in r["choices"]]
+    assert len(plps) == 4 and plps[0][0] is None and len(plps[0]) == 20 and all(p == plps[0] for p in plps)
+    assert all(len(c["logprobs"]["tokens"]) == 20 for c in r["choices"])
+    assert len(converted) == 1 and [n for n in echoed if n] == [20]
+
+
+def test_deeply_nested_json_text_is_400(server):
+    """JSON given as text inside a request (a schema, an assistant's tool-call arguments) nested past the depth
+    the body's own parser allows is a 400 naming the field, not a RecursionError (500); the server goes on."""
+    deep, nested = "[" * 10_000, "[" * 200 + "]" * 200  # one past Python's recursion limit, one within it
+    for text in (deep, nested):
+        for body in ({"structured_outputs": {"json": text}}, {"guided_json": text}):
+            r = post(server, "/v1/completions", {"prompt": "x", **body})
+            assert "nested more than" in error(r) and r.json()["error"]["param"] == next(iter(body)), body
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}
+        msgs = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        r = post(server, "/v1/chat/completions", {"messages": [*msgs, {"role": "user", "content": "ok"}]})
+        assert "nested more than" in error(r) and r.json()["error"]["param"] == "messages"
+        assert "nested more than" in error(server.post("/tokenize", json={"model": "tiny", "messages": msgs}))
+    call["function"]["arguments"] = json.dumps({"a": [[1]]})
+    r = post(server, "/v1/chat/completions", {"messages": [*msgs, {"role": "user", "content": "ok"}], "max_tokens": 2})
+    assert r.status_code == 200
 
 
 def test_unknown_fields_header_and_strict_mode(server, strict):

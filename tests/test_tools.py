@@ -4,6 +4,8 @@ answer round trip with the history rendered."""
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import jsonschema
 import pytest
@@ -12,7 +14,7 @@ from server_utils import InProcessServer
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
-from pagedlm.server.tools import HERMES_CHAT_TEMPLATE, HermesToolParser
+from pagedlm.server.tools import HERMES_CHAT_TEMPLATE, HermesToolParser, _call
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "unit": {"enum": ["C", "F"]}},
@@ -40,6 +42,73 @@ def test_hermes_parser():
     assert calls == [] and content == "<tool_call>not json</tool_call>"
     _, calls = p.parse('<tool_call>{"name": "f", "arguments": {"a": 1}}')  # cut off by max_tokens: still parsed
     assert calls[0].name == "f"
+
+
+_OLD_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)  # quadratic on blanks (issue 31)
+
+
+def old_parse(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The parser as it was, on the old regex (the reference for identical results)."""
+    calls, kept, pos = [], [], 0
+    for m in _OLD_BLOCK.finditer(text):
+        call = _call(m.group(1))
+        if call is None:
+            continue
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append((call.name, call.arguments))
+    kept.append(text[pos:])
+    return "".join(kept).strip() or None, calls
+
+
+CALL = '{"name": "f", "arguments": {"a": 1}}'
+TOOL_TEXTS = [f"<tool_call>{CALL}</tool_call>", f"Sure.\n<tool_call>\n {CALL} \n</tool_call>\nDone.",
+              f"<tool_call>{CALL}", f"<tool_call>\n{CALL}\n\n", f"a<tool_call>{CALL}</tool_call>b<tool_call>{CALL}",
+              f"<tool_call>bad</tool_call><tool_call>{CALL}</tool_call>", "<tool_call></tool_call>", "<tool_call>",
+              f"<tool_call><tool_call>{CALL}</tool_call>", f"x <tool_call>{CALL}</tool_call></tool_call> y",
+              f"<tool_call>\u2028{CALL}\u3000</tool_call>", "plain text", "", "   ",
+              '<tool_call>{"name": "g", "parameters": {"b": [1, 2]}}</tool_call>\n',
+              f"<tool_call>{CALL}</tool_call>\n<tool_call> {CALL}\n</tool_call>"]
+
+
+def test_hermes_parser_is_linear_and_unchanged():
+    """The block scan gives the old regex's results, and model output of blanks inside a block (a client can
+    force it with a constraint; the old regex retried the trailing blanks at every position) costs linear time."""
+    p = HermesToolParser()
+    for text in TOOL_TEXTS:
+        content, calls = p.parse(text)
+        assert (content, [(c.name, c.arguments) for c in calls]) == old_parse(text), repr(text)
+    blanks = " " * 50_000
+    for text in (f"<tool_call>x{blanks}y", f"<tool_call>{{{blanks}}}</tool_call>", "<tool_call>" + "\n" * 50_000 + "z",
+                 f"<tool_call>{CALL}{blanks}x" * 2):
+        t0 = time.perf_counter()
+        p.parse(text)
+        assert time.perf_counter() - t0 < 1.0
+
+
+def test_deep_tool_call_output_is_content_and_oversized_call_grammar_is_400(tiny_model_dir):
+    """Model output of a `<tool_call>` with JSON nested past Python's recursion limit is content, not a call (nor a
+    RecursionError); tools whose required-call grammar is over the grammar limit are a 400 (the tiny template
+    does not render tools, so the prompt stays short), and the server goes on."""
+    deep = "<tool_call>" + "[" * 10_000
+    assert HermesToolParser().parse(deep) == (deep, [])
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
+                            log_interval=0)
+    srv = InProcessServer(build_app({"tiny": engine}, tool_call_parser="hermes"))
+    try:
+        big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
+                                                for i in range(1000)}}
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            r = srv.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "tool_choice": choice,
+                                                       "tools": [{"type": "function", "function": {
+                                                           "name": "f", "parameters": big}}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+            assert "longer than" in r.json()["error"]["message"]
+        ok = srv.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+        engine.shutdown()
 
 
 @pytest.mark.slow

@@ -76,6 +76,8 @@ class AsyncLLMEngine(EngineClient):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._dead: BaseException | None = None
+        self._step_since: float | None = None  # when the running step began (None between steps)
+        self._closing = threading.Lock()  # submit's check-and-enqueue against the loop's final drain
         self._log_state = (time.monotonic(), self.stats.prompt_tokens, self.stats.generation_tokens)
         self._active_since_log = False
         self._thread = threading.Thread(target=self._run, name="pagedlm-engine", daemon=True)
@@ -85,16 +87,25 @@ class AsyncLLMEngine(EngineClient):
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    @property
+    def step_stuck_for(self) -> float:
+        since = self._step_since
+        if since is None or not (self.stats.num_waiting or not self._inbox.empty()):
+            return 0.0
+        return time.monotonic() - since
+
     # --- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                arrival_time: float | None = None, cache_salt: str | None = None) -> RequestStream:
         """Hand a request to the engine thread without waiting; `await stream.accepted()` for the verdict."""
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        if self._dead is not None:
+        with self._closing:  # the loop sets _dead, then drains the queue under this lock: nothing is left behind
+            dead = self._dead is not None
+            if not dead:
+                self._submit(_Add(stream, prompt, params, priority,
+                                  time.monotonic() if arrival_time is None else arrival_time, cache_salt))
+        if dead:
             stream._accept(self._dead_error())
-        else:
-            self._submit(_Add(stream, prompt, params, priority,
-                              time.monotonic() if arrival_time is None else arrival_time, cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -151,13 +162,14 @@ class AsyncLLMEngine(EngineClient):
             for stream in list(self._streams.values()):
                 self._deliver([(stream, err)])
             self._streams.clear()
-            while True:  # requests that arrived after the end
-                try:
-                    cmd = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(cmd, _Add):
-                    self._call(cmd.stream, cmd.stream._accept, err)
+            with self._closing:  # requests that arrived after the end (none can arrive after this)
+                while True:
+                    try:
+                        cmd = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(cmd, _Add):
+                        self._call(cmd.stream, cmd.stream._accept, err)
 
     def _dead_error(self) -> EngineDeadError:
         if isinstance(self._dead, EngineDeadError):
@@ -223,6 +235,7 @@ class AsyncLLMEngine(EngineClient):
         """One engine step; returns (consecutive failures, whether any output came out)."""
         if not self._active_since_log:  # activity resumes: the throughput window starts now, not when idle began
             self._log_state = (time.monotonic(), self.stats.prompt_tokens, self.stats.generation_tokens)
+        self._step_since = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001
@@ -233,6 +246,8 @@ class AsyncLLMEngine(EngineClient):
                 self.num_failed += 1
                 self._fail(rid, _failed(rid, e), record)
             return failures + 1, True
+        finally:
+            self._step_since = None
         self._active_since_log = True
         now = time.monotonic()
         items = []

@@ -170,6 +170,11 @@ class EngineClient:
     def is_running(self) -> bool:
         raise NotImplementedError
 
+    @property
+    def step_stuck_for(self) -> float:
+        """Seconds the engine's current step has run while other requests wait for it (0: none such)."""
+        return 0.0
+
     def add_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """`fn(record)` runs on the engine's thread (it must be quick) with its step records."""
         self._listeners.append(fn)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedlm.engine.admission import AdmissionLimits, KVCacheShape, check_admission
 from pagedlm.engine.llm_engine import prepare_params
-from pagedlm.sampling.params import SamplingParams
+from pagedlm.sampling.params import MAX_JSON_DEPTH, JSONDepthError, SamplingParams, loads_json, within_depth
 
 if TYPE_CHECKING:
     from pagedlm.engine.llm_engine import LLMEngine
@@ -147,11 +147,17 @@ def _template_message(m: Mapping[str, Any], knows_calls: bool) -> dict[str, Any]
 
 
 def _json_arguments(arguments: str | dict) -> dict | str:
-    """A tool call's arguments as an object (templates write it with tojson), or the text if it is not JSON."""
-    if isinstance(arguments, dict):
-        return arguments
+    """A tool call's arguments as an object (templates write it with tojson), or the text if it is not JSON.
+    ChatTemplateError if they are nested more than MAX_JSON_DEPTH levels deep."""
+    name = "tool_calls[].function.arguments"
     try:
-        value = json.loads(arguments)
+        if isinstance(arguments, dict):
+            if not within_depth(arguments):
+                raise JSONDepthError(f"{name} is nested more than {MAX_JSON_DEPTH} levels deep.")
+            return arguments
+        value = loads_json(arguments, name)
+    except JSONDepthError as e:
+        raise ChatTemplateError(str(e)) from None
     except ValueError:
         return arguments
     return value if isinstance(value, dict) else arguments

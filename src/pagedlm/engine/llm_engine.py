@@ -27,7 +27,7 @@ from pagedlm.model.plan import plan_execution
 from pagedlm.outputs import PositionLogprobs, RequestOutput
 from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.params import SamplingParams
-from pagedlm.sampling.sampler import Sampler, SamplingRow
+from pagedlm.sampling.sampler import Sampler, SamplingRow, allowed_mask
 from pagedlm.sampling.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -250,18 +250,22 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        kv = self.runner.kv_cache
-        kv.swap_out(sched.blocks_to_swap_out)
-        kv.swap_in(sched.blocks_to_swap_in)
-        kv.copy_blocks(sched.blocks_to_copy)
-        if sched.is_empty:
-            return []
-        batch = self._build_batch(sched)
-        self._start_masks(batch.samples)  # on a worker thread, while the forward pass runs
         try:
-            logits = self.runner.execute(batch.chunks, batch.logits_index)
-        finally:  # the matchers are the engine thread's again (forks copy them)
-            masks = self._pending_masks[1].result() if self._pending_masks is not None else None
+            kv = self.runner.kv_cache
+            kv.swap_out(sched.blocks_to_swap_out)
+            kv.swap_in(sched.blocks_to_swap_in)
+            kv.copy_blocks(sched.blocks_to_copy)
+            if sched.is_empty:
+                return []
+            batch = self._build_batch(sched)
+            self._start_masks(batch.samples)  # on a worker thread, while the forward pass runs
+            try:
+                logits = self.runner.execute(batch.chunks, batch.logits_index)
+            finally:  # the matchers are the engine thread's again (forks copy them)
+                masks = self._pending_masks[1].result() if self._pending_masks is not None else None
+        except BaseException:
+            self.scheduler.step_failed(sched)  # its blocks' hashes were registered before their KV was written
+            raise
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
 
@@ -563,12 +567,18 @@ def prepare_params(params: SamplingParams, vocab_size: int, tokenizer, structure
     constraint (cached) with `structured()`, the model's StructuredOutputManager. Raises ValueError naming the
     problem. Safe to call from any thread, and again. The engine and a replica's front end both use it."""
     vocab = vocab_size
+    allowed = params.allowed_token_ids
+    if allowed is not None and len(allowed) > vocab:
+        raise ValueError(f"allowed_token_ids holds {len(allowed)} ids; this model's vocabulary has {vocab} tokens.")
     unknown = sorted({t for t in (params.logit_bias or {}) if t >= vocab}
                      | {t for t in (params.allowed_token_ids or []) if t >= vocab})
     if unknown:
         name = "logit_bias" if any(t in (params.logit_bias or {}) for t in unknown) else "allowed_token_ids"
         raise ValueError(f"{name} names token ids this model does not have (vocabulary size {vocab}): "
                          f"{unknown[:10]}.")
+    if allowed is not None and params._allowed_mask is None:  # once per request, off the engine thread
+        params.allowed_token_ids = list(dict.fromkeys(allowed))
+        allowed_mask(params, vocab)
     if params.bad_words and not params._bad_words_token_ids:
         words: list[list[int]] = []
         for w in params.bad_words:

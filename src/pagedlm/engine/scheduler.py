@@ -92,6 +92,12 @@ class Scheduler:
             self.block_manager.free(f.seq)
         self.running = [r for r in self.running if not r.finished]
 
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """The step `out` scheduled did not complete (its forward pass raised): none of the KV it was to write
+        is served from the prefix cache. Its requests stay where they are (the caller aborts or retries them)."""
+        for s in out.scheduled:
+            self.block_manager.uncommit(s.seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

@@ -131,6 +131,12 @@ class BlockPool:
             if self.events is not None:
                 self.events.append((True, block_hash))
 
+    def unregister(self, block: int) -> None:
+        """Forget the prefix the block holds (its contents are not that prefix's KV)."""
+        self._evict(block)
+        if self.ref_counts[block] == 0 and block in self.free_blocks:
+            self.free_blocks.move_to_end(block, last=False)
+
     def lookup(self, block_hash: bytes, token_ids: list[int]) -> int | None:
         """The cached block with this hash, verified against its stored token ids."""
         block = self.cached.get(block_hash)
@@ -253,6 +259,15 @@ class BlockManager:
         for i, h in enumerate(self._chain_hashes(seq, full)):
             if self.gpu.block_hash[table[i]] != h:  # registered before: nothing to do (and no token slice)
                 self.gpu.register(table[i], h, seq.token_slice(i * bs, (i + 1) * bs))
+
+    def uncommit(self, seq: SeqLike) -> None:
+        """Undo `commit` for the tokens from `num_computed_tokens` on: the step that was to write their K/V did
+        not complete, so the blocks holding them leave the prefix cache (the blocks before stay)."""
+        if not self.enable_prefix_caching:
+            return
+        for block in self.get_block_table(seq)[seq.num_computed_tokens // self.block_size:]:
+            if block != NULL_BLOCK and self.gpu.block_hash[block] is not None:
+                self.gpu.unregister(block)
 
     # --- allocation ----------------------------------------------------------------------------------
     def can_allocate(self, seqs: list[SeqLike], num_new_tokens: list[int],

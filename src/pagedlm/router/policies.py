@@ -88,7 +88,12 @@ _MATH = re.compile(r"\d\s*[-+*/^=<>]\s*\d|\\frac|\\sum|\\int|\$[^$]+\$|\b(integr
 _REASONING = re.compile(r"\b(why|explain|prove|derive|analy[sz]e|compare|step by step|evaluate|justify|design|"
                         r"optimi[sz]e|trade-?offs?|implications?)\b", re.IGNORECASE)
 _FACTUAL = re.compile(r"^\s*(what|who|when|where|which|name|define)\b", re.IGNORECASE)
-_CHOICES = re.compile(r"^\s*[A-D][.)]\s", re.MULTILINE)
+_CHOICES = re.compile(r"^[^\S\n]*[A-D][.)]\s", re.MULTILINE)  # blanks within the line only: linear
+
+
+def count_choices(prompt: str) -> int:
+    """Lines that start (after blanks) with a multiple-choice label: `A.`, `B)` ... `D.` and a blank."""
+    return len(_CHOICES.findall(prompt))
 
 
 def extract_features(prompt: str, max_tokens: int | None = None, prompt_tokens: int | None = None) -> RequestFeatures:
@@ -99,7 +104,7 @@ def extract_features(prompt: str, max_tokens: int | None = None, prompt_tokens: 
         kind = "math"
     elif _REASONING.search(prompt):
         kind = "reasoning"
-    elif len(_CHOICES.findall(prompt)) >= 2:
+    elif count_choices(prompt) >= 2:
         kind = "multiple_choice"
     elif _FACTUAL.search(prompt):
         kind = "factual"

@@ -15,6 +15,38 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
 MAX_GRAMMAR_CHARS = 100_000  # JSON schema (serialized), regex, grammar, or all choices together
 MAX_CHOICES = 1024
+MAX_JSON_DEPTH = 128  # nesting of JSON text inside a request (the request body's own parser allows as much)
+
+
+class JSONDepthError(ValueError):
+    """JSON text inside a request is nested more than MAX_JSON_DEPTH levels deep."""
+
+
+def within_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """No list or dict in `value` lies more than `limit` levels deep (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return False
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def loads_json(text: str, name: str) -> Any:
+    """`json.loads` for JSON text inside a request: ValueError naming `name` if it is not JSON or is nested more
+    than MAX_JSON_DEPTH levels deep (JSONDepthError; never a RecursionError)."""
+    too_deep = JSONDepthError(f"{name} is nested more than {MAX_JSON_DEPTH} levels deep.")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not within_depth(value):
+        raise too_deep
+    return value
 
 
 @dataclass
@@ -44,12 +76,11 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or "
                              f"json_object, got {given or 'none'}.")
         if isinstance(self.json, str):
-            try:
-                self.json = json.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            self.json = loads_json(self.json, "structured_outputs.json")
         if self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured_outputs.json must be a JSON schema object.")
+        if self.json is not None and not within_depth(self.json):
+            raise ValueError(f"structured_outputs.json is nested more than {MAX_JSON_DEPTH} levels deep.")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -104,6 +135,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # set by the engine: bad_words as token sequences (each with and without a leading space, as vLLM does)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # set by the sampler on first use (sampler.allowed_mask): allowed_token_ids as a [vocab] bool tensor
+    _allowed_mask: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -31,6 +31,23 @@ class SamplingRow:
     bitmask: torch.Tensor | None = None  # constrained rows: int32 [words], bit t set = token t allowed
 
 
+def build_allowed_mask(token_ids: list[int], vocab: int) -> torch.Tensor:
+    """[vocab] bool: True at the given ids (ids >= vocab ignored)."""
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids[ids < vocab]] = True
+    return mask
+
+
+def allowed_mask(params: SamplingParams, vocab: int) -> torch.Tensor:
+    """The request's allowed_token_ids as a [vocab] bool mask, built on first use and kept on `params` (so once
+    per request, whatever its rows and steps)."""
+    mask = params._allowed_mask
+    if mask is None or mask.shape[0] != vocab:
+        mask = params._allowed_mask = build_allowed_mask(params.allowed_token_ids, vocab)
+    return mask
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
@@ -161,10 +178,7 @@ class Sampler:
 
         only = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
         if only:
-            keep = torch.zeros(len(only), vocab, dtype=torch.bool, device=dev)
-            for j, i in enumerate(only):
-                ids = [t for t in params[i].allowed_token_ids if t < vocab]
-                keep[j, torch.tensor(ids, dtype=torch.long, device=dev)] = True
+            keep = torch.stack([allowed_mask(params[i], vocab) for i in only]).to(dev)
             idx = torch.tensor(only, device=dev)
             x[idx] = x[idx].masked_fill(~keep, float("-inf"))
 

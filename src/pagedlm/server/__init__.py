@@ -1,3 +1,5 @@
 """The OpenAI-compatible server (api.py builds the app; see its docstring), its command line (cli.py) and metrics."""
 
+DEFAULT_HEALTH_STEP_TIMEOUT = 120.0  # seconds one engine step may run with requests waiting before /health is 503
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256  # prompts x n (or beam_width) of one request
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20  # prompt positions x (k + 1) x copies (choices) in one response

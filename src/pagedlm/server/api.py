@@ -28,7 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from pagedlm import __version__
 from pagedlm.engine.async_engine import AsyncLLMEngine
-from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from pagedlm.server import DEFAULT_HEALTH_STEP_TIMEOUT, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedlm.server import protocol as P
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -48,7 +48,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None, *,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
-              strict_request_fields: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              strict_request_fields: bool = False, tool_call_parser: str | None = None,
+              health_step_timeout: float = DEFAULT_HEALTH_STEP_TIMEOUT) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -59,14 +60,17 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     prefix_cache_per_key: salt the prefix cache with the API key, so tenants never share cached blocks.
     strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
     tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: tools are refused).
+    health_step_timeout: /health is 503 while an engine step has run longer than this, requests waiting (0: off).
     """
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if not all(isinstance(k, str) and k.strip() for k in keys):
+        raise ValueError("An API key is empty: give non-empty keys (or none to serve without one).")
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
         raise ValueError("build_app needs at least one engine")
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
-    keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or () if k]
     app = FastAPI(title="pagedlm", version=__version__)
     metrics = ServerMetrics(engines, router=route.router if route is not None else None)
     servers = {name: ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key,
@@ -105,6 +109,10 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
         dead = [name for name, srv in front.servers.items() if not srv.engine.is_running]
         if dead:
             raise APIError(503, f"The engine loop has stopped ({', '.join(dead)}).", type="server_error")
+        stuck = [n for n, srv in front.servers.items() if 0 < health_step_timeout < srv.engine.step_stuck_for]
+        if stuck:
+            raise APIError(503, f"An engine step has run longer than {health_step_timeout:g} s with requests "
+                                f"waiting ({', '.join(stuck)}).", type="server_error")
         return Response(status_code=200)
 
     @app.get("/version")

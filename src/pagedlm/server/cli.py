@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedlm.config import add_arguments, check_choices, from_args, option, parse_bytes
-from pagedlm.server import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from pagedlm.server import DEFAULT_HEALTH_STEP_TIMEOUT, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedlm.server.tools import BUILTIN_TEMPLATES, TOOL_PARSERS
 
 logger = logging.getLogger("pagedlm.server")
@@ -63,6 +63,9 @@ class ServerConfig:
     strict_request_fields: bool = option(False, "refuse requests with fields the server does not know (400) instead "
                                          "of naming them in the x-pagedlm-unknown-fields response header",
                                          group=LIMITS)
+    health_step_timeout: float = option(DEFAULT_HEALTH_STEP_TIMEOUT, "/health answers 503 while one engine step has "
+                                        "run longer than this many seconds with requests waiting (0: never)",
+                                        group=LIMITS)
     shutdown_timeout: float = option(30.0, "on SIGTERM, seconds running requests may finish before they are ended "
                                      "with an error", group=LIMITS)
     config: str | None = option(None, "YAML file of these options (keys: option names without --); command-line "
@@ -112,8 +115,8 @@ class ServerConfig:
         check_choices(self)
         if self.max_waiting < 1 or self.max_body_bytes < 1 or self.max_prompts_per_request < 1:
             raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
-        if self.stream_stall_timeout < 0 or self.shutdown_timeout < 0:
-            raise ValueError("--stream-stall-timeout and --shutdown-timeout must be >= 0.")
+        if min(self.stream_stall_timeout, self.shutdown_timeout, self.health_step_timeout) < 0:
+            raise ValueError("--stream-stall-timeout, --shutdown-timeout and --health-step-timeout must be >= 0.")
         if self.data_parallel_size < 1 or (self.threads_per_replica is not None and self.threads_per_replica < 1):
             raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
 
@@ -150,6 +153,7 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     models = model_specs(args)
     router = build_router(args, [name for name, _ in models])
     template = chat_template(args.chat_template)
+    api_keys = resolve_api_keys(args)
     sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
     engines: dict[str, AsyncLLMEngine] = {}
     route = None
@@ -176,14 +180,14 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
         if router is not None:
             route = AutoRoute(router, engines, args.router_name)
             route.warm_up()
-        api_keys = args.api_key or [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
         if args.prefix_cache_per_key and not api_keys:
             logger.warning("--prefix-cache-per-key does nothing without API keys")
         app = build_app(engines, api_keys, args.max_body_bytes, route,
                         max_prompts_per_request=args.max_prompts_per_request,
                         allowed_origins=_names(args.allowed_origins), allowed_hosts=allowed_hosts(args),
                         prefix_cache_per_key=args.prefix_cache_per_key,
-                        strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser)
+                        strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser,
+                        health_step_timeout=args.health_step_timeout)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])
@@ -201,6 +205,20 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
             engine.shutdown()
         sock.close()
     return 0
+
+
+def resolve_api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of --api-key, else of $PAGEDLM_API_KEY (comma-separated); ValueError on an empty one (an unset
+    shell variable in `--api-key "$KEY"` would otherwise turn authentication off)."""
+    if args.api_key is not None:
+        keys, source = args.api_key, "--api-key"
+    elif API_KEY_ENV in os.environ:
+        keys, source = [k.strip() for k in os.environ[API_KEY_ENV].split(",")], f"${API_KEY_ENV}"
+    else:
+        return []
+    if not all(k.strip() for k in keys):
+        raise ValueError(f"{source} holds an empty API key: give non-empty keys (or none to serve without one).")
+    return keys
 
 
 def _names(value: str | None) -> list[str]:

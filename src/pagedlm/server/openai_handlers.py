@@ -29,6 +29,7 @@ from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import protocol as P
+from pagedlm.server.limits import check_prompt_logprobs
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable
 from pagedlm.server.streaming import (
     ChoiceState,
@@ -48,6 +49,7 @@ from pagedlm.server.wire import json_response
 class _Prompt:
     token_ids: list[int]
     text: str | None = None  # the text the client sent, if it sent text
+    echo_logprobs: tuple[P.CompletionLogprobs, int] | None = None  # echo's logprobs and text length, made once
 
 
 class ModelServer:
@@ -81,7 +83,7 @@ class ModelServer:
                            param="n" if num_prompts == 1 else "prompt")
 
     def model_card(self) -> P.ModelCard:
-        return P.ModelCard(id=self.name, created=self.created, root=str(self.facade.model_path),
+        return P.ModelCard(id=self.name, created=self.created, root=self.facade.model_path.name,
                            max_model_len=self.facade.max_model_len)
 
     # --- completions ---
@@ -91,6 +93,8 @@ class ModelServer:
         k = req.logprobs
         params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=req.prompt_logprobs
                                      if req.prompt_logprobs is not None else k if req.echo else None)
+        copies = (req.prompt_logprobs is not None) + (req.echo and k is not None)
+        check_prompt_logprobs([len(p.token_ids) for p in prompts], params, params.n * copies)
         self._check_admission([len(p.token_ids) for p in prompts], params)
         await self._prepare(req, params)
         rid = rid or f"cmpl-{uuid.uuid4().hex}"
@@ -103,8 +107,9 @@ class ModelServer:
         choices = [self._completion_choice(i * params.n + o.index, req, params, prompt, out, o, ChoiceState())
                    for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
         if req.prompt_logprobs is not None:
+            converted = [_prompt_logprobs(out) for out in finals]  # once per prompt, whatever n
             for c in choices:
-                c.prompt_logprobs = _prompt_logprobs(finals[c.index // params.n])
+                c.prompt_logprobs = converted[c.index // params.n]
         return json_response(P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage(finals)))
 
     async def _completion_prompts(self, req: P.CompletionRequest) -> list[_Prompt]:
@@ -149,9 +154,14 @@ class ModelServer:
         if req.logprobs is not None:
             logprobs = P.CompletionLogprobs()
             if echo:
-                entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
-                state.text_offset = self._add_completion_logprobs(logprobs, prompt.token_ids, entries,
-                                                                  state.text_offset)
+                if prompt.echo_logprobs is None:  # the same for every choice: converted once
+                    head = P.CompletionLogprobs()
+                    entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
+                    prompt.echo_logprobs = head, self._add_completion_logprobs(head, prompt.token_ids, entries, 0)
+                head, state.text_offset = prompt.echo_logprobs
+                logprobs = P.CompletionLogprobs(tokens=list(head.tokens), token_logprobs=list(head.token_logprobs),
+                                                top_logprobs=list(head.top_logprobs),
+                                                text_offset=list(head.text_offset))
             state.text_offset = self._add_completion_logprobs(logprobs, o.token_ids[t0:t1],
                                                               (o.logprobs or [])[t0:t1], state.text_offset)
         if echo:
@@ -211,8 +221,12 @@ class ModelServer:
                                      prompt_logprobs=req.prompt_logprobs)
         functions = req.called_functions()
         if functions is not None:  # tool_choice "required" or a named function: the decoder enforces the calls
-            params.structured_outputs = self.tool_parser.call_grammar(
-                functions, parallel=req.parallel_tool_calls and not isinstance(req.tool_choice, P.NamedToolChoice))
+            parallel = req.parallel_tool_calls and not isinstance(req.tool_choice, P.NamedToolChoice)
+            try:
+                params.structured_outputs = self.tool_parser.call_grammar(functions, parallel)
+            except ValueError as e:
+                raise APIError(400, f"The tools' call grammar: {e}", param="tools") from None
+        check_prompt_logprobs([len(ids)], params, 1)
         self._check_admission([len(ids)], params)
         await self._prepare(req, params)
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
@@ -411,7 +425,6 @@ class ModelServer:
         return info
 
 
-
 def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None]:
     return [None if entry is None else {str(t): P.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
                                                                 decoded_token=lp.decoded_token)
@@ -434,7 +447,6 @@ def _usage(outputs: list[RequestOutput | None]) -> P.UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
     completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
 
 
 def request_ids(rid: str, num_prompts: int) -> list[str]:

@@ -9,7 +9,6 @@ Hermes format (Qwen 2.5, Hermes, and the built-in template): the model writes ea
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -69,17 +68,21 @@ class HermesToolParser:
     """`<tool_call>{json}</tool_call>` blocks; text outside them is the message content."""
 
     start, end = "<tool_call>", "</tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """(content, calls); a block that is not a {"name", "arguments"} object is left in the content."""
-        calls, kept, pos = [], [], 0
-        for m in self._block.finditer(text):
-            call = _call(m.group(1))
+        """(content, calls); a block that is not a {"name", "arguments"} object is left in the content. A block
+        runs from `<tool_call>` to the next `</tool_call>` or the end of the text; its body is stripped of
+        blanks. Linear time (a regex with a lazy body and blanks around it retries them at every position)."""
+        calls, kept, pos, at = [], [], 0, 0
+        while (first := text.find(self.start, at)) >= 0:
+            body = first + len(self.start)
+            close = text.find(self.end, body)
+            at = len(text) if close < 0 else close + len(self.end)
+            call = _call(text[body:len(text) if close < 0 else close].strip())
             if call is None:
                 continue
-            kept.append(text[pos:m.start()])
-            pos = m.end()
+            kept.append(text[pos:first])
+            pos = at
             calls.append(call)
         kept.append(text[pos:])
         content = "".join(kept).strip()
@@ -101,7 +104,7 @@ class HermesToolParser:
 def _call(body: str) -> ParsedToolCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's recursion limit
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
