@@ -43,7 +43,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     native = NATIVE_INT4_TYPES if quantization == "int4" and group_size == 32 else ()
     quantizer = LinearQuantizer(model, quantization, group_size, fallback) if quantization else None
     # the vocabulary matrices become int8 (bf16) tables: read them by rows, never whole in fp32
-    lazy = ("model.embed_tokens.weight", "lm_head.weight") if quantization else ()
+    lazy = ("model.embed_tokens.weight", "lm_head.weight") if quantization and device.type == "cpu" else ()
     model.load_weights(iter_weights(path, dtype, native, lazy), quantizer, device)
     if quantizer is not None:
         quantizer.finish(dense_dtype, kernel_max_rows, head_kernel_max_rows, dense_copy)
