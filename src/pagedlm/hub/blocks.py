@@ -94,7 +94,9 @@ class LazyRows:
         out = gguf.quants.dequantize(data, self.tensor.tensor_type).reshape(stop - start, self.shape[1])
         row_bytes = self.tensor.data.nbytes // self.shape[0]
         self.reader.release(self.tensor, start * row_bytes, (stop - start) * row_bytes)
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+        if not (out.flags.writeable and out.flags.c_contiguous and out.dtype == np.float32):  # e.g. an F32 view
+            out = np.array(out, dtype=np.float32)
+        return torch.from_numpy(out)
 
     def materialize(self, chunk: int = 4096) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=torch.float32)

@@ -1,0 +1,123 @@
+"""Models at the sizes people run: load time, peak RSS, decode against the memory-bandwidth limit, and prefill, for
+random-weight GGUFs of real shapes (speed and memory do not depend on the values), each engine in a fresh process,
+engines alternated.
+
+    .venv/bin/python benchmarks/scale.py --shapes 1b,3b --quant Q4_0 --backends pagedlm,llama.cpp --repeats 2
+
+Models are written once into `--dir` by ../shared/tools/make-scale-model.py (1b: TinyLlama-1.1B's shape, 3b:
+Llama-3.2-3B's, 8b: Llama-3.1-8B's; SmolLM2's tokenizer, so both engines load the same file). The decode rate is
+128 / (time of a 129-token generation - time of a 1-token one) on a fresh random 32-token prompt; the limit is the
+file's bytes read once per token at the read bandwidth measured here (a sum over a buffer far larger than the
+caches, with torch's threads). `pagedlm` runs its defaults (`LLM(model=path)`); `llama.cpp` is llama-cpp-python
+(the `llamacpp` extra). Peak RSS is the child's high-water mark (VmHWM).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAKE_MODEL = ROOT.parent / "shared" / "tools" / "make-scale-model.py"
+
+
+def _hwm() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(backend: str, path: str, prefill: int, seed: int) -> dict:
+    """One engine in this process: load, decode, prefill."""
+    import torch
+
+    from pagedlm.bench.backends import make_backend
+
+    t0 = time.perf_counter()
+    engine = make_backend(backend, path, "auto", {})
+    load = time.perf_counter() - t0
+    rng = random.Random(seed)
+
+    def run(n_prompt: int, n_new: int) -> float:
+        ids = [rng.randrange(100, 40000) for _ in range(n_prompt)]
+        t = time.perf_counter()
+        engine.generate([ids], n_new)
+        return time.perf_counter() - t
+
+    run(8, 2)  # first-call costs (kernel binding, thread pools) out of the timings
+    decode = [128 / (run(32, 129) - run(32, 1)) for _ in range(2)]
+    pre = prefill / run(prefill, 1)
+    return {"load_s": load, "peak_rss": _hwm(), "decode": max(decode), "prefill": pre,
+            "threads": torch.get_num_threads()}
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of a threaded sum over 2 GiB (far past the last-level cache)."""
+    import torch
+
+    buf = torch.ones(2**29)
+    buf.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.numel() * 4 / min(times)
+
+
+def ensure_model(directory: Path, shape: str, quant: str) -> Path:
+    path = directory / f"random-{shape}-{quant}.gguf"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, str(MAKE_MODEL), shape, quant, str(path)], check=True)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="1b,3b")
+    ap.add_argument("--quant", default="Q4_0")
+    ap.add_argument("--backends", default="pagedlm")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "pagedlm" / "scale")
+    ap.add_argument("--child", nargs=3, metavar=("BACKEND", "PATH", "SEED"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child[0], a.child[1], a.prefill, int(a.child[2]))))
+        return
+    from pagedlm.cpu import cpu_features
+
+    bw = read_bandwidth()
+    print(f"CPU flags: {cpu_features().describe()}; read bandwidth {bw / 1e9:.1f} GB/s")
+    print("| model | file | engine | load s | peak RSS GB | decode tok/s | of limit | prefill tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in a.shapes.split(","):
+        path = ensure_model(a.dir, shape, a.quant)
+        size = path.stat().st_size
+        limit = bw / size
+        runs: dict[str, list[dict]] = {b: [] for b in a.backends.split(",")}
+        for r in range(a.repeats):
+            for backend in runs:
+                out = subprocess.run([sys.executable, __file__, "--prefill", str(a.prefill), "--child", backend,
+                                      str(path), str(r)], capture_output=True, text=True)
+                if out.returncode:
+                    raise SystemExit(f"{backend} on {path.name} failed:\n{out.stderr[-3000:]}")
+                runs[backend].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for backend, rs in runs.items():
+            def col(key: str, fmt: str) -> str:
+                return " / ".join(fmt.format(x[key]) for x in rs)
+            med = statistics.median(x["decode"] for x in rs)
+            rss = " / ".join(f"{x['peak_rss'] / 1e9:.2f}" for x in rs)
+            print(f"| {shape} {a.quant} | {size / 1e9:.2f} GB | {backend} | {col('load_s', '{:.1f}')} | {rss} | "
+                  f"{col('decode', '{:.1f}')} | {med / limit:.0%} (limit {limit:.1f}) | {col('prefill', '{:.0f}')} |")
+
+
+if __name__ == "__main__":
+    main()
