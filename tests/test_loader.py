@@ -461,3 +461,18 @@ def test_deeply_nested_metadata_arrays_are_a_clear_error(tmp_path: Path) -> None
     path.write_bytes(header + struct.pack("<IQ", 9, 1) * 100_000)
     with pytest.raises(ModelLoadError, match="nested.gguf.*nested more than"):
         resolve_model(str(path))
+
+
+def test_huge_metadata_arrays_are_a_clear_error(tmp_path: Path) -> None:
+    """A header whose arrays hold more values than MAX_METADATA_VALUES is refused before they become Python objects
+    (a u8 array of N bytes would be N ints of 28+ bytes each)."""
+    import struct
+
+    from pagedlm.hub.gguf_file import MAX_METADATA_VALUES
+
+    path = tmp_path / "huge.gguf"
+    n = MAX_METADATA_VALUES + 1
+    header = struct.pack("<4sIQQ", b"GGUF", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9)
+    path.write_bytes(header + struct.pack("<IQ", 0, n) + bytes(n))
+    with pytest.raises(ModelLoadError, match="huge.gguf.*more than 4,194,304 values"):
+        resolve_model(str(path))

@@ -169,6 +169,11 @@ def test_per_call_dequantization_equals_the_dense_copy() -> None:
     torch.testing.assert_close(per_call, layer(x), rtol=1e-2, atol=1e-3)
     expected = torch.nn.functional.linear(x.bfloat16(), layer.dequantize().bfloat16()).float()
     assert torch.equal(per_call, expected)
+    big = quant.Int4Linear(torch.randn(2 * quant.Int4Linear.PER_CALL_ROWS + 32, 256) * 0.05, 32, x16=True)
+    big.kernel_max_rows = 0
+    big.set_dense(torch.bfloat16, copy=False)  # by slices of PER_CALL_ROWS output rows, the last one shorter
+    torch.testing.assert_close(big(x), torch.nn.functional.linear(x.bfloat16(), big.dequantize().bfloat16()).float(),
+                               rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("march", ["x86-64", "haswell"])

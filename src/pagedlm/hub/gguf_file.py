@@ -25,6 +25,9 @@ _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 _NUMPY = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
 _STRING, _ARRAY = 8, 9
 _MAX_NESTING = 8  # arrays of arrays: a malformed file must not exhaust the stack
+# Values in all metadata arrays together: each becomes a Python object (30-40x its bytes in the file), so a crafted
+# header must not turn into GBs. Real ones hold a few: Gemma 3's vocabulary (262,144 tokens, scores and types) ~0.8M.
+MAX_METADATA_VALUES = 1 << 22
 _PLAIN_TENSORS = {gguf.GGMLQuantizationType.F32: "f4", gguf.GGMLQuantizationType.F16: "f2",
                   gguf.GGMLQuantizationType.F64: "f8", gguf.GGMLQuantizationType.I8: "i1",
                   gguf.GGMLQuantizationType.I16: "i2", gguf.GGMLQuantizationType.I32: "i4",
@@ -73,6 +76,7 @@ class GGUFFile:
 class _Cursor:
     def __init__(self, buf, order: str):
         self.buf, self.order, self.pos = buf, order, 24
+        self.values = 0  # array values read so far (MAX_METADATA_VALUES)
 
     def take(self, fmt: str):
         fmt = self.order + fmt
@@ -96,6 +100,9 @@ class _Cursor:
             return self.string()
         if vtype == _ARRAY:
             itype, count = self.take("I"), self.take("Q")
+            self.values += count
+            if self.values > MAX_METADATA_VALUES:
+                raise GGUFFormatError(f"metadata arrays hold more than {MAX_METADATA_VALUES:,} values")
             if itype in _NUMPY:
                 dtype = np.dtype(self.order + _NUMPY[itype])
                 end = self.pos + count * dtype.itemsize
