@@ -204,3 +204,45 @@ def test_plan_drops_the_dense_copy_when_it_would_not_fit(random_300m: Path, monk
     monkeypatch.setattr(plan_module, "machine_memory", lambda: int(need / plan_module.DENSE_COPY_MEMORY_FRACTION) - 1)
     p = plan_module.plan_execution(cfg, random_300m)
     assert not p.dense_copy and "dequantized per call" in p.describe()
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64", "haswell"])
+def test_gguf_blocks_convert_in_one_pass_as_the_reference(march: str, random_300m: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel writes Q4_0 / Q4_1 rows (a Q/K row permutation and a fused q/k/v included) straight into the x16
+    layout, and requantizes a Q8_0 table to int8 per row: the same bytes as the reference (Int4Blocks.from_gguf ->
+    rows -> cat -> to_x16; dequantize -> quantize_int8), in every build this CPU runs."""
+    from pagedlm.cpu import cpu_features
+    from pagedlm.hub.blocks import LazyRows, RawInt4
+
+    if march == "haswell" and not {"avx2", "fma", "f16c"} <= cpu_features().flags:
+        pytest.skip("this CPU cannot run an AVX2 build")
+    lib = quant.load_quant_kernel() if march == "native" else quant.kernel_variant(march).load()
+    if lib is None:
+        pytest.skip("no compiler for the kernel")
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            return (lambda *a: calls.append(name) or fn(*a)) if name.startswith("pagedlm_gguf") else fn
+
+    rng = np.random.default_rng(3)
+    for kind in ("Q4_0", "Q4_1"):
+        parts = [gguf.quants.quantize(rng.standard_normal((rows, 256)).astype(np.float32) * 0.05, Q[kind])
+                 for rows in (64, 32, 48)]
+        raw = RawInt4.cat([RawInt4.from_gguf(parts[0], kind, 256).rows(rng.permutation(64)),
+                           *(RawInt4.from_gguf(p, kind, 256) for p in parts[1:])])
+        ref = quant.Int4Linear(raw.blocks(), 32, x16=True)
+        monkeypatch.setattr(quant, "load_quant_kernel", lambda: Counting())
+        got = quant.Int4Linear(raw, 32, x16=True)
+        monkeypatch.undo()
+        assert all(torch.equal(getattr(got, n), getattr(ref, n)) for n in ("qweight", "scale", "mins")), kind
+    reader = read_gguf(random_300m)
+    table = LazyRows(reader, next(t for t in reader.tensors if t.name == "token_embd.weight"))
+    ref = quant.Int8Linear(table.materialize(), x16=True)
+    monkeypatch.setattr(quant, "load_quant_kernel", lambda: Counting())
+    got = quant.Int8Linear(table, x16=True)
+    monkeypatch.undo()
+    assert torch.equal(got.qweight, ref.qweight) and torch.equal(got.scale, ref.scale)
+    assert calls.count("pagedlm_gguf_q4_to_x16") == 2 * 3 and "pagedlm_gguf_q8_0_to_int8" in calls

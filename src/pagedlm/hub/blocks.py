@@ -3,8 +3,8 @@
 dequantized a few rows at a time by whoever converts them (a 128k-row vocabulary table in fp32 would be GBs)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import gguf
 import numpy as np
@@ -75,6 +75,48 @@ class Int4Blocks:
 
 
 @dataclass
+class RawInt4:
+    """GGUF Q4_0 / Q4_1 rows not yet converted: `parts` (raw [rows, blocks * bytes] uint8, kind, row permutation or
+    None), stacked in order (a fused q/k/v). `blocks()` converts them to Int4Blocks; model/quant.py writes its x16
+    layout straight from the raw bytes where its kernel runs (one pass instead of four copies)."""
+
+    parts: list[tuple[np.ndarray, str, np.ndarray | None]]
+    cols: int
+    releases: list[Callable[[], None]] = field(default_factory=list)  # unmap the file's pages once converted
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, kind: str, cols: int,
+                  release: Callable[[], None] | None = None) -> "RawInt4":
+        return cls([(raw, kind, None)], cols, [release] if release else [])
+
+    def converted(self) -> None:
+        """The raw bytes are no longer needed: release the file's pages."""
+        for release in self.releases:
+            release()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(raw.shape[0] for raw, _, _ in self.parts), self.cols
+
+    def rows(self, perm: np.ndarray) -> "RawInt4":
+        (raw, kind, old), = self.parts
+        return RawInt4([(raw, kind, perm if old is None else old[perm])], self.cols, self.releases)
+
+    @staticmethod
+    def cat(parts: list["RawInt4"]) -> "RawInt4":
+        return RawInt4([p for part in parts for p in part.parts], parts[0].cols,
+                       [r for part in parts for r in part.releases])
+
+    def blocks(self) -> Int4Blocks:
+        out = []
+        for raw, kind, perm in self.parts:
+            b = Int4Blocks.from_gguf(raw, kind)
+            out.append(b if perm is None else b.rows(perm))
+        self.converted()
+        return out[0] if len(out) == 1 else Int4Blocks.cat(out)
+
+
+@dataclass
 class LazyRows:
     """A GGUF matrix [rows, cols] read on demand: `rows[i:j]` is those rows dequantized to fp32 (their file pages
     are released once read, see `GGUFFile.release`); `materialize()` the whole matrix."""
@@ -92,11 +134,15 @@ class LazyRows:
         start, stop, _ = rows.indices(self.shape[0])
         data = self.tensor.data[start:stop]
         out = gguf.quants.dequantize(data, self.tensor.tensor_type).reshape(stop - start, self.shape[1])
-        row_bytes = self.tensor.data.nbytes // self.shape[0]
-        self.reader.release(self.tensor, start * row_bytes, (stop - start) * row_bytes)
+        self.release(start, stop)
         if not (out.flags.writeable and out.flags.c_contiguous and out.dtype == np.float32):  # e.g. an F32 view
             out = np.array(out, dtype=np.float32)
         return torch.from_numpy(out)
+
+    def release(self, start: int, stop: int) -> None:
+        """Rows start .. stop have been read: unmap their pages."""
+        row_bytes = self.tensor.data.nbytes // self.shape[0]
+        self.reader.release(self.tensor, start * row_bytes, (stop - start) * row_bytes)
 
     def materialize(self, chunk: int = 4096) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=torch.float32)

@@ -21,13 +21,14 @@ import ctypes
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedlm import cbuild
 from pagedlm.config import KERNEL_MAX_ROWS, QUANTIZATION_METHODS
-from pagedlm.hub.blocks import Int4Blocks, LazyRows
+from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawInt4
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,12 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4_x16_bf16.argtypes = [p, p, p, p, i, i, i, i]
+    lib.pagedlm_gguf_q4_to_x16.argtypes = [p, i, i, i, p, i, p, p, p, i]
+    lib.pagedlm_gguf_q8_0_to_int8.argtypes = [p, i, i, p, p, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
                lib.pagedlm_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
-               lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16):
+               lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16, lib.pagedlm_gguf_q4_to_x16,
+               lib.pagedlm_gguf_q8_0_to_int8):
         fn.restype = ctypes.c_int
 
 
@@ -315,7 +319,7 @@ class Int8Linear(QuantLinear):
             q = torch.empty(n * k, dtype=torch.int8, device=device)
             scale = torch.empty(n, dtype=torch.float32, device=device)
             for i in range(0, n, 512):
-                qc, scale[i:i + 512] = quantize_int8(weight[i:i + 512])
+                qc, scale[i:i + 512] = _int8_rows(weight, i, i + 512)
                 q[i * k:i * k + qc.numel()] = layout(qc).view(-1)
             q = q.view(n, k) if self.x16 else q.view(n // 4, k // 16, 4, 16)
         self.register_buffer("qweight", q)
@@ -369,19 +373,21 @@ class Int4Linear(QuantLinear):
     """From a float weight [out, in] (quantized here) or from `Int4Blocks` (kept as they are). The blocks are
     stored in the kernel's x16 layout (`x16`) where it runs natively and the shape allows, else by rows."""
 
-    def __init__(self, weight: torch.Tensor | Int4Blocks, group_size: int, x16: bool | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | Int4Blocks | RawInt4, group_size: int, x16: bool | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0])
         self.group_size = group_size
-        if isinstance(weight, Int4Blocks):
-            if group_size != 32:
-                raise ValueError(f"int4 blocks have groups of 32, not {group_size}")
-            blocks = weight
-        else:
-            blocks = Int4Blocks(*quantize_int4(weight, group_size))
+        if isinstance(weight, (Int4Blocks, RawInt4)) and group_size != 32:
+            raise ValueError(f"int4 blocks have groups of 32, not {group_size}")
         self.x16 = (x16_native(4) if x16 is None else x16) and self.out_features % X16 == 0
-        tensors = (blocks.qweight, blocks.scale, blocks.mins)
-        if self.x16:
-            tensors = to_x16(*tensors)
+        if isinstance(weight, RawInt4) and self.x16 and load_quant_kernel() is not None:
+            tensors = _x16_from_gguf(weight)
+        else:
+            if isinstance(weight, RawInt4):
+                weight = weight.blocks()
+            blocks = weight if isinstance(weight, Int4Blocks) else Int4Blocks(*quantize_int4(weight, group_size))
+            tensors = (blocks.qweight, blocks.scale, blocks.mins)
+            if self.x16:
+                tensors = to_x16(*tensors)
         for name, t in zip(("qweight", "scale", "mins"), tensors):
             self.register_buffer(name, t)
 
@@ -444,6 +450,42 @@ class Int4Linear(QuantLinear):
                                      self.out_features, self.group_size, int(self.x16), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"int4 kernel failed (code {rc})")
+
+
+def _x16_from_gguf(raw: RawInt4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The x16 layout (codes, scales, minimums) of GGUF Q4_0 / Q4_1 rows, written by the kernel in one pass."""
+    n, k = raw.shape
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    scales, mins = (torch.empty(n, k // 32, dtype=torch.float16) for _ in range(2))
+    row0, lib = 0, load_quant_kernel()
+    for data, kind, perm in raw.parts:
+        data = np.ascontiguousarray(data)
+        idx = None if perm is None else np.ascontiguousarray(perm, dtype=np.int64)
+        rc = lib.pagedlm_gguf_q4_to_x16(data.ctypes.data, {"Q4_0": 0, "Q4_1": 1}[kind], data.shape[0], k,
+                                        None if idx is None else idx.ctypes.data, row0, codes.data_ptr(),
+                                        scales.data_ptr(), mins.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"int4 repacking failed (code {rc})")
+        row0 += data.shape[0]
+    raw.converted()
+    return codes, scales, mins
+
+
+def _int8_rows(w: torch.Tensor | LazyRows, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows start .. stop of w quantized to int8 per row (quantize_int8); a Q8_0 GGUF table's by the kernel, which
+    gives the same values from its blocks without the fp32 temporaries."""
+    lib = load_quant_kernel()
+    if not (isinstance(w, LazyRows) and w.tensor.tensor_type.name == "Q8_0" and lib is not None):
+        return quantize_int8(w[start:stop])
+    stop = min(stop, w.shape[0])
+    data = np.ascontiguousarray(w.tensor.data[start:stop])
+    q = torch.empty(stop - start, w.shape[1], dtype=torch.int8)
+    s = torch.empty(stop - start, dtype=torch.float32)
+    if lib.pagedlm_gguf_q8_0_to_int8(data.ctypes.data, stop - start, w.shape[1], q.data_ptr(), s.data_ptr(),
+                                     torch.get_num_threads()):
+        raise RuntimeError("int8 requantization failed")
+    w.release(start, stop)
+    return q, s
 
 
 class Bf16Linear(QuantLinear):
@@ -517,12 +559,12 @@ class WithBias(nn.Module):
 def make_quant_linear(weight: torch.Tensor | Int4Blocks, method: str, group_size: int) -> QuantLinear:
     """`weight` is [out, in] (or int4 blocks, for int4)."""
     if method == "int8":
-        if isinstance(weight, Int4Blocks):
+        if isinstance(weight, (Int4Blocks, RawInt4)):
             raise ValueError("int4 blocks cannot be quantized to int8")
         return Int8Linear(weight)
     if method == "int4":
         return Int4Linear(weight, group_size)
-    if method == "bf16" and not isinstance(weight, Int4Blocks):
+    if method == "bf16" and not isinstance(weight, (Int4Blocks, RawInt4)):
         return Bf16Linear(weight)
     raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
 
@@ -547,7 +589,7 @@ class LinearQuantizer:
             table = Bf16Linear(_dense(w)) if self.method == "bf16" else Int8Linear(w)
             return TableEmbedding(table, child.weight.dtype)
         method = self.method
-        if not isinstance(w, Int4Blocks):
+        if not isinstance(w, (Int4Blocks, RawInt4)):
             w = w if w is not None else child.weight.data.t() if child.transposed else child.weight.data
             method = self.fallback or self.method
             w = w if method == "int8" else _dense(w)  # int8 quantizes lazy rows by rows

@@ -924,6 +924,28 @@ void dequant_int4_rows(const uint8_t* q, const uint16_t* sc, const uint16_t* mn,
   }
 }
 
+inline uint16_t float_to_half(float f) {  // round to nearest even, as a float32 -> float16 cast does
+#ifdef PAGEDLM_AVX2
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x; std::memcpy(&x, &f, 4);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | 0x7c00 | (x > 0x7f800000u ? 0x200 : 0);
+  if (x >= 0x477ff000u) return sign | 0x7c00;  // rounds past 65504
+  if (x < 0x38800000u) {  // a float16 subnormal, or zero
+    if (x < 0x33000000u) return sign;
+    const uint32_t m = (x & 0x7fffffu) | 0x800000u;
+    const int shift = 126 - int(x >> 23);
+    uint32_t r = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1))) ++r;
+    return uint16_t(sign | r);
+  }
+  return uint16_t(sign | ((x + 0xc8000fffu + ((x >> 13) & 1)) >> 13));
+#endif
+}
+
 inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite values: the dequantized weights)
   uint32_t u; std::memcpy(&u, &f, 4);
   return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
@@ -1174,6 +1196,65 @@ int pagedlm_dequant_int4_x16_bf16(const uint8_t* q, const uint16_t* scales, cons
   if (G % 32 != 0 || K % G != 0 || N % 16 != 0) return 1;
   parallel_for(N / 16, nthreads, 1, [&](int64_t t0, int64_t t1) {
     for (int t = int(t0); t < t1; ++t) dequant_int4x16_tile_bf16(q, scales, mins, K, G, t, w);
+  });
+  return 0;
+}
+
+// GGUF Q4_0 (kind 0: fp16 d, 16 code bytes) / Q4_1 (kind 1: fp16 d, fp16 m, 16 code bytes) rows written straight
+// into the int4 x16 layout (see the top of this file) as rows row0 .. row0 + rows of a weight of K inputs: source
+// row perm[r] (perm may be null) becomes row row0 + r. The same codes, scales and minimums as Int4Blocks.from_gguf
+// then quant.to_x16 (Q4_0's minimum -8 * d, rounded to fp16 as torch does), in one pass.
+int pagedlm_gguf_q4_to_x16(const uint8_t* raw, int kind, int rows, int K, const int64_t* perm, int row0,
+                           uint8_t* codes, uint16_t* scales, uint16_t* mins, int nthreads) {
+  if (K % 32 || (kind != 0 && kind != 1)) return 1;
+  const int nblocks = K / 32, head = kind == 0 ? 2 : 4, bsize = head + 16;
+  parallel_for(rows, nthreads, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* src = raw + (perm ? perm[r] : r) * int64_t(nblocks) * bsize;
+      const int64_t dst = row0 + r, t = dst / 16, j = dst % 16;
+      for (int b = 0; b < nblocks; ++b) {
+        const uint8_t* blk = src + int64_t(b) * bsize;
+        uint16_t d, m;
+        std::memcpy(&d, blk, 2);
+        if (kind == 1) std::memcpy(&m, blk + 2, 2);
+        else m = float_to_half(half_to_float(d) * -8.0f);
+        const int64_t at = (t * nblocks + b) * 16 + j;
+        scales[at] = d;
+        mins[at] = m;
+        uint8_t* out = codes + (t * nblocks + b) * 256 + j * 4;
+        for (int c = 0; c < 4; ++c) std::memcpy(out + c * 64, blk + head + 4 * c, 4);
+      }
+    }
+  });
+  return 0;
+}
+
+// GGUF Q8_0 rows (fp16 d, 32 int8 codes per block: value d * q) requantized to int8 per row as quant.quantize_int8
+// does (s = max(max|v| / 127, 1e-12), q = clamp(round_half_even(v / s), -127, 127)): q [rows, K] by rows, s [rows].
+int pagedlm_gguf_q8_0_to_int8(const uint8_t* raw, int rows, int K, int8_t* q, float* s, int nthreads) {
+  if (K % 32) return 1;
+  const int nblocks = K / 32;
+  parallel_for(rows, nthreads, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> v(K);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* src = raw + r * int64_t(nblocks) * 34;
+      float amax = 0.0f;
+      for (int b = 0; b < nblocks; ++b) {
+        uint16_t dh;
+        std::memcpy(&dh, src + b * 34, 2);
+        const float d = half_to_float(dh);
+        const int8_t* qs = reinterpret_cast<const int8_t*>(src + b * 34 + 2);
+        for (int i = 0; i < 32; ++i) {
+          v[b * 32 + i] = d * float(qs[i]);
+          amax = std::max(amax, std::fabs(v[b * 32 + i]));
+        }
+      }
+      const float sr = std::max(amax / 127.0f, 1e-12f);
+      s[r] = sr;
+      for (int k = 0; k < K; ++k) {
+        q[r * K + k] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[k] / sr))));
+      }
+    }
   });
   return 0;
 }
