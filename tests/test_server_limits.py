@@ -1,0 +1,128 @@
+"""Limits of the second hardening pass, against real servers on 127.0.0.1: open connections and the time a request
+may take to arrive."""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+
+import pytest
+from server_utils import InProcessServer
+
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.server.api import build_app
+from pagedlm.server.http import uvicorn_config
+
+READ_TIMEOUT = 1.0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=128,
+                                             max_num_seqs=8), log_interval=0)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def limited(engine):
+    """At most 3 connections; a request must arrive within READ_TIMEOUT."""
+    app = build_app({"tiny": engine})
+    srv = InProcessServer(app, config=uvicorn_config(app, max_connections=3, request_read_timeout=READ_TIMEOUT,
+                                                     access_log=False, shutdown_timeout=0))
+    yield srv
+    srv.stop()
+
+
+def _port(srv: InProcessServer) -> int:
+    return int(srv.url.rsplit(":", 1)[1])
+
+
+def _closed_after(sock: socket.socket, limit: float = 5.0) -> tuple[float, bytes]:
+    """Seconds until the server closes `sock` (reading everything it sends), and what it sent; fails if it is
+    still open after `limit` seconds."""
+    t0 = time.monotonic()
+    sock.settimeout(limit)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+            sock.settimeout(max(0.01, limit - (time.monotonic() - t0)))
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open for {limit} s (sent {data[:80]!r})")
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0, data
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HT",
+                                  b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: 1",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                  b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\": "],
+                         ids=["nothing", "partial-request-line", "partial-headers", "partial-body"])
+def test_a_request_that_does_not_arrive_in_time_is_closed(limited, sent):
+    """uvicorn's keep-alive timer starts only after a response: a socket that stalls before its request is
+    complete used to stay open for ever (a few thousand of them exhaust the file descriptors)."""
+    with socket.create_connection(("127.0.0.1", _port(limited))) as sock:
+        sock.sendall(sent)
+        elapsed, data = _closed_after(sock)
+    assert READ_TIMEOUT * 0.9 <= elapsed < READ_TIMEOUT + 3, elapsed
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), data
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_slow_but_timely_requests_and_idle_keep_alive_are_not_cut(limited):
+    """The deadline runs from a request's first byte: a request sent in pieces within it is answered, and a
+    connection idle between requests is kept-alive's business (30 s), not the read timeout's."""
+    with socket.create_connection(("127.0.0.1", _port(limited))) as sock:
+        sock.settimeout(5)
+        for _ in range(2):
+            for piece in (b"GET /health HT", b"TP/1.1\r\nHost: 127.0.0.1\r\n", b"\r\n"):
+                sock.sendall(piece)
+                time.sleep(READ_TIMEOUT / 4)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+            time.sleep(READ_TIMEOUT * 1.5)  # idle after a response: still open
+
+
+def test_connections_beyond_max_connections_get_503_and_open_ones_are_served(limited):
+    port = _port(limited)
+
+    def get(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        return r
+
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(3)]
+    idle = None
+    try:
+        assert [get(c).status for c in conns] == [200] * 3
+        extra = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        extra.request("GET", "/v1/models")
+        r = extra.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 503 and body["error"]["code"] == "too_many_connections", body
+        assert r.getheader("connection") == "close" and r.getheader("retry-after")
+        extra.close()
+        idle = socket.create_connection(("127.0.0.1", port))  # beyond the limit, open, silent
+        assert [get(c).status for c in conns] == [200] * 3  # the admitted connections go on being served
+        conns.pop().close()
+        idle.close()
+        deadline = time.monotonic() + 5
+        while True:  # the server sees the closes asynchronously
+            fresh = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            status = get(fresh).status
+            if status == 200 or time.monotonic() > deadline:
+                break
+            fresh.close()
+            time.sleep(0.05)
+        conns.append(fresh)
+        assert status == 200
+    finally:
+        for c in conns:
+            c.close()
+        if idle is not None:
+            idle.close()
