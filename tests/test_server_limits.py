@@ -7,6 +7,7 @@ import json
 import socket
 import time
 
+import httpx
 import pytest
 from server_utils import InProcessServer
 
@@ -126,3 +127,68 @@ def test_connections_beyond_max_connections_get_503_and_open_ones_are_served(lim
             c.close()
         if idle is not None:
             idle.close()
+
+
+# --- per-key fairness -------------------------------------------------------------------------------------------
+KEYS = ["key-a", "key-b"]
+
+
+@pytest.fixture
+def capped(engine):
+    """Two API keys, each with at most 2 requests (prompts) waiting or running."""
+    srv = InProcessServer(build_app({"tiny": engine}, api_key=KEYS, max_requests_per_key=2))
+    yield srv
+    srv.stop()
+
+
+def _post(srv: InProcessServer, key: str, **body) -> httpx.Response:
+    return httpx.post(f"{srv.base_url}/completions", headers={"authorization": f"Bearer {key}"}, timeout=60,
+                      json={"model": "tiny", "prompt": "Hello", "max_tokens": 2, **body})
+
+
+def test_one_key_is_capped_and_the_others_go_on(capped):
+    """A key with 2 prompts streaming gets 429 (OpenAI's rate-limit shape) for a third, while another key is
+    served; once its stream ends, the key is served again."""
+    body = json.dumps({"model": "tiny", "prompt": ["Once upon a time", "Hello"], "max_tokens": 480, "stream": True,
+                       "logprobs": 20, "ignore_eos": True}).encode()
+    with socket.socket() as held:  # a client that reads the head of its stream, then nothing: the stream stays open
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        held.connect(("127.0.0.1", _port(capped)))
+        held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        assert held.recv(12) == b"HTTP/1.1 200"
+        r = _post(capped, KEYS[0])
+        err = r.json()["error"]
+        assert r.status_code == 429 and err["code"] == "rate_limit_exceeded" and err["type"] == "requests", err
+        assert r.headers["retry-after"]
+        chat = httpx.post(f"{capped.base_url}/chat/completions", headers={"authorization": f"Bearer {KEYS[0]}"},
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.status_code == 429
+        assert _post(capped, KEYS[1], prompt=["a", "b"]).status_code == 200  # another key: its own cap
+    deadline = time.monotonic() + 10
+    while (status := _post(capped, KEYS[0]).status_code) == 429 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the server sees the closed stream asynchronously
+    assert status == 200
+    r = _post(capped, KEYS[0], prompt=["a", "b", "c"])  # more than the cap at once: never, so not a 429
+    assert r.status_code == 400 and "max_requests_per_key" in r.json()["error"]["message"]
+
+
+def test_client_priority_needs_allow_client_priority(engine):
+    srv = InProcessServer(build_app({"tiny": engine}))
+    try:
+        r = srv.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "priority": -5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+        chat = srv.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "priority": 3,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400
+        assert srv.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                 "priority": 0}).status_code == 200
+    finally:
+        srv.stop()
+    srv = InProcessServer(build_app({"tiny": engine}, allow_client_priority=True))
+    try:
+        assert srv.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                 "priority": -5}).status_code == 200
+    finally:
+        srv.stop()

@@ -83,7 +83,9 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         allowed_origins=_names(args.allowed_origins), allowed_hosts=allowed_hosts(args),
                         prefix_cache_per_key=args.prefix_cache_per_key,
                         strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser,
-                        health_step_timeout=args.health_step_timeout)
+                        health_step_timeout=args.health_step_timeout,
+                        max_requests_per_key=args.max_requests_per_key,
+                        allow_client_priority=args.allow_client_priority)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])

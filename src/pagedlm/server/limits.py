@@ -1,9 +1,60 @@
 """Per-request bounds the server checks before any work (see README, *Limits and security*)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import MAX_PROMPT_LOGPROB_ENTRIES
-from pagedlm.server.protocol import APIError
+from pagedlm.server.protocol import RETRY_AFTER_S, APIError
+
+
+class KeyLeases:
+    """How many engine requests (prompts) each API key's HTTP requests hold, waiting or running: at most `limit`
+    per key (0: no cap). A request takes its share through its `Lease` once it knows it; the middleware gives
+    the lease back when the response has ended, whichever way. Event-loop thread only."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"max_requests_per_key must be >= 0, got {limit}.")
+        self.limit = limit
+        self.held: dict[str, int] = {}
+
+    def lease(self, key: str) -> Lease:
+        return Lease(self, key)
+
+
+@dataclass
+class Lease:
+    """One HTTP request's share of its key's cap."""
+
+    leases: KeyLeases
+    key: str
+    count: int = 0
+
+    def take(self, n: int) -> None:
+        """Hold `n` more; 429 (OpenAI's rate-limit shape, Retry-After) if the key would hold more than the cap,
+        400 if `n` alone is more."""
+        limit, held = self.leases.limit, self.leases.held.get(self.key, 0)
+        if not limit:
+            return
+        if n > limit:
+            raise APIError(400, f"The request has {n} prompts; an API key may have at most {limit} requests "
+                                "waiting or running (max_requests_per_key).", param="prompt")
+        if held + n > limit:
+            raise APIError(429, f"This API key has {held} requests waiting or running; at most {limit} are "
+                                "allowed at once (max_requests_per_key): retry when one has finished.",
+                           type="requests", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.leases.held[self.key] = held + n
+        self.count += n
+
+    def release(self) -> None:
+        if self.count:
+            left = self.leases.held.get(self.key, 0) - self.count
+            if left > 0:
+                self.leases.held[self.key] = left
+            else:
+                self.leases.held.pop(self.key, None)
+            self.count = 0
 
 
 def check_prompt_logprobs(prompt_lens: list[int], params: SamplingParams, copies: int) -> None:

@@ -10,6 +10,7 @@ from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_REQUEST_READ_TIMEOUT,
 )
 from pagedlm.server.tools import TOOL_PARSERS
@@ -52,6 +53,11 @@ class ServerConfig:
                                   "the API)", group=LIMITS)
     allowed_hosts: str | None = option(None, "comma-separated Host header names accepted besides loopback ones "
                                        "(checked when bound to loopback, or whenever given; '*': any)", group=LIMITS)
+    max_requests_per_key: int = option(DEFAULT_MAX_REQUESTS_PER_KEY, "requests (prompts) one API key may have "
+                                       "waiting or running at once; beyond: 429 (0: no cap; with --api-key)",
+                                       group=LIMITS)
+    allow_client_priority: bool = option(False, "let requests set `priority` (--scheduling-policy priority); "
+                                         "without it a non-zero priority is a 400", group=LIMITS)
     prefix_cache_per_key: bool = option(False, "separate prefix caches per API key (tenants never share cached "
                                         "blocks)", group=LIMITS)
     chat_template: str | None = option(None, "chat template for every model: a Jinja file, or a built-in name "
@@ -115,9 +121,9 @@ class ServerConfig:
         if self.max_waiting < 1 or self.max_body_bytes < 1 or self.max_prompts_per_request < 1:
             raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
         if min(self.stream_stall_timeout, self.shutdown_timeout, self.health_step_timeout,
-               self.request_read_timeout, self.max_connections) < 0:
+               self.request_read_timeout, self.max_connections, self.max_requests_per_key) < 0:
             raise ValueError("--stream-stall-timeout, --shutdown-timeout, --health-step-timeout, "
-                             "--request-read-timeout and --max-connections must be >= 0.")
+                             "--request-read-timeout, --max-connections and --max-requests-per-key must be >= 0.")
         if self.data_parallel_size < 1 or (self.threads_per_replica is not None and self.threads_per_replica < 1):
             raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
 
