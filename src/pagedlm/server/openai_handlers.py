@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +23,6 @@ from pagedlm.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from pagedlm.engine.facade import ChatTemplateError
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
@@ -41,6 +39,7 @@ from pagedlm.server.streaming import (
     first_outputs,
     merge,
 )
+from pagedlm.server.tokenizing import TokenizerEndpoints
 from pagedlm.server.tools import HermesToolParser
 from pagedlm.server.wire import json_response
 
@@ -52,7 +51,7 @@ class _Prompt:
     echo_logprobs: tuple[P.CompletionLogprobs, int] | None = None  # echo's logprobs and text length, made once
 
 
-class ModelServer:
+class ModelServer(TokenizerEndpoints):
     """One served model: its requests, after the model is resolved (tokenizer, template, limits are its own).
     `routed` requests also wait, when streaming, for the first outputs before the response starts, so that a
     failure then is still `Unavailable`."""
@@ -251,18 +250,6 @@ class ModelServer:
             id=rid, model=self.name, choices=choices, usage=_usage([out]),
             prompt_logprobs=_prompt_logprobs(out) if req.prompt_logprobs is not None else None))
 
-    def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
-        """The prompt's token ids, as the engine's chat template renders the messages (EngineFacade.render_chat)."""
-        return self.tok.encode(self._render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
-
-    def _render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict] | None = None) -> str:
-        try:
-            return self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param=e.param) from None
-
     def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs] | None,
                        k: int) -> P.ChatLogprobs:
         content = []
@@ -385,45 +372,6 @@ class ModelServer:
         if routed:
             await first_outputs(request, streams)
         return EventStream(events, streams, self.engine.stall_timeout)
-
-    # --- tokenizer endpoints ---
-    def tokenize(self, req: P.TokenizeRequest) -> Response:
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "Give exactly one of `prompt` or `messages`.")
-        if req.messages is not None:
-            P.check_contents(req.messages)
-            text = self._render_chat(req.messages, req.add_generation_prompt)
-            add_special = bool(req.add_special_tokens)
-        else:
-            text, add_special = req.prompt, req.add_special_tokens is not False
-        ids = self.tok.encode(text, add_special_tokens=add_special)
-        strs = [t or "" for t in self.tok.hf.convert_ids_to_tokens(ids)] if req.return_token_strs else None
-        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.facade.max_model_len, tokens=ids,
-                                        token_strs=strs))
-
-    def detokenize(self, req: P.DetokenizeRequest) -> Response:
-        vocab = len(self.tok.hf)
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
-        return json_response(P.DetokenizeResponse(prompt=self.tok.decode(req.tokens, skip_special_tokens=False)))
-
-    def tokenizer_info(self) -> dict:
-        """vLLM's shape: the tokenizer's JSON-able init kwargs plus its class, special tokens and template."""
-        hf = self.tok.hf
-        info = {}
-        for key, value in hf.init_kwargs.items():
-            value = getattr(value, "content", value)  # AddedToken -> str
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError):
-                continue
-            info[key] = value
-        info.update(tokenizer_class=type(hf).__name__, eos_token=hf.eos_token, bos_token=hf.bos_token,
-                    pad_token=hf.pad_token, unk_token=hf.unk_token, chat_template=hf.chat_template,
-                    model_max_length=self.facade.max_model_len, vocab_size=len(hf),
-                    eos_token_ids=sorted(self.facade.eos_token_ids))
-        return info
-
 
 def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None]:
     return [None if entry is None else {str(t): P.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
