@@ -15,6 +15,7 @@ from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
 from pagedlm.server.http import uvicorn_config
+from pagedlm.server.limits import RequestLimits
 
 READ_TIMEOUT = 1.0
 
@@ -190,5 +191,41 @@ def test_client_priority_needs_allow_client_priority(engine):
     try:
         assert srv.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
                                                  "priority": -5}).status_code == 200
+    finally:
+        srv.stop()
+
+
+# --- chat size ----------------------------------------------------------------------------------------------------
+def test_chat_messages_and_prompt_characters_are_bounded(engine, monkeypatch):
+    """Beyond the message count the template never runs; beyond the character bound (as the template renders the
+    chat, overhead included) nothing is tokenized: 400s naming the field."""
+    srv = InProcessServer(build_app({"tiny": engine}, limits=RequestLimits(max_chat_messages=4, max_prompt_chars=300)))
+    rendered, encoded = [], []
+    facade = engine.facade
+    real_render, real_encode = facade.render_chat, facade.tokenizer.encode
+    monkeypatch.setattr(type(facade), "render_chat",
+                        lambda self, *a, **kw: rendered.append(1) or real_render(*a, **kw))
+    monkeypatch.setattr(facade.tokenizer, "encode", lambda *a, **kw: encoded.append(1) or real_encode(*a, **kw))
+
+    def chat(messages: list[dict], path: str = "/v1/chat/completions") -> httpx.Response:
+        return srv.post(path, json={"model": "tiny", "messages": messages, "max_tokens": 2})
+
+    try:
+        user = {"role": "user", "content": "hi"}
+        assert chat([user] * 4).status_code == 200
+        rendered.clear()
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = chat([user] * 5, path)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert "max_chat_messages" in r.json()["error"]["message"]
+        assert not rendered
+        encoded.clear()
+        near = [{"role": "user", "content": "x" * 290}]  # under the bound, but not once rendered
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = chat(near, path)
+            assert r.status_code == 400 and "max_prompt_chars" in r.json()["error"]["message"], r.text
+        r = srv.post("/v1/completions", json={"model": "tiny", "prompt": ["hi", "y" * 301], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert not encoded
     finally:
         srv.stop()

@@ -35,7 +35,7 @@ from pagedlm.server import (
 )
 from pagedlm.server import protocol as P
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
-from pagedlm.server.limits import KeyLeases
+from pagedlm.server.limits import KeyLeases, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.openai_handlers import ModelServer
@@ -55,7 +55,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
               strict_request_fields: bool = False, tool_call_parser: str | None = None,
               health_step_timeout: float = DEFAULT_HEALTH_STEP_TIMEOUT,
-              max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, allow_client_priority: bool = False) -> FastAPI:
+              max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, allow_client_priority: bool = False,
+              limits: RequestLimits = RequestLimits()) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -70,6 +71,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     max_requests_per_key: engine requests (prompts) one API key may have open (waiting or running); beyond, 429
     (0: no cap; without keys there is none).
     allow_client_priority: requests may set `priority`; otherwise a non-zero one is a 400.
+    limits: the other per-request bounds (chat messages, prompt characters, ...).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
@@ -83,7 +85,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     app = FastAPI(title="pagedlm", version=__version__)
     metrics = ServerMetrics(engines, router=route.router if route is not None else None)
     servers = {name: ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key,
-                             TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None)
+                                 TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None, limits)
                for name, engine in engines.items()}
     front = Frontend(servers, metrics, route, strict_request_fields, allow_client_priority)
     app.state.server = front

@@ -39,6 +39,7 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
     from pagedlm.server.http import ensure_open_files, uvicorn_config
+    from pagedlm.server.limits import RequestLimits
     from pagedlm.server.routing import AutoRoute
     from pagedlm.server.shutdown import GracefulServer
 
@@ -85,7 +86,8 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser,
                         health_step_timeout=args.health_step_timeout,
                         max_requests_per_key=args.max_requests_per_key,
-                        allow_client_priority=args.allow_client_priority)
+                        allow_client_priority=args.allow_client_priority,
+                        limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars))
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])

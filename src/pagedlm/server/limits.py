@@ -4,8 +4,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedlm.sampling.params import SamplingParams
-from pagedlm.server import MAX_PROMPT_LOGPROB_ENTRIES
+from pagedlm.server import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PROMPT_CHARS, MAX_PROMPT_LOGPROB_ENTRIES
+from pagedlm.server import protocol as P
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on one request that a ModelServer checks before the expensive step they bound."""
+
+    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES  # messages of a chat (or /tokenize) request, before rendering
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # characters of a prompt (a rendered chat), before tokenizing
+
+    def __post_init__(self) -> None:
+        for name in ("max_chat_messages", "max_prompt_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+
+    def check_messages(self, count: int) -> None:
+        if count > self.max_chat_messages:
+            raise APIError(400, f"The request has {count} messages; at most {self.max_chat_messages} are allowed "
+                                "(max_chat_messages).", param="messages")
+
+    def check_text_prompts(self, prompts: list) -> None:
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_prompt_chars(p, "prompt")
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            how = " as the chat template renders it" if param == "messages" else ""
+            raise APIError(400, f"The prompt has {len(text)} characters{how}; at most {self.max_prompt_chars} are "
+                                "allowed (max_prompt_chars).", param=param)
 
 
 class KeyLeases:
@@ -69,3 +99,12 @@ def check_prompt_logprobs(prompt_lens: list[int], params: SamplingParams, copies
                             f"{sum(prompt_lens)} prompt tokens x {params.prompt_logprobs + 1}); at most "
                             f"{MAX_PROMPT_LOGPROB_ENTRIES} are allowed: lower n, the logprobs or the prompt.",
                        param="prompt_logprobs" if params.n == 1 else "n")
+
+
+def check_fan_out(num_prompts: int, req: P.SamplingRequest, max_prompts_per_request: int) -> None:
+    """400 unless prompts x n (or beam_width) is within max_prompts_per_request."""
+    width = (req.beam_width or req.n) if req.use_beam_search else req.n
+    if num_prompts * width > max_prompts_per_request:
+        raise APIError(400, f"The request asks for {num_prompts} prompts x {width} sequences; at most "
+                            f"{max_prompts_per_request} are allowed per request (max_prompts_per_request).",
+                       param="n" if num_prompts == 1 else "prompt")

@@ -27,7 +27,7 @@ from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import protocol as P
-from pagedlm.server.limits import check_prompt_logprobs
+from pagedlm.server.limits import RequestLimits, check_fan_out, check_prompt_logprobs
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable
 from pagedlm.server.streaming import (
     ChoiceState,
@@ -57,8 +57,9 @@ class ModelServer(TokenizerEndpoints):
     failure then is still `Unavailable`."""
 
     def __init__(self, engine: AsyncLLMEngine, name: str, max_prompts_per_request: int = 256,
-                 prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None) -> None:
-        self.engine, self.name = engine, name
+                 prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None,
+                 limits: RequestLimits = RequestLimits()) -> None:
+        self.engine, self.name, self.limits = engine, name, limits
         self.facade = engine.facade
         self.tool_parser = tool_parser
         self.tok = self.facade.tokenizer
@@ -73,13 +74,6 @@ class ModelServer(TokenizerEndpoints):
             return req.cache_salt
         tenant = hashlib.sha256(key.encode()).hexdigest()[:32]
         return tenant if req.cache_salt is None else f"{tenant}:{req.cache_salt}"
-
-    def _check_fan_out(self, num_prompts: int, req: P.SamplingRequest) -> None:
-        width = (req.beam_width or req.n) if req.use_beam_search else req.n
-        if num_prompts * width > self.max_prompts_per_request:
-            raise APIError(400, f"The request asks for {num_prompts} prompts x {width} sequences; at most "
-                                f"{self.max_prompts_per_request} are allowed per request (max_prompts_per_request).",
-                           param="n" if num_prompts == 1 else "prompt")
 
     def model_card(self) -> P.ModelCard:
         return P.ModelCard(id=self.name, created=self.created, root=self.facade.model_path.name,
@@ -119,7 +113,8 @@ class ModelServer(TokenizerEndpoints):
             raise APIError(400, "The prompt is empty.", param="prompt")
         if len(prompt) > self.engine.max_waiting:
             raise APIError(400, f"A request may hold at most {self.engine.max_waiting} prompts.", param="prompt")
-        self._check_fan_out(len(prompt), req)
+        check_fan_out(len(prompt), req, self.max_prompts_per_request)
+        self.limits.check_text_prompts(prompt)
         out = await asyncio.to_thread(
             lambda: [_Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
         for p in out:
@@ -208,7 +203,7 @@ class ModelServer(TokenizerEndpoints):
     # --- chat ---
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
                                routed: bool = False, rid: str | None = None) -> Response:
-        self._check_fan_out(1, req)
+        check_fan_out(1, req, self.max_prompts_per_request)
         if req.tools_active and self.tool_parser is None:
             raise APIError(400, "This server does not parse tool calls (start it with --tool-call-parser).",
                            param="tools")

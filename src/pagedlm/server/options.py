@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pagedlm.config import check_choices, from_args, option, parse_bytes
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
+    DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_REQUEST_READ_TIMEOUT,
@@ -47,6 +49,10 @@ class ServerConfig:
                                          "408 and the connection is closed (0: never)", group=LIMITS)
     max_prompts_per_request: int = option(DEFAULT_MAX_PROMPTS_PER_REQUEST, "most prompts x n (or beam_width) in one "
                                           "request; beyond: 400", group=LIMITS)
+    max_chat_messages: int = option(DEFAULT_MAX_CHAT_MESSAGES, "most messages in one chat request; beyond: 400, "
+                                    "before the template runs", group=LIMITS)
+    max_prompt_chars: int = option(DEFAULT_MAX_PROMPT_CHARS, "most characters of one prompt (a chat as its template "
+                                   "renders it, a text prompt); beyond: 400, before tokenizing", group=LIMITS)
     stream_stall_timeout: float = option(60.0, "abort a request whose output nobody read for this many seconds, "
                                          "freeing its KV blocks (0: never)", group=LIMITS)
     allowed_origins: str = option("", "comma-separated origins allowed by CORS (default none: browsers cannot use "
@@ -118,8 +124,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.max_waiting < 1 or self.max_body_bytes < 1 or self.max_prompts_per_request < 1:
-            raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
+        if min(self.max_waiting, self.max_body_bytes, self.max_prompts_per_request, self.max_chat_messages,
+               self.max_prompt_chars) < 1:
+            raise ValueError("--max-waiting, --max-body-bytes, --max-prompts-per-request, --max-chat-messages and "
+                             "--max-prompt-chars must be >= 1.")
         if min(self.stream_stall_timeout, self.shutdown_timeout, self.health_step_timeout,
                self.request_read_timeout, self.max_connections, self.max_requests_per_key) < 0:
             raise ValueError("--stream-stall-timeout, --shutdown-timeout, --health-step-timeout, "

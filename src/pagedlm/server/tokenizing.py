@@ -8,14 +8,16 @@ from fastapi.responses import Response
 
 from pagedlm.engine.facade import ChatTemplateError, EngineFacade
 from pagedlm.server import protocol as P
+from pagedlm.server.limits import RequestLimits
 from pagedlm.server.protocol import APIError
 from pagedlm.server.wire import json_response
 
 
 class TokenizerEndpoints:
-    """Part of `ModelServer`: needs its `facade` and `tok` (the facade's tokenizer)."""
+    """Part of `ModelServer`: needs its `facade`, `tok` (the facade's tokenizer) and `limits`."""
 
     facade: EngineFacade
+    limits: RequestLimits
 
     def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
                     tools: list[dict] | None = None) -> list[int]:
@@ -24,10 +26,15 @@ class TokenizerEndpoints:
 
     def _render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
                      tools: list[dict] | None = None) -> str:
+        """400 beyond the bounds of `limits` (RequestLimits): the message count before the template runs, the
+        rendered characters before anything tokenizes them."""
+        self.limits.check_messages(len(messages))
         try:
-            return self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools)
+            text = self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param=e.param) from None
+        self.limits.check_prompt_chars(text, "messages")
+        return text
 
     def tokenize(self, req: P.TokenizeRequest) -> Response:
         if (req.prompt is None) == (req.messages is None):
@@ -38,6 +45,7 @@ class TokenizerEndpoints:
             add_special = bool(req.add_special_tokens)
         else:
             text, add_special = req.prompt, req.add_special_tokens is not False
+            self.limits.check_prompt_chars(text, "prompt")
         ids = self.tok.encode(text, add_special_tokens=add_special)
         strs = [t or "" for t in self.tok.hf.convert_ids_to_tokens(ids)] if req.return_token_strs else None
         return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.facade.max_model_len, tokens=ids,
