@@ -229,3 +229,27 @@ def test_chat_messages_and_prompt_characters_are_bounded(engine, monkeypatch):
         assert not encoded
     finally:
         srv.stop()
+
+
+# --- generated logprobs -------------------------------------------------------------------------------------------
+def test_generated_logprobs_are_bounded_per_request(engine):
+    """max_tokens (or what the context leaves) x prompts x n x (k + 1) logprob entries kept on the host: beyond
+    the bound a 400 before any work; without logprobs there is no such bound."""
+    srv = InProcessServer(build_app({"tiny": engine}, limits=RequestLimits(max_logprob_entries=1000)))
+
+    def post(path: str, **body) -> httpx.Response:
+        return srv.post(path, json={"model": "tiny", **body})
+
+    try:
+        done = dict(max_tokens=50, logprobs=9, n=2)  # 50 x 2 x 10 = 1000
+        assert post("/v1/completions", prompt="Hello", **done).status_code == 200
+        for body in (dict(done, max_tokens=51), dict(done, prompt=["a", "b"]), dict(done, n=3)):
+            r = post("/v1/completions", **{"prompt": "Hello", **body})
+            assert r.status_code == 400 and "logprob" in r.json()["error"]["message"], (body, r.text)
+        assert post("/v1/completions", prompt="Hello", max_tokens=400, n=4).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 4}
+        r = post("/v1/chat/completions", **chat)  # no max_tokens: what the context leaves (~500) x 5
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"], r.text
+        assert post("/v1/chat/completions", **chat, max_tokens=200).status_code == 200
+    finally:
+        srv.stop()

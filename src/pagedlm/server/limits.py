@@ -4,7 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedlm.sampling.params import SamplingParams
-from pagedlm.server import DEFAULT_MAX_CHAT_MESSAGES, DEFAULT_MAX_PROMPT_CHARS, MAX_PROMPT_LOGPROB_ENTRIES
+from pagedlm.server import (
+    DEFAULT_MAX_CHAT_MESSAGES,
+    DEFAULT_MAX_PROMPT_CHARS,
+    MAX_GENERATED_LOGPROB_ENTRIES,
+    MAX_PROMPT_LOGPROB_ENTRIES,
+)
 from pagedlm.server import protocol as P
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError
 
@@ -15,9 +20,11 @@ class RequestLimits:
 
     max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES  # messages of a chat (or /tokenize) request, before rendering
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # characters of a prompt (a rendered chat), before tokenizing
+    # logprob entries (k + 1 per generated token) a request may keep: each sequence holds them on the host
+    max_logprob_entries: int = MAX_GENERATED_LOGPROB_ENTRIES
 
     def __post_init__(self) -> None:
-        for name in ("max_chat_messages", "max_prompt_chars"):
+        for name in ("max_chat_messages", "max_prompt_chars", "max_logprob_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
 
@@ -25,6 +32,21 @@ class RequestLimits:
         if count > self.max_chat_messages:
             raise APIError(400, f"The request has {count} messages; at most {self.max_chat_messages} are allowed "
                                 "(max_chat_messages).", param="messages")
+
+    def check_logprobs(self, prompt_lens: list[int], params: SamplingParams, max_model_len: int) -> None:
+        """400 unless the generated-token logprobs the request's sequences would keep, prompts x n (or beam_width)
+        x max_tokens (unset: what the context leaves) x (k + 1), are within max_logprob_entries."""
+        if params.logprobs is None:
+            return
+        width = (params.beam_width or params.n) if params.use_beam_search else params.n
+        limit = max_model_len if params.max_tokens is None else params.max_tokens
+        tokens = sum(max(0, min(limit, max_model_len - n)) for n in prompt_lens)
+        entries = tokens * width * (params.logprobs + 1)
+        if entries > self.max_logprob_entries:
+            raise APIError(400, f"The request would keep {entries} logprobs ({tokens} tokens x {width} sequences x "
+                                f"{params.logprobs + 1}); at most {self.max_logprob_entries} are allowed: lower (or "
+                                "set) max_tokens, n or the logprobs.",
+                           param="max_tokens" if params.max_tokens is None else "logprobs")
 
     def check_text_prompts(self, prompts: list) -> None:
         for p in prompts:

@@ -88,6 +88,7 @@ class ModelServer(TokenizerEndpoints):
                                      if req.prompt_logprobs is not None else k if req.echo else None)
         copies = (req.prompt_logprobs is not None) + (req.echo and k is not None)
         check_prompt_logprobs([len(p.token_ids) for p in prompts], params, params.n * copies)
+        self.limits.check_logprobs([len(p.token_ids) for p in prompts], params, self.facade.max_model_len)
         self._check_admission([len(p.token_ids) for p in prompts], params)
         await self._prepare(req, params)
         rid = rid or f"cmpl-{uuid.uuid4().hex}"
@@ -221,6 +222,7 @@ class ModelServer(TokenizerEndpoints):
             except ValueError as e:
                 raise APIError(400, f"The tools' call grammar: {e}", param="tools") from None
         check_prompt_logprobs([len(ids)], params, 1)
+        self.limits.check_logprobs([len(ids)], params, self.facade.max_model_len)
         self._check_admission([len(ids)], params)
         await self._prepare(req, params)
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
