@@ -67,16 +67,17 @@ class _Endpoint:
 
 
 class InProcessServer(_Endpoint):
-    """Serves `app` with uvicorn on a daemon thread; ready when constructed. `stop()` ends it."""
+    """Serves `app` with uvicorn on a daemon thread (with `config`, a uvicorn.Config of it, if given); ready when
+    constructed. `stop()` ends it."""
 
-    def __init__(self, app, timeout: float = 30.0) -> None:
+    def __init__(self, app, timeout: float = 30.0, config=None) -> None:
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(config or uvicorn.Config(app, log_config=None, access_log=False,
+                                                              timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + timeout

@@ -28,9 +28,14 @@ from starlette.middleware.cors import CORSMiddleware
 
 from pagedlm import __version__
 from pagedlm.engine.async_engine import AsyncLLMEngine
-from pagedlm.server import DEFAULT_HEALTH_STEP_TIMEOUT, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from pagedlm.server import (
+    DEFAULT_HEALTH_STEP_TIMEOUT,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_REQUESTS_PER_KEY,
+)
 from pagedlm.server import protocol as P
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
+from pagedlm.server.limits import KeyLeases, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.openai_handlers import ModelServer
@@ -49,7 +54,9 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
               strict_request_fields: bool = False, tool_call_parser: str | None = None,
-              health_step_timeout: float = DEFAULT_HEALTH_STEP_TIMEOUT) -> FastAPI:
+              health_step_timeout: float = DEFAULT_HEALTH_STEP_TIMEOUT,
+              max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, allow_client_priority: bool = False,
+              limits: RequestLimits = RequestLimits()) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -61,6 +68,10 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
     tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: tools are refused).
     health_step_timeout: /health is 503 while an engine step has run longer than this, requests waiting (0: off).
+    max_requests_per_key: engine requests (prompts) one API key may have open (waiting or running); beyond, 429
+    (0: no cap; without keys there is none).
+    allow_client_priority: requests may set `priority`; otherwise a non-zero one is a 400.
+    limits: the other per-request bounds (chat messages, prompt characters, ...).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
@@ -74,12 +85,13 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     app = FastAPI(title="pagedlm", version=__version__)
     metrics = ServerMetrics(engines, router=route.router if route is not None else None)
     servers = {name: ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key,
-                             TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None)
+                                 TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None, limits)
                for name, engine in engines.items()}
-    front = Frontend(servers, metrics, route, strict_request_fields)
+    front = Frontend(servers, metrics, route, strict_request_fields, allow_client_priority)
     app.state.server = front
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
-    app.add_middleware(Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts)
+    app.add_middleware(Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts,
+                       leases=KeyLeases(max_requests_per_key) if max_requests_per_key else None)
     if allowed_origins:  # outermost: preflight requests carry no key
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

@@ -11,118 +11,15 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from pagedlm.config import add_arguments, check_choices, from_args, option, parse_bytes
-from pagedlm.server import DEFAULT_HEALTH_STEP_TIMEOUT, DEFAULT_MAX_PROMPTS_PER_REQUEST
-from pagedlm.server.tools import BUILTIN_TEMPLATES, TOOL_PARSERS
+from pagedlm.config import add_arguments
+from pagedlm.server.options import API_KEY_ENV, ServerConfig
+from pagedlm.server.tools import BUILTIN_TEMPLATES
+
+__all__ = ["API_KEY_ENV", "ServerConfig", "add_serve_parser", "apply_config", "serve"]
 
 logger = logging.getLogger("pagedlm.server")
-
-API_KEY_ENV = "PAGEDLM_API_KEY"
-
-
-def _size(value: str) -> int:
-    """Bytes: a plain integer, or a size such as 8MiB."""
-    return int(value) if value.strip().isdigit() else parse_bytes(value)
-
-
-LIMITS, TOOLS = "limits and security (see README, *Limits and security*)", "tool calling"
-ROUTING, REPLICAS = "several models and routing", "replicas (data parallelism on Ray)"
-
-
-@dataclass
-class ServerConfig:
-    """The server's own options (the engine's are EngineConfig's), each a `pagedlm serve` flag of the same name."""
-
-    host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
-    port: int = option(8000, "port (0: any free port; the URL is logged)")
-    api_key: list[str] | None = option(None, "require `Authorization: Bearer <key>` (repeatable: one key per tenant; "
-                                       f"or set ${API_KEY_ENV}, comma-separated)")
-    served_model_name: str | None = option(None, "model name clients use (default: --model; one model)")
-    max_waiting: int = option(512, "requests allowed to wait for a slot; beyond it requests get 503 + Retry-After")
-    max_body_bytes: int = option(8 * 2**20, "largest request body, e.g. 8MiB (larger: 413)", parse=_size)
-    log_interval: float = option(10.0, "seconds between throughput lines (0: off)")
-    disable_access_log: bool = option(False, "do not log each request")
-    max_prompts_per_request: int = option(DEFAULT_MAX_PROMPTS_PER_REQUEST, "most prompts x n (or beam_width) in one "
-                                          "request; beyond: 400", group=LIMITS)
-    stream_stall_timeout: float = option(60.0, "abort a request whose output nobody read for this many seconds, "
-                                         "freeing its KV blocks (0: never)", group=LIMITS)
-    allowed_origins: str = option("", "comma-separated origins allowed by CORS (default none: browsers cannot use "
-                                  "the API)", group=LIMITS)
-    allowed_hosts: str | None = option(None, "comma-separated Host header names accepted besides loopback ones "
-                                       "(checked when bound to loopback, or whenever given; '*': any)", group=LIMITS)
-    prefix_cache_per_key: bool = option(False, "separate prefix caches per API key (tenants never share cached "
-                                        "blocks)", group=LIMITS)
-    chat_template: str | None = option(None, "chat template for every model: a Jinja file, or a built-in name "
-                                       "(hermes: ChatML with tools, for models whose own template knows none, e.g. "
-                                       "SmolLM2)", group=TOOLS)
-    tool_call_parser: str | None = option(None, "parse tool calls from the output in this format (needed for "
-                                          "`tools`)", choices=sorted(TOOL_PARSERS), group=TOOLS)
-    strict_request_fields: bool = option(False, "refuse requests with fields the server does not know (400) instead "
-                                         "of naming them in the x-pagedlm-unknown-fields response header",
-                                         group=LIMITS)
-    health_step_timeout: float = option(DEFAULT_HEALTH_STEP_TIMEOUT, "/health answers 503 while one engine step has "
-                                        "run longer than this many seconds with requests waiting (0: never)",
-                                        group=LIMITS)
-    shutdown_timeout: float = option(30.0, "on SIGTERM, seconds running requests may finish before they are ended "
-                                     "with an error", group=LIMITS)
-    config: str | None = option(None, "YAML file of these options (keys: option names without --); command-line "
-                                "flags win", group=ROUTING)
-    router: str | None = option(None, "policy for requests to --router-name (default: heuristic with several "
-                                "models, else none); cascade: the weak model answers first, unconfident answers are "
-                                "re-run on the strong one", choices=("heuristic", "learned", "cascade", "none"),
-                                group=ROUTING)
-    cascade_threshold: float = option(-1.0, "cascade: re-run when the weak answer's mean token logprob is at or "
-                                      "below this (the start point when --strong-fraction is given)", group=ROUTING)
-    router_name: str = option("auto", "model name that asks the router to choose", group=ROUTING)
-    router_classifier: str | None = option(None, "router file from `pagedlm router train` (learned)", group=ROUTING)
-    strong_model: list[str] | None = option(None, "a strong-tier model (repeatable; default: the last --model; the "
-                                            "others are weak)", metavar="NAME", group=ROUTING)
-    strong_fraction: float | None = option(None, "share of requests the quality policy sends strong, held on live "
-                                           "traffic (learned router default 0.5; heuristic: only when given)",
-                                           group=ROUTING)
-    router_threshold: float | None = option(None, "fixed strong-score threshold (overrides --strong-fraction; "
-                                            "heuristic default 0.5)", group=ROUTING)
-    calibration_window: int = option(500, "recent requests whose scores set the live threshold (0: keep the offline "
-                                     "threshold)", group=ROUTING)
-    model_cost: list[str] | None = option(None, "price per 1M input and output tokens (cheapest model of a tier "
-                                          "wins; repeatable)", metavar="NAME=IN,OUT", group=ROUTING)
-    max_ttft_ms: float | None = option(None, "SLO: predicted time to first token", group=ROUTING)
-    max_tpot_ms: float | None = option(None, "SLO: recent time per output token", group=ROUTING)
-    max_queue: int | None = option(None, "SLO: waiting requests at which a model is overloaded", group=ROUTING)
-    max_request_cost: float | None = option(None, "SLO: predicted price of one request", group=ROUTING)
-    max_cost_per_hour: float | None = option(None, "spend cap over the last hour, from --model-cost prices and the "
-                                             "tokens used; near it requests go to cheaper models, past it they get "
-                                             "429", group=ROUTING)
-    max_cost_per_hour_per_key: float | None = option(None, "the same cap for each API key (--api-key)",
-                                                     group=ROUTING)
-    budget_near: float = option(0.8, "share of a spend cap from which requests go to cheaper models", group=ROUTING)
-    data_parallel_size: int = option(1, "engine replicas per model, each a Ray actor on its share of the cores (1: "
-                                     "the engine runs in this process)", aliases=("-dp",), group=REPLICAS)
-    ray_address: str | None = option(None, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of "
-                                     "starting a local one", group=REPLICAS)
-    replica_policy: str = option("prefix", "how requests are spread over replicas (prefix: the replica caching the "
-                                 "longest prefix of the prompt, unless much busier)",
-                                 choices=("prefix", "least-loaded", "round-robin"), group=REPLICAS)
-    threads_per_replica: int | None = option(None, "torch threads (and CPUs reserved) per replica (default: the "
-                                             "cluster's CPUs / replicas)", group=REPLICAS)
-    replica_health_timeout: float = option(10.0, "a replica that does not answer a poll for this many seconds is "
-                                           "taken out and restarted", group=REPLICAS)
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        if self.max_waiting < 1 or self.max_body_bytes < 1 or self.max_prompts_per_request < 1:
-            raise ValueError("--max-waiting, --max-body-bytes and --max-prompts-per-request must be >= 1.")
-        if min(self.stream_stall_timeout, self.shutdown_timeout, self.health_step_timeout) < 0:
-            raise ValueError("--stream-stall-timeout, --shutdown-timeout and --health-step-timeout must be >= 0.")
-        if self.data_parallel_size < 1 or (self.threads_per_replica is not None and self.threads_per_replica < 1):
-            raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
-        return cls(**from_args(cls, args))
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Callable[..., None],
@@ -138,11 +35,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
 
 def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespace], dict],
           parser: argparse.ArgumentParser | None = None) -> int:
-    import uvicorn
-
     from pagedlm.engine.async_engine import AsyncLLMEngine
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
+    from pagedlm.server.http import ensure_open_files, uvicorn_config
+    from pagedlm.server.limits import RequestLimits
     from pagedlm.server.routing import AutoRoute
     from pagedlm.server.shutdown import GracefulServer
 
@@ -187,7 +84,10 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         allowed_origins=_names(args.allowed_origins), allowed_hosts=allowed_hosts(args),
                         prefix_cache_per_key=args.prefix_cache_per_key,
                         strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser,
-                        health_step_timeout=args.health_step_timeout)
+                        health_step_timeout=args.health_step_timeout,
+                        max_requests_per_key=args.max_requests_per_key,
+                        allow_client_priority=args.allow_client_priority,
+                        limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars))
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])
@@ -195,8 +95,10 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                     ", API key required" if api_keys else "")
         if route is not None:
             logger.info("Routing `%s` with %s", route.name, describe_router(router))
-        config = uvicorn.Config(app, log_config=None, access_log=not args.disable_access_log,
-                                timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=30)
+        config = uvicorn_config(app, max_connections=args.max_connections,
+                                request_read_timeout=args.request_read_timeout,
+                                access_log=not args.disable_access_log, shutdown_timeout=args.shutdown_timeout)
+        ensure_open_files(args.max_connections)
         GracefulServer(config, app.state.server, args.shutdown_timeout).run(sockets=[sock])
     finally:
         if route is not None:

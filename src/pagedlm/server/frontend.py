@@ -36,9 +36,9 @@ class Frontend:
     """Resolves each request's model and, for the route name, routes it (with fallback)."""
 
     def __init__(self, servers: dict[str, ModelServer], metrics: ServerMetrics, route: AutoRoute | None,
-                 strict_request_fields: bool = False) -> None:
+                 strict_request_fields: bool = False, allow_client_priority: bool = False) -> None:
         self.servers, self.metrics, self.route = servers, metrics, route
-        self.strict_request_fields = strict_request_fields
+        self.strict_request_fields, self.allow_client_priority = strict_request_fields, allow_client_priority
         self.default = next(iter(servers.values()))
         self.created = int(time.time())
         self.draining = False  # set by a graceful shutdown: new generation requests get 503
@@ -85,6 +85,7 @@ class Frontend:
             raise shutting_down()
         req = await parse_request(request, P.CompletionRequest)
         unknown = self._unknown_fields(req)
+        self._admit(request, req, _num_prompts(req.prompt))
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
@@ -105,6 +106,7 @@ class Frontend:
             raise shutting_down()
         req = await parse_request(request, P.ChatCompletionRequest)
         unknown = self._unknown_fields(req)
+        self._admit(request, req, 1)
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
@@ -118,6 +120,16 @@ class Frontend:
         r = _RoutedRequest(request, text, max_tokens, cost_tokens, 1, "chatcmpl")
         run = functools.partial(ModelServer.chat_completions, request=request, arrival=arrival, routed=True)
         return _flag_unknown(await self._routed(r, req, run, cascade=True), unknown)
+
+    def _admit(self, request: Request, req: P.SamplingRequest, num_prompts: int) -> None:
+        """400 for a client-set priority unless allowed; the request's prompts taken from its key's cap (429
+        beyond it; given back by the middleware when the response has ended)."""
+        if req.priority and not self.allow_client_priority:
+            raise APIError(400, "`priority` is set by the server's policy here (start it with "
+                                "--allow-client-priority to let requests set it).", param="priority")
+        lease = getattr(request.state, "key_lease", None)
+        if lease is not None:
+            lease.take(num_prompts)
 
     def _unknown_fields(self, req: BaseModel) -> list[str]:
         """The request's fields this server does not know; with --strict-request-fields they are a 400."""
@@ -229,6 +241,10 @@ def _flag_unknown(response: Response, unknown: list[str]) -> Response:
     if unknown:
         response.headers[UNKNOWN_FIELDS_HEADER] = _header_text(",".join(unknown), limit=1024)
     return response
+
+
+def _num_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> int:
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
 
 
 def _routing_text(prompt: str | list[int] | list[str] | list[list[int]]) -> str:

@@ -5,6 +5,7 @@ import hmac
 import ipaddress
 from typing import Any
 
+from pagedlm.server.limits import KeyLeases
 from pagedlm.server.protocol import APIError
 from pagedlm.server.wire import error_response
 
@@ -14,12 +15,13 @@ LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 class Guard:
     """ASGI middleware, before any parsing: Host header (400, DNS rebinding), bearer token (401), JSON
-    Content-Type (415: no "simple" cross-site form posts) and request-body size (413)."""
+    Content-Type (415: no "simple" cross-site form posts) and request-body size (413). A request with a key gets
+    a `key_lease` in its state (see limits.KeyLeases), given back when the app has answered."""
 
     def __init__(self, app: Any, api_keys: list[str], max_body_bytes: int,
-                 allowed_hosts: frozenset[str] | None = None) -> None:
+                 allowed_hosts: frozenset[str] | None = None, leases: KeyLeases | None = None) -> None:
         self.app, self.api_keys, self.max_body_bytes = app, api_keys, max_body_bytes
-        self.allowed_hosts = allowed_hosts
+        self.allowed_hosts, self.leases = allowed_hosts, leases
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -28,6 +30,7 @@ class Guard:
         if self.allowed_hosts is not None and not host_allowed(headers.get("host", ""), self.allowed_hosts):
             return await error_response(APIError(400, "Invalid Host header (see --allowed-hosts).",
                                                   code="invalid_host"))(scope, receive, send)
+        lease = None
         if self.api_keys and scope["path"] not in PUBLIC_PATHS:
             key = self._key(headers.get("authorization", ""))
             if key is None:
@@ -35,6 +38,8 @@ class Guard:
                                                            "Bearer <key>`).", code="invalid_api_key",
                                                       headers={"WWW-Authenticate": "Bearer"}))(scope, receive, send)
             scope.setdefault("state", {})["api_key"] = key
+            if self.leases is not None:
+                scope["state"]["key_lease"] = lease = self.leases.lease(key)
         if scope["method"] == "POST":
             media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media != "application/json":
@@ -69,6 +74,9 @@ class Guard:
         except Exception:
             if not rejected:
                 raise
+        finally:
+            if lease is not None:
+                lease.release()
 
     def _key(self, authorization: str) -> str | None:
         """The configured key the header carries (scheme `Bearer`, any case), else None."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,12 +23,11 @@ from pagedlm.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from pagedlm.engine.facade import ChatTemplateError
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import protocol as P
-from pagedlm.server.limits import check_prompt_logprobs
+from pagedlm.server.limits import RequestLimits, check_fan_out, check_prompt_logprobs
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable
 from pagedlm.server.streaming import (
     ChoiceState,
@@ -41,6 +39,7 @@ from pagedlm.server.streaming import (
     first_outputs,
     merge,
 )
+from pagedlm.server.tokenizing import TokenizerEndpoints
 from pagedlm.server.tools import HermesToolParser
 from pagedlm.server.wire import json_response
 
@@ -52,14 +51,15 @@ class _Prompt:
     echo_logprobs: tuple[P.CompletionLogprobs, int] | None = None  # echo's logprobs and text length, made once
 
 
-class ModelServer:
+class ModelServer(TokenizerEndpoints):
     """One served model: its requests, after the model is resolved (tokenizer, template, limits are its own).
     `routed` requests also wait, when streaming, for the first outputs before the response starts, so that a
     failure then is still `Unavailable`."""
 
     def __init__(self, engine: AsyncLLMEngine, name: str, max_prompts_per_request: int = 256,
-                 prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None) -> None:
-        self.engine, self.name = engine, name
+                 prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None,
+                 limits: RequestLimits = RequestLimits()) -> None:
+        self.engine, self.name, self.limits = engine, name, limits
         self.facade = engine.facade
         self.tool_parser = tool_parser
         self.tok = self.facade.tokenizer
@@ -75,13 +75,6 @@ class ModelServer:
         tenant = hashlib.sha256(key.encode()).hexdigest()[:32]
         return tenant if req.cache_salt is None else f"{tenant}:{req.cache_salt}"
 
-    def _check_fan_out(self, num_prompts: int, req: P.SamplingRequest) -> None:
-        width = (req.beam_width or req.n) if req.use_beam_search else req.n
-        if num_prompts * width > self.max_prompts_per_request:
-            raise APIError(400, f"The request asks for {num_prompts} prompts x {width} sequences; at most "
-                                f"{self.max_prompts_per_request} are allowed per request (max_prompts_per_request).",
-                           param="n" if num_prompts == 1 else "prompt")
-
     def model_card(self) -> P.ModelCard:
         return P.ModelCard(id=self.name, created=self.created, root=self.facade.model_path.name,
                            max_model_len=self.facade.max_model_len)
@@ -95,6 +88,7 @@ class ModelServer:
                                      if req.prompt_logprobs is not None else k if req.echo else None)
         copies = (req.prompt_logprobs is not None) + (req.echo and k is not None)
         check_prompt_logprobs([len(p.token_ids) for p in prompts], params, params.n * copies)
+        self.limits.check_logprobs([len(p.token_ids) for p in prompts], params, self.facade.max_model_len)
         self._check_admission([len(p.token_ids) for p in prompts], params)
         await self._prepare(req, params)
         rid = rid or f"cmpl-{uuid.uuid4().hex}"
@@ -120,7 +114,8 @@ class ModelServer:
             raise APIError(400, "The prompt is empty.", param="prompt")
         if len(prompt) > self.engine.max_waiting:
             raise APIError(400, f"A request may hold at most {self.engine.max_waiting} prompts.", param="prompt")
-        self._check_fan_out(len(prompt), req)
+        check_fan_out(len(prompt), req, self.max_prompts_per_request)
+        self.limits.check_text_prompts(prompt)
         out = await asyncio.to_thread(
             lambda: [_Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
         for p in out:
@@ -209,7 +204,7 @@ class ModelServer:
     # --- chat ---
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
                                routed: bool = False, rid: str | None = None) -> Response:
-        self._check_fan_out(1, req)
+        check_fan_out(1, req, self.max_prompts_per_request)
         if req.tools_active and self.tool_parser is None:
             raise APIError(400, "This server does not parse tool calls (start it with --tool-call-parser).",
                            param="tools")
@@ -227,6 +222,7 @@ class ModelServer:
             except ValueError as e:
                 raise APIError(400, f"The tools' call grammar: {e}", param="tools") from None
         check_prompt_logprobs([len(ids)], params, 1)
+        self.limits.check_logprobs([len(ids)], params, self.facade.max_model_len)
         self._check_admission([len(ids)], params)
         await self._prepare(req, params)
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
@@ -250,18 +246,6 @@ class ModelServer:
         return json_response(P.ChatCompletionResponse(
             id=rid, model=self.name, choices=choices, usage=_usage([out]),
             prompt_logprobs=_prompt_logprobs(out) if req.prompt_logprobs is not None else None))
-
-    def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
-        """The prompt's token ids, as the engine's chat template renders the messages (EngineFacade.render_chat)."""
-        return self.tok.encode(self._render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
-
-    def _render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict] | None = None) -> str:
-        try:
-            return self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param=e.param) from None
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs] | None,
                        k: int) -> P.ChatLogprobs:
@@ -385,45 +369,6 @@ class ModelServer:
         if routed:
             await first_outputs(request, streams)
         return EventStream(events, streams, self.engine.stall_timeout)
-
-    # --- tokenizer endpoints ---
-    def tokenize(self, req: P.TokenizeRequest) -> Response:
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "Give exactly one of `prompt` or `messages`.")
-        if req.messages is not None:
-            P.check_contents(req.messages)
-            text = self._render_chat(req.messages, req.add_generation_prompt)
-            add_special = bool(req.add_special_tokens)
-        else:
-            text, add_special = req.prompt, req.add_special_tokens is not False
-        ids = self.tok.encode(text, add_special_tokens=add_special)
-        strs = [t or "" for t in self.tok.hf.convert_ids_to_tokens(ids)] if req.return_token_strs else None
-        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.facade.max_model_len, tokens=ids,
-                                        token_strs=strs))
-
-    def detokenize(self, req: P.DetokenizeRequest) -> Response:
-        vocab = len(self.tok.hf)
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
-        return json_response(P.DetokenizeResponse(prompt=self.tok.decode(req.tokens, skip_special_tokens=False)))
-
-    def tokenizer_info(self) -> dict:
-        """vLLM's shape: the tokenizer's JSON-able init kwargs plus its class, special tokens and template."""
-        hf = self.tok.hf
-        info = {}
-        for key, value in hf.init_kwargs.items():
-            value = getattr(value, "content", value)  # AddedToken -> str
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError):
-                continue
-            info[key] = value
-        info.update(tokenizer_class=type(hf).__name__, eos_token=hf.eos_token, bos_token=hf.bos_token,
-                    pad_token=hf.pad_token, unk_token=hf.unk_token, chat_template=hf.chat_template,
-                    model_max_length=self.facade.max_model_len, vocab_size=len(hf),
-                    eos_token_ids=sorted(self.facade.eos_token_ids))
-        return info
-
 
 def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None]:
     return [None if entry is None else {str(t): P.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,

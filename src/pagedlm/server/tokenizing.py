@@ -1,0 +1,75 @@
+"""A served model's tokenizer and chat template as the endpoints use them: chat messages rendered into a prompt
+and the tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info)."""
+from __future__ import annotations
+
+import json
+
+from fastapi.responses import Response
+
+from pagedlm.engine.facade import ChatTemplateError, EngineFacade
+from pagedlm.server import protocol as P
+from pagedlm.server.limits import RequestLimits
+from pagedlm.server.protocol import APIError
+from pagedlm.server.wire import json_response
+
+
+class TokenizerEndpoints:
+    """Part of `ModelServer`: needs its `facade`, `tok` (the facade's tokenizer) and `limits`."""
+
+    facade: EngineFacade
+    limits: RequestLimits
+
+    def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids, as the engine's chat template renders the messages (EngineFacade.render_chat)."""
+        return self.tok.encode(self._render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+
+    def _render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> str:
+        """400 beyond the bounds of `limits` (RequestLimits): the message count before the template runs, the
+        rendered characters before anything tokenizes them."""
+        self.limits.check_messages(len(messages))
+        try:
+            text = self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        self.limits.check_prompt_chars(text, "messages")
+        return text
+
+    def tokenize(self, req: P.TokenizeRequest) -> Response:
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give exactly one of `prompt` or `messages`.")
+        if req.messages is not None:
+            P.check_contents(req.messages)
+            text = self._render_chat(req.messages, req.add_generation_prompt)
+            add_special = bool(req.add_special_tokens)
+        else:
+            text, add_special = req.prompt, req.add_special_tokens is not False
+            self.limits.check_prompt_chars(text, "prompt")
+        ids = self.tok.encode(text, add_special_tokens=add_special)
+        strs = [t or "" for t in self.tok.hf.convert_ids_to_tokens(ids)] if req.return_token_strs else None
+        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.facade.max_model_len, tokens=ids,
+                                        token_strs=strs))
+
+    def detokenize(self, req: P.DetokenizeRequest) -> Response:
+        vocab = len(self.tok.hf)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
+        return json_response(P.DetokenizeResponse(prompt=self.tok.decode(req.tokens, skip_special_tokens=False)))
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's shape: the tokenizer's JSON-able init kwargs plus its class, special tokens and template."""
+        hf = self.tok.hf
+        info = {}
+        for key, value in hf.init_kwargs.items():
+            value = getattr(value, "content", value)  # AddedToken -> str
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                continue
+            info[key] = value
+        info.update(tokenizer_class=type(hf).__name__, eos_token=hf.eos_token, bos_token=hf.bos_token,
+                    pad_token=hf.pad_token, unk_token=hf.unk_token, chat_template=hf.chat_template,
+                    model_max_length=self.facade.max_model_len, vocab_size=len(hf),
+                    eos_token_ids=sorted(self.facade.eos_token_ids))
+        return info
