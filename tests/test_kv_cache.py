@@ -74,3 +74,20 @@ def test_swap_out_and_in_round_trip_keeps_the_data(dtype):
     cache.swap_in([(0, 5), (2, 1)])  # back into other device blocks
     assert torch.equal(blocks(cache.gpu, [5, 1]), original)
     assert torch.equal(blocks(cache.gpu, [0, 2, 4]), untouched)
+
+
+def test_host_cache_is_zeroed_on_demand() -> None:
+    """A host KV cache of 1 GiB costs no resident memory until its blocks are written (an anonymous mapping: the
+    kernel zero-fills a page when it is first touched), reads as zeros, and takes writes like any tensor."""
+    def rss() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")) * 1024
+
+    spec = KVCacheSpec(2, 4, 64, 16, torch.bfloat16, make_groups([None, None]))
+    before = rss()
+    cache = KVCache(spec, spec.num_blocks_for(2**30), 0, CPU)
+    assert cache.gpu.numel() * 2 >= 2**30 - spec.bytes_per_block
+    assert rss() - before < 64 * 2**20
+    k, v = cache.layer_caches()[1]
+    assert not k[-1].any() and not v[7].any()
+    k[-1].fill_(1.5)
+    assert float(cache.gpu[1, 0, -1].float().sum()) == 1.5 * k[-1].numel() and not cache.gpu[0].any()
