@@ -12,7 +12,8 @@ from test_families import build_family
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
 from pagedlm.model.moe import SparseMoE
-from pagedlm.model.quant import Int4Linear, Int8Linear, WithBias, quantize_model
+from pagedlm.model.quant import Int4Linear, Int8Linear, WithBias
+from pagedlm.model.quantize import quantize_model
 
 HIDDEN, EXPERTS, TOP_K = 64, 8, 2
 

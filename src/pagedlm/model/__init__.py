@@ -29,7 +29,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     from pagedlm.model.layers import Linear, deferred_weights
     from pagedlm.model.llama import LlamaForCausalLM
     from pagedlm.model.plan import NATIVE_INT4_TYPES
-    from pagedlm.model.quant import LinearQuantizer
+    from pagedlm.model.quantize import LinearQuantizer
 
     cfg = ModelConfig.from_hf(load_hf_config(path))
     model_cls = Gemma3ForCausalLM if cfg.model_type == "gemma3_text" else LlamaForCausalLM  # + every LLaMA style
