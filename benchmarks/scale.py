@@ -6,7 +6,8 @@ engines alternated.
 
 Models are written once into `--dir` by ../shared/tools/make-scale-model.py (1b: TinyLlama-1.1B's shape, 3b:
 Llama-3.2-3B's, 8b: Llama-3.1-8B's; SmolLM2's tokenizer, so both engines load the same file). The decode rate is
-128 / (time of a 129-token generation - time of a 1-token one) on a fresh random 32-token prompt; the limit is the
+128 / (time of a 129-token generation - time of a 1-token one) on a fresh random prompt of `--context` tokens (32;
+4096 for decode deep in a context, where attention and its KV reads grow); the limit is the
 file's bytes read once per token at the read bandwidth measured here (a sum over a buffer far larger than the
 caches, with torch's threads). `pagedlm` runs its defaults (`LLM(model=path)`); `llama.cpp` is llama-cpp-python
 (the `llamacpp` extra). Peak RSS is the child's high-water mark (VmHWM).
@@ -33,8 +34,8 @@ def _hwm() -> int:
     return 0
 
 
-def child(backend: str, path: str, prefill: int, seed: int) -> dict:
-    """One engine in this process: load, decode, prefill."""
+def child(backend: str, path: str, prefill: int, seed: int, context: int = 32) -> dict:
+    """One engine in this process: load, decode after a `context`-token prompt, prefill."""
     import torch
 
     from pagedlm.bench.backends import make_backend
@@ -51,7 +52,7 @@ def child(backend: str, path: str, prefill: int, seed: int) -> dict:
         return time.perf_counter() - t
 
     run(8, 2)  # first-call costs (kernel binding, thread pools) out of the timings
-    decode = [128 / (run(32, 129) - run(32, 1)) for _ in range(2)]
+    decode = [128 / (run(context, 129) - run(context, 1)) for _ in range(2)]
     pre = prefill / run(prefill, 1)
     return {"load_s": load, "peak_rss": _hwm(), "decode": max(decode), "prefill": pre,
             "threads": torch.get_num_threads()}
@@ -86,11 +87,12 @@ def main() -> None:
     ap.add_argument("--backends", default="pagedlm")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--context", type=int, default=32, help="prompt tokens before the timed decode (long contexts)")
     ap.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "pagedlm" / "scale")
     ap.add_argument("--child", nargs=3, metavar=("BACKEND", "PATH", "SEED"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child[0], a.child[1], a.prefill, int(a.child[2]))))
+        print(json.dumps(child(a.child[0], a.child[1], a.prefill, int(a.child[2]), a.context)))
         return
     from pagedlm.cpu import cpu_features
 
@@ -105,8 +107,9 @@ def main() -> None:
         runs: dict[str, list[dict]] = {b: [] for b in a.backends.split(",")}
         for r in range(a.repeats):
             for backend in runs:
-                out = subprocess.run([sys.executable, __file__, "--prefill", str(a.prefill), "--child", backend,
-                                      str(path), str(r)], capture_output=True, text=True)
+                out = subprocess.run([sys.executable, __file__, "--prefill", str(a.prefill), "--context",
+                                      str(a.context), "--child", backend, str(path), str(r)],
+                                     capture_output=True, text=True)
                 if out.returncode:
                     raise SystemExit(f"{backend} on {path.name} failed:\n{out.stderr[-3000:]}")
                 runs[backend].append(json.loads(out.stdout.strip().splitlines()[-1]))
