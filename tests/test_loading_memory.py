@@ -250,3 +250,22 @@ def test_gguf_blocks_convert_in_one_pass_as_the_reference(march: str, random_300
     monkeypatch.undo()
     assert torch.equal(got.qweight, ref.qweight) and torch.equal(got.scale, ref.scale)
     assert calls.count("pagedlm_gguf_q4_to_x16") == 2 * 3 and "pagedlm_gguf_q8_0_to_int8" in calls
+
+
+def test_per_call_scratch_is_per_thread() -> None:
+    """Two engines (two served models) step on threads of their own: their per-call dequantizations never share a
+    buffer."""
+    import threading
+
+    ptrs = {}
+
+    def grab(name: str) -> None:
+        ptrs[name] = quant.scratch(1024, torch.bfloat16).data_ptr()
+
+    threads = [threading.Thread(target=grab, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ptrs["a"] != ptrs["b"]
+    assert quant.scratch(1024, torch.bfloat16).data_ptr() == quant.scratch(512, torch.bfloat16).data_ptr()

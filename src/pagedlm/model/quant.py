@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -215,15 +216,16 @@ def prepack_bf16(w: torch.Tensor) -> torch.Tensor | None:
     return packed if same else None
 
 
-_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+_SCRATCH = threading.local()  # per thread: each served model's engine steps on a thread of its own
 
 
 def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of `numel` elements shared by every layer's per-call dequantization (one step runs at a time;
-    reusing it saves a fresh allocation, and its page faults, per product)."""
-    buf = _SCRATCH.get(dtype)
+    """A buffer of `numel` elements shared by every layer's per-call dequantization on this thread (its steps run
+    one at a time; reusing it saves a fresh allocation, and its page faults, per product)."""
+    bufs: dict[torch.dtype, torch.Tensor] = _SCRATCH.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+        buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 
