@@ -88,13 +88,13 @@ def gguf_linear_types(path: Path) -> set[str]:
 
 
 def machine_memory() -> int:
-    """Bytes of physical memory, or of the cgroup's limit where that is lower."""
+    """Bytes of physical memory, or what this process's cgroup leaves it where that is less (kvcache.sizing reads
+    the cgroup, v1 or v2, as it does for the KV budget)."""
+    from pagedlm.kvcache.sizing import available_memory
+
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        return min(total, int(limit)) if limit.isdigit() else total
-    except OSError:
-        return total
+    mem = available_memory()
+    return min(total, mem.bytes) if mem.bytes and mem.source.startswith("cgroup") else total
 
 
 def dense_weight_bytes(path: Path, dtype: torch.dtype) -> int:
