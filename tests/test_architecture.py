@@ -1,5 +1,5 @@
-"""The layering the README's *Architecture* table states: each package imports only the packages below it (imports
-inside functions included). Adding an import that runs back up the stack fails here."""
+"""The layering the *Packages and layering* table of docs/architecture.md states: each package imports only the
+packages below it (imports inside functions included). Adding an import that runs back up the stack fails here."""
 from __future__ import annotations
 
 import ast
@@ -9,7 +9,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "pagedlm"
 
-# package (or top-level module) -> what it may import from pagedlm. Keep in step with the README.
+# package (or top-level module) -> what it may import from pagedlm. Keep in step with docs/architecture.md.
 LEAVES = {"cpu", "paths", "outputs", "__init__"}
 ALLOWED = {
     "config": {"cpu"},

@@ -162,7 +162,7 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
-        """Raises ValueError unless every field is in its documented range (see README, *Limits and security*):
+        """Raises ValueError unless every field is in its documented range (see docs/python-api.md, *SamplingParams*):
         extremes that overflow float32 (temperature 1e300, top_p 1e-300, ...) are refused here, not in a step."""
         def bad(name: str, msg: str) -> ValueError:
             return ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")

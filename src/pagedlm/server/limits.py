@@ -1,4 +1,4 @@
-"""Per-request bounds the server checks before any work (see README, *Limits and security*)."""
+"""Per-request bounds the server checks before any work (see docs/serving.md, *Limits and security*)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

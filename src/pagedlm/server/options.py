@@ -25,7 +25,7 @@ def _size(value: str) -> int:
     return int(value) if value.strip().isdigit() else parse_bytes(value)
 
 
-LIMITS, TOOLS = "limits and security (see README, *Limits and security*)", "tool calling"
+LIMITS, TOOLS = "limits and security (see docs/serving.md, *Limits and security*)", "tool calling"
 ROUTING, REPLICAS = "several models and routing", "replicas (data parallelism on Ray)"
 
 
