@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedlm import cbuild
 from pagedlm.attention import BACKENDS, AttentionMetadata, write_kv
 
 
@@ -308,6 +309,8 @@ def _expected_isa(march):
 
     flags = cpu_features().flags
     avx2 = {"avx2", "fma", "f16c", "bmi2"} <= flags
+    if march == cbuild.EMULATED_AVX512:
+        return cpu_kernel.ISA_AVX512 if avx2 and cbuild.emulation_available() else None
     if march == "native":
         return (cpu_kernel.ISA_AVX512 if "avx512f" in flags else cpu_kernel.ISA_AVX2 if avx2
                 else cpu_kernel.ISA_PORTABLE)
@@ -335,12 +338,13 @@ ISA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("march", ["native", "skylake-avx512", "haswell", "x86-64"])
+@pytest.mark.parametrize("march", ["native", "skylake-avx512", "haswell", "x86-64", cbuild.EMULATED_AVX512])
 def test_cpu_kernel_isa_paths_match_reference(march):
     """The AVX-512 (with and without the AVX512-BF16 loops that read bf16 caches in place), AVX2 + FMA and portable
-    inner loops, each compiled on its own (-march), against the oracle: fp32 and bf16 queries, every cache kind,
-    decode, prefill chunks, GQA, windows, split key ranges. The bf16-dot loops keep the fp32 tolerance: they split
-    queries and probabilities into hi + lo bf16 parts."""
+    inner loops, each compiled on its own (-march; the AVX-512 BF16 loops also on emulated intrinsics, so every
+    CPU with AVX2 runs them), against the oracle: fp32 and bf16 queries, every cache kind, decode, prefill chunks,
+    GQA, windows, split key ranges. The bf16-dot loops keep the fp32 tolerance: they split queries and
+    probabilities into hi + lo bf16 parts."""
     import shutil
 
     from pagedlm.attention import cpu_kernel
@@ -353,7 +357,8 @@ def test_cpu_kernel_isa_paths_match_reference(march):
     lib = cpu_kernel.kernel_variant(march).load()
     assert lib is not None and cpu_kernel.attention_isa(lib) == expected
     # Only a native build on an AVX512-BF16 CPU has the bf16-dot loops (skylake-avx512 predates them).
-    assert cpu_kernel.attention_bf16_dot(lib) == (march == "native" and "avx512_bf16" in cpu_features().flags)
+    assert cpu_kernel.attention_bf16_dot(lib) == (march == cbuild.EMULATED_AVX512
+                                                  or (march == "native" and "avx512_bf16" in cpu_features().flags))
     for seq_lens, query_lens, heads, kv_heads, dim, window, kv_dtype in ISA_CASES:
         for q_dtype in (torch.float32, torch.bfloat16):
             if q_dtype == torch.bfloat16 and kv_dtype == torch.float32:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedlm import cbuild
 from pagedlm.config import EngineConfig
 from pagedlm.hub.gguf_file import read_gguf
 from pagedlm.model import plan as plan_module
@@ -176,13 +177,20 @@ def test_per_call_dequantization_equals_the_dense_copy() -> None:
                                rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("march", ["x86-64", "haswell"])
-def test_per_call_dequantization_same_in_every_build(march: str) -> None:
-    """The portable and AVX2 builds dequantize to the same bf16 weights as this CPU's build."""
+def _skip_unless_runnable(march: str) -> None:
     from pagedlm.cpu import cpu_features
 
-    if march == "haswell" and not {"avx2", "fma", "f16c"} <= cpu_features().flags:
+    if march in ("haswell", cbuild.EMULATED_AVX512) and not {"avx2", "fma", "f16c"} <= cpu_features().flags:
         pytest.skip("this CPU cannot run an AVX2 build")
+    if march == cbuild.EMULATED_AVX512 and not cbuild.emulation_available():
+        pytest.skip("no SIMDe headers (libsimde-dev) for the emulated AVX-512 build")
+
+
+@pytest.mark.parametrize("march", ["x86-64", "haswell", cbuild.EMULATED_AVX512])
+def test_per_call_dequantization_same_in_every_build(march: str) -> None:
+    """The portable, AVX2 and (emulated) AVX-512 BF16 builds dequantize to the same bf16 weights as this CPU's
+    build."""
+    _skip_unless_runnable(march)
     native = quant.load_quant_kernel()
     other = quant.kernel_variant(march).load()
     if native is None or other is None:
@@ -210,17 +218,15 @@ def test_plan_drops_the_dense_copy_when_it_would_not_fit(random_300m: Path, monk
     assert not p.dense_copy and "dequantized per call" in p.describe()
 
 
-@pytest.mark.parametrize("march", ["native", "x86-64", "haswell"])
+@pytest.mark.parametrize("march", ["native", "x86-64", "haswell", cbuild.EMULATED_AVX512])
 def test_gguf_blocks_convert_in_one_pass_as_the_reference(march: str, random_300m: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel writes Q4_0 / Q4_1 rows (a Q/K row permutation and a fused q/k/v included) straight into the x16
     layout, and requantizes a Q8_0 table to int8 per row: the same bytes as the reference (Int4Blocks.from_gguf ->
     rows -> cat -> to_x16; dequantize -> quantize_int8), in every build this CPU runs."""
-    from pagedlm.cpu import cpu_features
     from pagedlm.hub.blocks import LazyRows, RawInt4
 
-    if march == "haswell" and not {"avx2", "fma", "f16c"} <= cpu_features().flags:
-        pytest.skip("this CPU cannot run an AVX2 build")
+    _skip_unless_runnable(march)
     lib = quant.load_quant_kernel() if march == "native" else quant.kernel_variant(march).load()
     if lib is None:
         pytest.skip("no compiler for the kernel")

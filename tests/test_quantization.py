@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_attention import build_case
 
-from pagedlm import LLM, SamplingParams
+from pagedlm import LLM, SamplingParams, cbuild
 from pagedlm.attention import BACKENDS
 from pagedlm.config import EngineConfig
 from pagedlm.kvcache.kv_cache import KVCacheSpec
@@ -548,12 +548,13 @@ def test_bf16_linear_is_prepacked_after_loading(tiny_model_dir, monkeypatch):
         assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+@pytest.mark.parametrize("march", ["haswell", "x86-64", cbuild.EMULATED_AVX512])
 def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
-    """The quantized kernels built for AVX2 without VNNI (-march=haswell) and for plain x86-64 give the native
-    build's products within fp32 rounding (the int4 block dots are exact integers on every path; only the order of
-    the fp32 sums differs; for the x16 layout, AVX-512 VNNI or scalar, not even that: bit-identical), and the build
-    under test is the one that runs (a counting wrapper sees its calls)."""
+    """The quantized kernels built for AVX2 without VNNI (-march=haswell), for plain x86-64 and with the AVX-512
+    VNNI / BF16 code on emulated intrinsics give the native build's products within fp32 rounding (the int4 block
+    dots are exact integers on every path; only the order of the fp32 sums differs; for the x16 layout, AVX-512
+    VNNI, AVX2 or scalar, not even that: bit-identical), and the build under test is the one that runs (a counting
+    wrapper sees its calls)."""
     import platform
     import shutil
 
@@ -561,10 +562,13 @@ def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
 
     flags = cpu_features().flags
     runnable = platform.machine() == "x86_64" and (march == "x86-64" or {"avx2", "fma", "f16c", "bmi2"} <= flags)
+    if march == cbuild.EMULATED_AVX512 and not cbuild.emulation_available():
+        pytest.skip("no SIMDe headers (libsimde-dev) for the emulated AVX-512 build")
     if shutil.which("g++") is None or not runnable or quant.load_quant_kernel() is None:
         pytest.skip(f"no g++, or this CPU cannot run a -march={march} build")
     variant = quant.kernel_variant(march).load()
     assert variant is not None
+    assert variant.pagedlm_bf16_x16_native() == (march == cbuild.EMULATED_AVX512)  # its AVX-512 BF16 / VNNI code
     g = torch.Generator().manual_seed(11)
     w, x = torch.randn(64, 192, generator=g) * 0.05, torch.randn(9, 192, generator=g)  # 4 tiles: bf16 in pairs
     for method in ("int4", "int4-x16", "int4-x16-g64", "int8", "int8-x16", "bf16"):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import pagedlm.sampling.sampler as sampler_mod
+from pagedlm import cbuild
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow, prompt_logprobs
 
@@ -297,19 +298,20 @@ def _logits_kernel_or_skip(march):
     from pagedlm.sampling import logits_kernel
 
     flags = cpu_features().flags
-    runs = {"native": True, "haswell": {"avx2", "fma"} <= flags and platform.machine() == "x86_64",
-            "x86-64": platform.machine() == "x86_64"}[march]
+    avx2 = {"avx2", "fma", "f16c"} <= flags and platform.machine() == "x86_64"
+    runs = {"native": True, "haswell": avx2, "x86-64": platform.machine() == "x86_64",
+            cbuild.EMULATED_AVX512: avx2 and cbuild.emulation_available()}[march]
     if shutil.which("g++") is None or not runs:
         pytest.skip(f"no g++, or this CPU cannot run a -march={march} build")
     lib = logits_kernel.kernel_variant(march).load()
     assert lib is not None
     expected = {"native": 512 if "avx512f" in flags else 256 if {"avx2", "fma"} <= flags else 0,
-                "haswell": 256, "x86-64": 0}[march]
+                "haswell": 256, "x86-64": 0, cbuild.EMULATED_AVX512: 512}[march]
     assert lib.pagedlm_logits_isa() == expected
     return lib
 
 
-@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"])
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64", cbuild.EMULATED_AVX512])
 def test_argmax_logsumexp_kernel_matches_torch(march):
     """Each build against torch.argmax / logsumexp: first index among exact ties (inside a vector, across
     vectors, in the tail), -inf entries, vocabularies that are not a multiple of the vector width, a row stride

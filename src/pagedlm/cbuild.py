@@ -112,9 +112,29 @@ def compiler_identity(cxx: str) -> str:
     return res.stdout.splitlines()[0]
 
 
+EMULATED_AVX512 = "avx512-emulated"  # a target name for flags(): see emulation_available()
+
+
 def flags(march: str = "native") -> list[str]:
-    """FLAGS, with `-march=<march>` (e.g. "haswell" for an AVX2-only build, "x86-64" for the portable one)."""
+    """FLAGS, with `-march=<march>` (e.g. "haswell" for an AVX2-only build, "x86-64" for the portable one).
+    EMULATED_AVX512 is an AVX2 build whose AVX-512 paths run on SIMDe's portable intrinsics (csrc/simd.h)."""
+    if march == EMULATED_AVX512:
+        return [*flags("haswell"), "-DPAGEDLM_EMULATE_AVX512", "-Wno-psabi"]
     return [f"-march={march}" if f.startswith("-march=") else f for f in FLAGS]
+
+
+@functools.lru_cache(maxsize=None)
+def emulation_available() -> bool:
+    """Whether the compiler finds SIMDe's AVX-512 headers (Debian: libsimde-dev), which an EMULATED_AVX512 build
+    needs: tests then run the kernels' AVX-512 VNNI / BF16 code on any x86-64 CPU with AVX2."""
+    if platform.machine() != "x86_64":
+        return False
+    try:
+        res = subprocess.run([compiler(), "-x", "c++", "-E", "-", "-o", os.devnull],
+                             input="#include <simde/x86/avx512.h>\n", capture_output=True, text=True, timeout=60)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired):
+        return False
+    return res.returncode == 0
 
 
 def cache_key(source: Path, cxx: str, march: str = "native") -> str:
@@ -135,7 +155,7 @@ def build(source: Path, march: str = "native") -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         res = subprocess.run([cxx, *flags(march), str(source), "-o", str(tmp_out)], capture_output=True, text=True,
-                             timeout=120)
+                             timeout=600 if march == EMULATED_AVX512 else 120)
         if res.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed:\n{res.stderr[-2000:]}")
         os.chmod(tmp_out, 0o755)  # whatever the umask: a group-writable build would count as tampered

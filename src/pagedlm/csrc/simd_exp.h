@@ -3,7 +3,7 @@
 // exactly 0. Both widths run the same operations lane for lane, so they give the same results.
 #pragma once
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "simd.h"
 
 namespace pagedlm_simd {
 

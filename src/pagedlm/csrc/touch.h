@@ -6,7 +6,7 @@
 #pragma once
 #include <cstdint>
 #if defined(__AVX2__)
-#include <immintrin.h>
+#include "simd.h"
 #endif
 
 namespace pagedlm_touch {
@@ -25,7 +25,12 @@ inline void touch_lines(const void* p, const void* q, int64_t bytes) {
     sink = _mm512_ternarylogic_epi32(sink, _mm512_load_si512(line(a)), _mm512_load_si512(line(b)), 0xfe);
   for (; a < a1; a += 64) sink = _mm512_or_si512(sink, _mm512_load_si512(line(a)));
   for (; b < b1; b += 64) sink = _mm512_or_si512(sink, _mm512_load_si512(line(b)));
+#ifdef PAGEDLM_EMULATED_AVX512
+  volatile int sunk = _mm512_reduce_add_epi32(sink);
+  (void)sunk;
+#else
   asm volatile("" : : "v"(sink));
+#endif
 #elif defined(__AVX2__)
   __m256i sink = _mm256_setzero_si256();
   uintptr_t a = a0, b = b0;

@@ -25,7 +25,7 @@
 #include "../../csrc/pool.h"
 #include "../../csrc/touch.h"
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "../../csrc/simd.h"
 #endif
 
 namespace {

@@ -36,7 +36,7 @@
 #include "../../csrc/pagedlm.h"
 #include "../../csrc/touch.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
+#include "../../csrc/simd.h"
 #define PAGEDLM_AVX2 1
 #endif
 #if defined(PAGEDLM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -419,8 +419,14 @@ inline void for_row_groups(int M, F rows) {
 // acc += (u8 codes w) . (four s8 activations at p, broadcast to every lane), with the broadcast embedded in the
 // instruction's memory operand (compilers emit a separate vpbroadcastd for the intrinsic, 1.x slower here).
 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+#ifdef PAGEDLM_EMULATED_AVX512
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
+#else
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
+#endif
 }
 
 // The 32-value block's dot products for 16 outputs: w[c] holds inputs 4c..4c+3 of each output (u8), xb the block's
@@ -771,6 +777,15 @@ void bf16x16_rows8(const uint32_t* xg, const uint32_t* wt, float* y, int K, int 
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w) + PF_BYTES, _MM_HINT_T0);
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + X16);
     const uint32_t* xp = xg + int64_t(p) * BF16_ROWS;
+#ifdef PAGEDLM_EMULATED_AVX512
+    __m512* const as[8] = {&a0, &a1, &a2, &a3, &a4, &a5, &a6, &a7};
+    __m512* const bs[8] = {&b0, &b1, &b2, &b3, &b4, &b5, &b6, &b7};
+    for (int i = 0; i < 8; ++i) {
+      *as[i] = dpbf16_bcast(*as[i], w0, xp + i);
+      *bs[i] = dpbf16_bcast(*bs[i], w1, xp + BF16_ROWS + i);
+    }
+    continue;
+#endif
     asm(PAGEDLM_DP(a0, 0, w0) PAGEDLM_DP(a1, 1, w0) PAGEDLM_DP(a2, 2, w0) PAGEDLM_DP(a3, 3, w0)
         PAGEDLM_DP(a4, 4, w0) PAGEDLM_DP(a5, 5, w0) PAGEDLM_DP(a6, 6, w0) PAGEDLM_DP(a7, 7, w0)
         : [a0] "+v"(a0), [a1] "+v"(a1), [a2] "+v"(a2), [a3] "+v"(a3), [a4] "+v"(a4), [a5] "+v"(a5),
