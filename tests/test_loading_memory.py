@@ -201,7 +201,7 @@ def test_per_call_dequantization_same_in_every_build(march: str) -> None:
     for lib in (native, other):
         w = torch.empty(48, 256, dtype=torch.bfloat16)
         assert lib.pagedlm_dequant_int4_x16_bf16(layer.qweight.data_ptr(), layer.scale.data_ptr(),
-                                                 layer.mins.data_ptr(), w.data_ptr(), 256, 48, 32, 2) == 0
+                                                 layer.mins.data_ptr(), w.data_ptr(), 256, 48, 32, 1, 2) == 0
         outs.append(w)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], layer.dequantize().to(torch.bfloat16))
@@ -209,8 +209,9 @@ def test_per_call_dequantization_same_in_every_build(march: str) -> None:
 
 def test_plan_drops_the_dense_copy_when_it_would_not_fit(random_300m: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = EngineConfig(model=str(random_300m), kernel_max_rows=32)
-    need = plan_module.dense_weight_bytes(random_300m, torch.bfloat16)
-    assert need > 2 * 330e6 * 0.9  # every matrix, 2 bytes a weight
+    dense = plan_module.plan_execution(cfg, random_300m).dense_dtype  # bf16 where the CPU has it natively, else fp32
+    need = plan_module.dense_weight_bytes(random_300m, dense)
+    assert need > dense.itemsize * 330e6 * 0.9  # every matrix, in the dense dtype
     monkeypatch.setattr(plan_module, "machine_memory", lambda: int(need / plan_module.DENSE_COPY_MEMORY_FRACTION) + 1)
     assert plan_module.plan_execution(cfg, random_300m).dense_copy
     monkeypatch.setattr(plan_module, "machine_memory", lambda: int(need / plan_module.DENSE_COPY_MEMORY_FRACTION) - 1)
@@ -247,7 +248,9 @@ def test_gguf_blocks_convert_in_one_pass_as_the_reference(march: str, random_300
         monkeypatch.setattr(quant, "load_quant_kernel", lambda: Counting())
         got = quant.Int4Linear(raw, 32, x16=True)
         monkeypatch.undo()
-        assert all(torch.equal(getattr(got, n), getattr(ref, n)) for n in ("qweight", "scale", "mins")), kind
+        assert all(torch.equal(getattr(got, n), getattr(ref, n)) for n in ("qweight", "scale")), kind
+        assert torch.equal(got.mins, ref.mins) if kind == "Q4_1" else got.mins.numel() == 0  # Q4_0: -8 x scale
+        assert all(torch.equal(a, b) for a, b in zip(got.row_layout(), ref.row_layout())), kind
     reader = read_gguf(random_300m)
     table = LazyRows(reader, next(t for t in reader.tensors if t.name == "token_embd.weight"))
     ref = quant.Int8Linear(table.materialize(), x16=True)

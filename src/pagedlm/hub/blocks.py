@@ -76,9 +76,10 @@ class Int4Blocks:
 
 @dataclass
 class RawInt4:
-    """GGUF Q4_0 / Q4_1 rows not yet converted: `parts` (raw [rows, blocks * bytes] uint8, kind, row permutation or
-    None), stacked in order (a fused q/k/v). `blocks()` converts them to Int4Blocks; model/quant.py writes its x16
-    layout straight from the raw bytes where its kernel runs (one pass instead of four copies)."""
+    """GGUF Q4_0 / Q4_1 / Q4_K rows not yet converted: `parts` (raw [rows, blocks * bytes] uint8, kind, row
+    permutation or None), stacked in order (a fused q/k/v). `blocks()` converts them to Int4Blocks; model/quant.py
+    writes its x16 layouts straight from the raw bytes where its kernel runs (one pass instead of four copies; Q4_0
+    without minimums, Q4_K with its own scales: see `kinds`)."""
 
     parts: list[tuple[np.ndarray, str, np.ndarray | None]]
     cols: int
@@ -98,6 +99,10 @@ class RawInt4:
     def shape(self) -> tuple[int, int]:
         return sum(raw.shape[0] for raw, _, _ in self.parts), self.cols
 
+    @property
+    def kinds(self) -> set[str]:
+        return {kind for _, kind, _ in self.parts}
+
     def rows(self, perm: np.ndarray) -> "RawInt4":
         (raw, kind, old), = self.parts
         return RawInt4([(raw, kind, perm if old is None else old[perm])], self.cols, self.releases)
@@ -106,6 +111,15 @@ class RawInt4:
     def cat(parts: list["RawInt4"]) -> "RawInt4":
         return RawInt4([p for part in parts for p in part.parts], parts[0].cols,
                        [r for part in parts for r in part.releases])
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in fp32 exactly as the file's blocks define it (gguf-py's dequantization)."""
+        out = []
+        for raw, kind, perm in self.parts:
+            w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(raw.shape[0], self.cols)
+            out.append(w if perm is None else w[perm])
+        self.converted()
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(out), dtype=np.float32))
 
     def blocks(self) -> Int4Blocks:
         out = []

@@ -241,7 +241,7 @@ def iter_weights(path: Path, dtype: torch.dtype = torch.float32, native: Collect
 
     `lm_head.weight` is absent when embeddings are tied. GGUF tensors are dequantized and
     Q/K rows are un-permuted exactly as transformers does it, so results are bit-identical; linear weights
-    whose GGUF type is in `native` come as stored (Q4_0, Q4_1: `RawInt4`; Q4_K: `Int4Blocks`), and the GGUF matrices named in
+    whose GGUF type is in `native` come as stored (Q4_0, Q4_1, Q4_K: `RawInt4`), and the GGUF matrices named in
     `lazy` (HF names) as `LazyRows`, to be dequantized by rows by their consumer.
     """
     path = Path(path)
@@ -295,14 +295,10 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = (),
         if name is None:
             continue
         if t.tensor_type.name in native and name.endswith("proj.weight") and "{}" not in name:
-            kind = t.tensor_type.name
-            blocks = RawInt4.from_gguf(t.data, kind, t.shape[0], lambda t=t: reader.release(t)) \
-                if kind in ("Q4_0", "Q4_1") else Int4Blocks.from_gguf(t.data, kind)
+            blocks = RawInt4.from_gguf(t.data, t.tensor_type.name, t.shape[0], lambda t=t: reader.release(t))
             if (kind := t.name.split(".")[-2]) in heads:
                 blocks = blocks.rows(_unpermute(np.arange(blocks.shape[0]), heads[kind]))
-            if isinstance(blocks, Int4Blocks):
-                reader.release(t)  # RawInt4's pages: once converted (see quant.Int4Linear)
-            yield name, blocks
+            yield name, blocks  # its pages are released once converted (see quant.Int4Linear)
             continue
         if name in lazy and len(t.shape) == 2:  # never a permuted (Q/K) or shifted (Gemma norm) tensor
             yield name, LazyRows(reader, t)

@@ -210,7 +210,7 @@ def _process(name: str, module: nn.Module) -> nn.Module:
 
 def _dense(w: torch.Tensor | Int4Blocks | RawInt4, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(w, RawInt4):
-        w = w.blocks()
+        return w.dequantize().to(dtype)
     if isinstance(w, Int4Blocks):
         from pagedlm.model.quant import dequantize_int4
 

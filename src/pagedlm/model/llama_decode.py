@@ -25,7 +25,8 @@ from pagedlm.model.layers import Linear
 from pagedlm.model.quant import Bf16Linear, Int4Linear, Int8Linear, QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
-LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16, LIN_BF16_X16 = range(7)
+LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16, LIN_BF16_X16, LIN_INT4_X16_K = range(8)
+INT4_KINDS = {"rows": LIN_INT4, "x16": LIN_INT4_X16, "x16_k": LIN_INT4_X16_K}  # by Int4Linear.layout
 FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_INT8)  # the caches the stack writes (not fp8)
 # Steps with more tokens over fp32 weights run layer by layer: torch's sgemm beats the stack's simple fp32 product
 # there (Gemma 3 prefill 445 against 290 tok/s at 1,024 tokens).
@@ -119,9 +120,9 @@ def _describe(linear: nn.Module) -> _Linear | None:
             return None
         return _Linear(LIN_BF16_X16, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(), None, None)
     if isinstance(linear, Int4Linear):
-        kind = LIN_INT4_X16 if linear.x16 else LIN_INT4
-        return _Linear(kind, linear.in_features, linear.out_features, linear.group_size,
-                       linear.qweight.data_ptr(), linear.scale.data_ptr(), linear.mins.data_ptr())
+        mins = linear.mins.data_ptr() if linear.mins.numel() else None  # Q4_0's x16 layout: none
+        return _Linear(INT4_KINDS[linear.layout], linear.in_features, linear.out_features, linear.group_size,
+                       linear.qweight.data_ptr(), linear.scale.data_ptr(), mins)
     return None
 
 

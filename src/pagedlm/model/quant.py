@@ -47,13 +47,15 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_bf16_x16_native.argtypes = []
     lib.pagedlm_dequant_int8.argtypes = [p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
-    lib.pagedlm_dequant_int4_x16_bf16.argtypes = [p, p, p, p, i, i, i, i]
+    lib.pagedlm_dequant_int4_x16_bf16.argtypes = [p, p, p, p, i, i, i, i, i]
+    lib.pagedlm_dequant_int4_x16.argtypes = [p, p, p, p, i, i, i, i, i]
     lib.pagedlm_gguf_q4_to_x16.argtypes = [p, i, i, i, p, i, p, p, p, i]
+    lib.pagedlm_gguf_q4_k_to_x16.argtypes = [p, i, i, p, i, p, p, p, i]
     lib.pagedlm_gguf_q8_0_to_int8.argtypes = [p, i, i, p, p, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
                lib.pagedlm_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
-               lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16, lib.pagedlm_gguf_q4_to_x16,
-               lib.pagedlm_gguf_q8_0_to_int8):
+               lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16, lib.pagedlm_dequant_int4_x16,
+               lib.pagedlm_gguf_q4_to_x16, lib.pagedlm_gguf_q4_k_to_x16, lib.pagedlm_gguf_q8_0_to_int8):
         fn.restype = ctypes.c_int
 
 
@@ -372,8 +374,16 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    """From a float weight [out, in] (quantized here) or from `Int4Blocks` (kept as they are). The blocks are
-    stored in the kernel's x16 layout (`x16`) where it runs natively and the shape allows, else by rows."""
+    """From a float weight [out, in] (quantized here) or from GGUF int4 blocks (`RawInt4`, `Int4Blocks`: kept as
+    they are). Stored in the kernel's x16 layout (`x16`) where it runs natively and the shape allows, else by rows.
+    `layout` says how the scales are held:
+    - "rows" / "x16": an fp16 scale and minimum per group (`scale`, `mins`); in the x16 layout of GGUF Q4_0 blocks
+      no minimums (`mins` empty: -8 * scale, as the format defines it), so the kernel reads the file's bytes;
+    - "x16_k": GGUF Q4_K's own scales, x16 codes with `scale` the super-blocks' fp16 d and dmin ([N, K/256 * 2]) and
+      `mins` each block's 6-bit scale and minimum as bytes ([N, K/32 * 2], uint8): 4.6 bits a weight, and the
+      scales are d * sc and -dmin * m in fp32, as llama.cpp dequantizes them."""
+
+    LAYOUTS = {"rows": 0, "x16": 1, "x16_k": 2}  # csrc's Int4Layout
 
     def __init__(self, weight: torch.Tensor | Int4Blocks | RawInt4, group_size: int, x16: bool | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0])
@@ -381,8 +391,8 @@ class Int4Linear(QuantLinear):
         if isinstance(weight, (Int4Blocks, RawInt4)) and group_size != 32:
             raise ValueError(f"int4 blocks have groups of 32, not {group_size}")
         self.x16 = (x16_native(4) if x16 is None else x16) and self.out_features % X16 == 0
-        if isinstance(weight, RawInt4) and self.x16 and load_quant_kernel() is not None:
-            tensors = _x16_from_gguf(weight)
+        if isinstance(weight, RawInt4) and self.x16 and load_quant_kernel() is not None and _x16_native_kinds(weight):
+            tensors, self.layout = _x16_from_gguf(weight)
         else:
             if isinstance(weight, RawInt4):
                 weight = weight.blocks()
@@ -390,25 +400,37 @@ class Int4Linear(QuantLinear):
             tensors = (blocks.qweight, blocks.scale, blocks.mins)
             if self.x16:
                 tensors = to_x16(*tensors)
+            self.layout = "x16" if self.x16 else "rows"
         for name, t in zip(("qweight", "scale", "mins"), tensors):
             self.register_buffer(name, t)
 
     def row_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes [N, K/2], scales, minimums [N, K/G]) in the row layout, whatever the stored one."""
-        tensors = (self.qweight, self.scale, self.mins)
-        return from_x16(*tensors) if self.x16 else tensors
+        """(codes [N, K/2], fp16 scales, minimums [N, K/G]) in the row layout (not for "x16_k": see dequantize)."""
+        if self.layout == "x16_k":
+            raise ValueError("Q4_K's scales have no fp16 row layout")
+        mins = self.mins if self.mins.numel() else self.scale * -8.0
+        return from_x16(self.qweight, self.scale, mins) if self.x16 else (self.qweight, self.scale, mins)
 
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
         return quantize_activations_q8(x)
 
     def dequantize(self) -> torch.Tensor:
-        q, scale, mins = self.row_layout()
         lib = load_quant_kernel()
-        if lib is None or q.device.type != "cpu":
-            return dequantize_int4(q, scale, mins, self.group_size)
+        if lib is None or self.qweight.device.type != "cpu":
+            if self.layout == "x16_k":
+                return _dequantize_q4_k_x16(self.qweight, self.scale, self.mins)
+            return dequantize_int4(*self.row_layout(), self.group_size)
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        lib.pagedlm_dequant_int4(q.data_ptr(), scale.data_ptr(), mins.data_ptr(), w.data_ptr(),
-                                 self.in_features, self.out_features, self.group_size, torch.get_num_threads())
+        if self.x16:
+            rc = lib.pagedlm_dequant_int4_x16(self.qweight.data_ptr(), self.scale.data_ptr(), _ptr(self.mins),
+                                              w.data_ptr(), self.in_features, self.out_features, self.group_size,
+                                              self.LAYOUTS[self.layout], torch.get_num_threads())
+        else:
+            rc = lib.pagedlm_dequant_int4(self.qweight.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(),
+                                          w.data_ptr(), self.in_features, self.out_features, self.group_size,
+                                          torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"int4 dequantization failed (code {rc})")
         return w
 
     PER_CALL_ROWS = 1024  # output rows dequantized at a time for a per-call product: they stay in L2 for the GEMM
@@ -439,38 +461,73 @@ class Int4Linear(QuantLinear):
     def _dequant_rows(self, n0: int, rows: int, out: torch.Tensor) -> torch.Tensor:
         """Output rows n0 .. n0 + rows (multiples of 16) of the x16 weight, dequantized to bf16 into `out`."""
         q, scale, mins = (t[n0:n0 + rows] for t in (self.qweight, self.scale, self.mins))
-        rc = load_quant_kernel().pagedlm_dequant_int4_x16_bf16(q.data_ptr(), scale.data_ptr(), mins.data_ptr(),
-                                                               out.data_ptr(), self.in_features, rows,
-                                                               self.group_size, torch.get_num_threads())
+        rc = load_quant_kernel().pagedlm_dequant_int4_x16_bf16(
+            q.data_ptr(), scale.data_ptr(), _ptr(mins), out.data_ptr(), self.in_features, rows, self.group_size,
+            self.LAYOUTS[self.layout], torch.get_num_threads())
         if rc:
             raise RuntimeError(f"int4 dequantization failed (code {rc})")
         return out
 
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor) -> None:
-        rc = lib.pagedlm_linear_int4(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(),
-                                     self.mins.data_ptr(), y.data_ptr(), x.shape[0], self.in_features,
-                                     self.out_features, self.group_size, int(self.x16), torch.get_num_threads())
+        rc = lib.pagedlm_linear_int4(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), _ptr(self.mins),
+                                     y.data_ptr(), x.shape[0], self.in_features, self.out_features, self.group_size,
+                                     self.LAYOUTS[self.layout], torch.get_num_threads())
         if rc:
             raise RuntimeError(f"int4 kernel failed (code {rc})")
 
 
-def _x16_from_gguf(raw: RawInt4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The x16 layout (codes, scales, minimums) of GGUF Q4_0 / Q4_1 rows, written by the kernel in one pass."""
+def _ptr(t: torch.Tensor) -> int | None:
+    """A tensor's data pointer for the kernels, None (null) for an empty one (Q4_0's absent minimums)."""
+    return t.data_ptr() if t.numel() else None
+
+
+def _x16_native_kinds(raw: RawInt4) -> bool:
+    """Whether the kernel writes these GGUF blocks' x16 layout itself: Q4_0 / Q4_1 rows, or Q4_K rows alone."""
+    return raw.kinds <= {"Q4_0", "Q4_1"} or (raw.kinds == {"Q4_K"} and raw.cols % 256 == 0)
+
+
+def _x16_from_gguf(raw: RawInt4) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], str]:
+    """The x16 layout (codes, scales, minimums) of GGUF Q4_0 / Q4_1 / Q4_K rows, written by the kernel in one pass,
+    and its Int4Linear.layout."""
     n, k = raw.shape
     codes = torch.empty(n, k // 2, dtype=torch.uint8)
-    scales, mins = (torch.empty(n, k // 32, dtype=torch.float16) for _ in range(2))
+    q4_k = raw.kinds == {"Q4_K"}
+    if q4_k:
+        scales, mins = torch.empty(n, k // 256 * 2, dtype=torch.float16), torch.empty(n, k // 32 * 2, dtype=torch.uint8)
+    else:
+        scales = torch.empty(n, k // 32, dtype=torch.float16)
+        mins = torch.empty(0 if raw.kinds == {"Q4_0"} else n, k // 32, dtype=torch.float16)
     row0, lib = 0, load_quant_kernel()
     for data, kind, perm in raw.parts:
         data = np.ascontiguousarray(data)
         idx = None if perm is None else np.ascontiguousarray(perm, dtype=np.int64)
-        rc = lib.pagedlm_gguf_q4_to_x16(data.ctypes.data, {"Q4_0": 0, "Q4_1": 1}[kind], data.shape[0], k,
-                                        None if idx is None else idx.ctypes.data, row0, codes.data_ptr(),
-                                        scales.data_ptr(), mins.data_ptr(), torch.get_num_threads())
+        idx_ptr = None if idx is None else idx.ctypes.data
+        if q4_k:
+            rc = lib.pagedlm_gguf_q4_k_to_x16(data.ctypes.data, data.shape[0], k, idx_ptr, row0, codes.data_ptr(),
+                                              scales.data_ptr(), mins.data_ptr(), torch.get_num_threads())
+        else:
+            rc = lib.pagedlm_gguf_q4_to_x16(data.ctypes.data, {"Q4_0": 0, "Q4_1": 1}[kind], data.shape[0], k, idx_ptr,
+                                            row0, codes.data_ptr(), scales.data_ptr(), _ptr(mins),
+                                            torch.get_num_threads())
         if rc:
             raise RuntimeError(f"int4 repacking failed (code {rc})")
         row0 += data.shape[0]
     raw.converted()
-    return codes, scales, mins
+    return (codes, scales, mins), "x16_k" if q4_k else "x16"
+
+
+def _dequantize_q4_k_x16(codes: torch.Tensor, dd: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """The "x16_k" layout dequantized in torch (where the kernel is not built): code * d * sc - dmin * m."""
+    n, half = codes.shape
+    k = half * 2
+    q, _, _ = from_x16(codes, torch.zeros(n, 1), torch.zeros(n, 1))
+    chunks = q.reshape(n, k // 32, 1, 16)
+    values = torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(n, k // 32, 32).float()
+    d = dd.view(n // X16, k // 256, 2, X16).float().permute(0, 3, 1, 2).reshape(n, k // 256, 2)
+    b = sm.view(n // X16, k // 32, 2, X16).float().permute(0, 3, 1, 2).reshape(n, k // 32, 2)
+    d = d.repeat_interleave(8, dim=1)
+    scale, mins = d[..., 0] * b[..., 0], -(d[..., 1] * b[..., 1])
+    return (values * scale[..., None] + mins[..., None]).reshape(n, k)
 
 
 def _int8_rows(w: torch.Tensor | LazyRows, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@
 namespace {
 
 enum LinearKind {
-  LIN_F32T = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_PACKED = 3, LIN_INT4_X16 = 4, LIN_INT8_X16 = 5, LIN_BF16_X16 = 6
+  LIN_F32T = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_PACKED = 3, LIN_INT4_X16 = 4, LIN_INT8_X16 = 5, LIN_BF16_X16 = 6,
+  LIN_INT4_X16_K = 7
 };
 
 // A linear layer y = x @ W^T: fp32 stored transposed ([K, N], as layers.Linear keeps it on CPUs), or the
@@ -108,8 +109,9 @@ int linear(const Linear& l, const float* x, float* y, int M, int nthreads) {
       return pagedlm_linear_bf16_x16(x, static_cast<const uint32_t*>(l.w), y, M, l.K, l.N, nthreads);
     case LIN_INT4:
     case LIN_INT4_X16:
-      return pagedlm_linear_int4(x, static_cast<const uint8_t*>(l.w), static_cast<const uint16_t*>(l.scale),
-                                 static_cast<const uint16_t*>(l.mins), y, M, l.K, l.N, l.G, l.kind == LIN_INT4_X16,
+    case LIN_INT4_X16_K:
+      return pagedlm_linear_int4(x, static_cast<const uint8_t*>(l.w), l.scale, l.mins, y, M, l.K, l.N, l.G,
+                                 l.kind == LIN_INT4 ? INT4_ROW_LAYOUT : l.kind == LIN_INT4_X16 ? INT4_X16 : INT4_X16_K,
                                  nthreads);
     default: return 2;
   }

@@ -415,6 +415,80 @@ inline void for_row_groups(int M, F rows) {
   }
 }
 
+// The scales of an int4 x16 tile's blocks: weight = code * scale + minimum per group of G inputs (G = 32 for the
+// GGUF formats). Each kind gives the same fp32 scale and minimum in scalar code (scale, min) and for 8 or 16 outputs
+// at once (load8, load16), so every build computes the same products.
+// F16Scales: an fp16 scale and minimum per group ([N/16, K/G, 16] each; Q4_1 and quantize_int4's), or no minimums
+// (m null: GGUF Q4_0, whose minimum is -8 * scale, exact in fp32).
+struct F16Scales {
+  const uint16_t *s, *m;
+  int ngroups, bpg;  // groups per row, blocks per group
+
+  F16Scales tile(int t) const {
+    const int64_t at = int64_t(t) * ngroups * X16;
+    return {s + at, m ? m + at : nullptr, ngroups, bpg};
+  }
+  float scale(int g, int j) const { return half_to_float(s[g * X16 + j]); }
+  float min(int g, int j) const { return m ? half_to_float(m[g * X16 + j]) : scale(g, j) * -8.f; }
+#ifdef PAGEDLM_AVX2
+  void load8(int g, int h, __m256& sc, __m256& mn) const {
+    sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + int64_t(g) * X16 + 8 * h)));
+    mn = m ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + int64_t(g) * X16 + 8 * h)))
+           : _mm256_mul_ps(sc, _mm256_set1_ps(-8.f));
+  }
+#endif
+#ifdef PAGEDLM_AVX512_VNNI
+  void load16(int g, __m512& sc, __m512& mn) const {
+    sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + int64_t(g) * X16)));
+    mn = m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + int64_t(g) * X16)))
+           : _mm512_mul_ps(sc, _mm512_set1_ps(-8.f));
+  }
+#endif
+};
+
+// KScales (GGUF Q4_K): per super-block of 256 inputs an fp16 d and dmin (dd: [N/16, K/256, 2, 16], d then dmin),
+// per 32-value block b a 6-bit scale and minimum held as bytes (sm: [N/16, K/32, 2, 16]): scale = d * sc and
+// minimum = -(dmin * m), each one fp32 product, as llama.cpp dequantizes them.
+struct KScales {
+  const uint16_t* dd;
+  const uint8_t* sm;
+  int nblk;
+  static constexpr int bpg = 1;
+
+  KScales tile(int t) const { return {dd + int64_t(t) * (nblk / 8) * 2 * X16, sm + int64_t(t) * nblk * 2 * X16, nblk}; }
+  float scale(int b, int j) const { return half_to_float(dd[(b / 8) * 2 * X16 + j]) * float(sm[b * 2 * X16 + j]); }
+  float min(int b, int j) const {
+    return -(half_to_float(dd[(b / 8) * 2 * X16 + X16 + j]) * float(sm[b * 2 * X16 + X16 + j]));
+  }
+#ifdef PAGEDLM_AVX2
+  void load8(int b, int h, __m256& sc, __m256& mn) const {
+    const uint16_t* d = dd + int64_t(b / 8) * 2 * X16 + 8 * h;
+    const uint8_t* q = sm + int64_t(b) * 2 * X16 + 8 * h;
+    auto bytes = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))), bytes(q));
+    mn = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + X16))),
+                                     bytes(q + X16)),
+                       _mm256_set1_ps(-0.f));
+  }
+#endif
+#ifdef PAGEDLM_AVX512_VNNI
+  void load16(int b, __m512& sc, __m512& mn) const {
+    const uint16_t* d = dd + int64_t(b / 8) * 2 * X16;
+    const uint8_t* q = sm + int64_t(b) * 2 * X16;
+    auto bytes = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    sc = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d))), bytes(q));
+    mn = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + X16))), bytes(q + X16))),
+        _mm512_set1_epi32(int(0x80000000u))));
+  }
+#endif
+};
+
 #ifdef PAGEDLM_AVX512_VNNI
 // acc += (u8 codes w) . (four s8 activations at p, broadcast to every lane), with the broadcast embedded in the
 // instruction's memory operand (compilers emit a separate vpbroadcastd for the intrinsic, 1.x slower here).
@@ -443,10 +517,10 @@ inline __m512i dot_block32(const __m512i* w, const int8_t* xb) {
 
 // Rows m0 .. m0+R of x (m0 a multiple of 8; activations packed, see ActLayout) against tile t (16 outputs):
 // y[m, 16t .. 16t+15].
-template <int R>
-void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const uint16_t* st,
-                  const uint16_t* mt, float* y, int K, int N, int G, int n0, int m0, bool prefetch) {
-  const int nblk = K / 32, bpg = G / 32, ngroups = K / G;
+template <int R, class S>
+void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const S& sc, float* y,
+                  int K, int N, int n0, int m0, bool prefetch) {
+  const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
   const int8_t* xg = xq + int64_t(m0) * K;  // this row group's blocks: [nblk, 8, 32]
   const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
   const __m512i lo = _mm512_set1_epi8(0x0f);
@@ -465,10 +539,7 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
       w[c] = _mm512_and_si512(v, lo);
       w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
     }
-    if (in_group == 0) {
-      s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + int64_t(g) * X16)));
-      mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + int64_t(g) * X16)));
-    }
+    if (in_group == 0) sc.load16(g, s, mn);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256;
     const float* db = dg + int64_t(b) * 8;
@@ -489,28 +560,76 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// The AVX2 form of int4x16_rows: rows m0 + i0 .. m0 + i0 + R of x (R <= 4) against half h of tile t (outputs
-// 16t + 8h .. 16t + 8h + 7, one per 32-bit lane). vpmaddubsw sums pairs of code x activation products into 16-bit
-// lanes, which hold a whole 32-value block's partial sums exactly (codes 0..15, |activations| <= 127: at most 8 x
-// 2 x 15 x 127 = 30,480), then vpmaddwd sums them into the block's integer dot products: the same integers as
-// vpdpbusd, in the same fp32 operations, so the results are bit-identical to the AVX-512 build.
-template <int R>
-void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const uint16_t* st,
-                       const uint16_t* mt, float* y, int K, int N, int G, int n0, int m0, int i0, int h) {
-  const int nblk = K / 32, bpg = G / 32, ngroups = K / G;
+// The AVX2 form of int4x16_rows. vpmaddubsw sums pairs of code x activation products into 16-bit lanes, which hold
+// a whole 32-value block's partial sums exactly (codes 0..15, |activations| <= 127: at most 8 x 2 x 15 x 127 =
+// 30,480), then vpmaddwd sums them into the block's integer dot products: the same integers as vpdpbusd, in the
+// same fp32 operations, so the results are bit-identical to the AVX-512 build.
+// Rows m0 .. m0+R (R <= 2) against all 16 outputs of the tile in one pass over its blocks, both halves of each
+// 64-byte chunk as they arrive: one sequential stream per tile (1.5x the rate of two half passes at one row).
+template <int R, class S>
+void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const S& sc, float* y,
+                       int K, int N, int n0, int m0) {
+  const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
   const int8_t* xg = xq + int64_t(m0) * K;
   const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
   const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  __m256 f[R];
-  for (int i = 0; i < R; ++i) f[i] = _mm256_setzero_ps();
-  __m256 s = _mm256_setzero_ps(), mn = s;
+  __m256 f[R][2];
+  for (int i = 0; i < R; ++i) f[i][0] = f[i][1] = _mm256_setzero_ps();
+  __m256 s[2], mn[2];
   for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
-    const uint8_t* wb = qt + int64_t(b) * X16_BLOCK + 32 * h;
-    if (i0 == 0) _mm_prefetch(reinterpret_cast<const char*>(wb) + PF_BYTES, _MM_HINT_T0);
-    if (in_group == 0) {
-      s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(st + int64_t(g) * X16 + 8 * h)));
-      mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt + int64_t(g) * X16 + 8 * h)));
+    const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
+    _mm_prefetch(reinterpret_cast<const char*>(wb) + PF_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb) + PF_BYTES + 128, _MM_HINT_T0);
+    if (in_group == 0) sc.load8(g, 0, s[0], mn[0]), sc.load8(g, 1, s[1], mn[1]);
+    const bool group_end = ++in_group == bpg;
+    const int8_t* xb = xg + int64_t(b) * 256;
+    __m256i acc[R][2];
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i xl[R], xh[R];
+      for (int i = 0; i < R; ++i) xl[i] = bcast4(xb + 32 * i + 4 * c), xh[i] = bcast4(xb + 32 * i + 16 + 4 * c);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
+        const __m256i wl = _mm256_and_si256(v, lo), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+        for (int i = 0; i < R; ++i) {
+          acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(wl, xl[i]));
+          acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(wh, xh[i]));
+        }
+      }
     }
+    const float* db = dg + int64_t(b) * 8;
+    for (int i = 0; i < R; ++i) {
+      const __m256 dv = _mm256_set1_ps(db[i]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 cs = _mm256_mul_ps(s[h], dv);
+        f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][h], ones)), cs, f[i][h]);
+        if (group_end) f[i][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(gg[int64_t(g) * 8 + i]), f[i][h]);
+      }
+    }
+    if (group_end) in_group = 0, ++g;
+  }
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + int64_t(m0 + i) * N + n0 + 8 * h, f[i][h]);
+}
+
+// Rows m0 + i0 .. m0 + i0 + R of x (R <= 4) against half h of the tile (outputs n0 + 8h .. n0 + 8h + 7, one per
+// 32-bit lane), over blocks b0 .. b1: the outputs' partial sums continue from y (b0 > 0) and are stored back.
+template <int R, class S>
+void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const S& sc, float* y,
+                       int K, int N, int n0, int m0, int i0, int h, int b0, int b1) {
+  const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
+  const int8_t* xg = xq + int64_t(m0) * K;
+  const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
+  const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  float* yh = y + int64_t(m0 + i0) * N + n0 + 8 * h;
+  __m256 f[R];
+  for (int i = 0; i < R; ++i) f[i] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yh + int64_t(i) * N);
+  __m256 s = _mm256_setzero_ps(), mn = s;
+  int g = b0 / bpg, in_group = b0 % bpg;
+  if (in_group != 0) sc.load8(g, h, s, mn);  // a chunk that starts inside a group
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* wb = qt + int64_t(b) * X16_BLOCK + 32 * h;
+    if (in_group == 0) sc.load8(g, h, s, mn);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
     __m256i acc[R];
@@ -531,39 +650,50 @@ void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, cons
     }
     if (group_end) in_group = 0, ++g;
   }
-  for (int i = 0; i < R; ++i) _mm256_storeu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * h, f[i]);
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(yh + int64_t(i) * N, f[i]);
 }
 
-// Rows m0 .. m0+R of x (R <= 8, one packed group) against tile n0 / 16: two halves of 8 outputs, rows 4 at a time.
-template <int R>
-void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const uint16_t* st,
-                  const uint16_t* mt, float* y, int K, int N, int G, int n0, int m0) {
-  for (int h = 0; h < 2; ++h) {
-    if constexpr (R > 4) {
-      int4x16_half_rows<4>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, 0, h);
-      int4x16_half_rows<R - 4>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, 4, h);
-    } else {
-      int4x16_half_rows<R>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, 0, h);
+constexpr int X16_CHUNK = 16;  // blocks (4 KB of codes) per pass of the half kernels: read once from memory
+
+// Rows m0 .. m0+R of x (R <= 8, one packed group) against tile n0 / 16. Up to two rows in one pass; more as two
+// halves of 8 outputs, rows 4 at a time, over chunks of X16_CHUNK blocks that stay in L1 between the passes.
+template <int R, class S>
+void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const S& sc, float* y,
+                  int K, int N, int n0, int m0) {
+  if constexpr (R <= 2) {
+    int4x16_full_rows<R>(xq, d, gsum, qt, sc, y, K, N, n0, m0);
+  } else {
+    const int nblk = K / 32;
+    for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
+      const int b1 = std::min(nblk, b0 + X16_CHUNK);
+      _mm_prefetch(reinterpret_cast<const char*>(qt + int64_t(b1) * X16_BLOCK), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (R > 4) {
+          int4x16_half_rows<4>(xq, d, gsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
+          int4x16_half_rows<R - 4>(xq, d, gsum, qt, sc, y, K, N, n0, m0, 4, h, b0, b1);
+        } else {
+          int4x16_half_rows<R>(xq, d, gsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
+        }
+      }
     }
   }
 }
 #endif
 
-// The x16 product for tile n0 / 16, every row of x. Builds with neither AVX-512 VNNI nor AVX2: the same arithmetic
+// The x16 product for tile t, every row of x. Builds with neither AVX-512 VNNI nor AVX2: the same arithmetic
 // in scalar code (std::fma rounds as vfmadd does), so every build gives the same results for this layout.
-void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const uint16_t* sc,
-                  const uint16_t* mn, float* y, int M, int K, int N, int G, int n0) {
-  const int nblk = K / 32, ngroups = K / G, bpg = G / 32, t = n0 / X16;
+template <class S>
+void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const S& scales, float* y,
+                  int M, int K, int N, int t) {
+  const int nblk = K / 32, bpg = scales.bpg, ngroups = nblk / bpg, n0 = t * X16;
   const uint8_t* qt = q + int64_t(t) * nblk * X16_BLOCK;
-  const uint16_t *st = sc + int64_t(t) * ngroups * X16, *mt = mn + int64_t(t) * ngroups * X16;
+  const S sc = scales.tile(t);
 #ifdef PAGEDLM_AVX512_VNNI
   for_row_groups(M, [&](auto r, int m0) {
-    int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0, m0 == 0);
+    int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, sc, y, K, N, n0, m0, m0 == 0);
   });
 #elif defined(PAGEDLM_AVX2)
-  for_row_groups(M, [&](auto r, int m0) {
-    int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, st, mt, y, K, N, G, n0, m0);
-  });
+  for_row_groups(M, [&](auto r, int m0) { int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, sc, y, K, N, n0, m0); });
 #else
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < X16; ++j) {
@@ -578,9 +708,9 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uin
             dot += int(v & 0x0f) * xb[4 * c + i] + int(v >> 4) * xb[16 + 4 * c + i];
           }
         const int g = b / bpg;
-        const float cs = half_to_float(st[g * X16 + j]) * d[kPack8.blk(m, b, nblk)];
+        const float cs = sc.scale(g, j) * d[kPack8.blk(m, b, nblk)];
         f = std::fma(float(dot), cs, f);
-        if ((b + 1) % bpg == 0) f = std::fma(half_to_float(mt[g * X16 + j]), gsum[kPack8.blk(m, g, ngroups)], f);
+        if ((b + 1) % bpg == 0) f = std::fma(sc.min(g, j), gsum[kPack8.blk(m, g, ngroups)], f);
       }
       y[int64_t(m) * N + n0 + j] = f;
     }
@@ -966,37 +1096,43 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite value
   return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// Tile t (rows 16t .. 16t+15) of an int4 x16 weight dequantized to bf16 rows of w [N, K]: the same fp32 value per
-// weight as dequant_int4_rows, rounded to bf16.
-void dequant_int4x16_tile_bf16(const uint8_t* q, const uint16_t* sc, const uint16_t* mn, int K, int G, int t,
-                               uint16_t* w) {
-  const int nblocks = K / 32, ngroups = K / G;
+// Tile t (rows 16t .. 16t+15) of an int4 x16 weight dequantized to rows of w [N, K], fp32 (Out = float) or bf16
+// (Out = uint16_t): code * scale + minimum in fp32 (the scales' kind S gives both), bf16 rounded to nearest even.
+template <class S, class Out>
+void dequant_int4x16_tile(const uint8_t* q, const S& scales, int K, int t, Out* w) {
+  const int nblocks = K / 32;
   const uint8_t* qt = q + int64_t(t) * 16 * (K / 2);
+  const S sc = scales.tile(t);
   for (int b = 0; b < nblocks; ++b) {
     const uint8_t* qb = qt + int64_t(b) * 256;
-    const int g = b * 32 / G;
+    const int g = b / sc.bpg;
     for (int j = 0; j < 16; ++j) {
-      const int64_t sidx = (int64_t(t) * ngroups + g) * 16 + j;
-      const float s = half_to_float(sc[sidx]), m = half_to_float(mn[sidx]);
-      uint16_t* wj = w + (int64_t(t) * 16 + j) * K + b * 32;
+      const float s = sc.scale(g, j), m = sc.min(g, j);
+      Out* wj = w + (int64_t(t) * 16 + j) * K + b * 32;
 #ifdef PAGEDLM_AVX512_BF16
-      // The row's 16 bytes in their natural order (byte 4c + i from chunk c), nibbles widened to fp32, the same
-      // mul and add as below (no fma), rounded to nearest even by vcvtneps2bf16.
-      auto word = [&](int c) { int32_t v; std::memcpy(&v, qb + c * 64 + j * 4, 4); return v; };
-      const __m128i bytes = _mm_set_epi32(word(3), word(2), word(1), word(0)), low = _mm_set1_epi8(0x0f);
-      const __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
-      const __m128i halves[2] = {_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)};
-      for (int h = 0; h < 2; ++h) {
-        const __m512 f = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h])), vs), vm);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wj + 16 * h), (__m256i)_mm512_cvtneps_pbh(f));
+      if constexpr (std::is_same_v<Out, uint16_t>) {
+        // The row's 16 bytes in their natural order (byte 4c + i from chunk c), nibbles widened to fp32, the same
+        // mul and add as below (no fma), rounded to nearest even by vcvtneps2bf16.
+        auto word = [&](int c) { int32_t v; std::memcpy(&v, qb + c * 64 + j * 4, 4); return v; };
+        const __m128i bytes = _mm_set_epi32(word(3), word(2), word(1), word(0)), low = _mm_set1_epi8(0x0f);
+        const __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+        const __m128i halves[2] = {_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)};
+        for (int h = 0; h < 2; ++h) {
+          const __m512 f = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h])), vs), vm);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wj + 16 * h), (__m256i)_mm512_cvtneps_pbh(f));
+        }
+        continue;
       }
-      continue;
 #endif
+      auto out = [](float v) {
+        if constexpr (std::is_same_v<Out, uint16_t>) return float_to_bf16(v);
+        else return v;
+      };
       for (int c = 0; c < 4; ++c) {
         for (int i = 0; i < 4; ++i) {
           const uint8_t v = qb[c * 64 + j * 4 + i];
-          wj[4 * c + i] = float_to_bf16(float(v & 0x0f) * s + m);
-          wj[16 + 4 * c + i] = float_to_bf16(float(v >> 4) * s + m);
+          wj[4 * c + i] = out(float(v & 0x0f) * s + m);
+          wj[16 + 4 * c + i] = out(float(v >> 4) * s + m);
         }
       }
     }
@@ -1043,6 +1179,45 @@ constexpr int BUFFERED_MIN_ROWS = 3;
 
 }  // namespace
 
+// Layouts of int4 weights (the `layout` argument of the entry points below).
+enum Int4Layout { INT4_ROW_LAYOUT = 0, INT4_X16 = 1, INT4_X16_K = 2 };
+
+// Whether an int4 weight of this layout and shape can run: x16 needs N % 16 == 0; INT4_X16 takes fp16 scales and
+// minimums per group of G (mins may be null: -8 * scale, GGUF Q4_0), INT4_X16_K Q4_K's scales (KScales: scales
+// and mins point at its dd and sm arrays, G = 32, K % 256 == 0); INT4_ROW_LAYOUT needs mins.
+inline bool int4_layout_ok(int layout, int K, int N, int G, const void* mins) {
+  if (G % 32 != 0 || K % G != 0) return false;
+  switch (layout) {
+    case INT4_ROW_LAYOUT: return mins != nullptr;
+    case INT4_X16: return N % X16 == 0;
+    case INT4_X16_K: return N % X16 == 0 && G == 32 && K % 256 == 0 && mins != nullptr;
+    default: return false;
+  }
+}
+
+// Calls f(scales) with the scales of an x16 layout (F16Scales or KScales).
+template <class F>
+inline void with_x16_scales(int layout, const void* scales, const void* mins, int K, int G, F&& f) {
+  if (layout == INT4_X16_K)
+    f(KScales{static_cast<const uint16_t*>(scales), static_cast<const uint8_t*>(mins), K / 32});
+  else
+    f(F16Scales{static_cast<const uint16_t*>(scales), static_cast<const uint16_t*>(mins), K / G, G / 32});
+}
+
+// W [N, K] from an int4 x16 layout (an Int4Layout other than INT4_ROW_LAYOUT), in bf16 (large-M products dequantize
+// into a scratch buffer per call and run a bf16 GEMM where no dense copy is kept) or fp32 (dense copies, references).
+template <class Out>
+int dequant_int4_x16(const uint8_t* q, const void* scales, const void* mins, Out* w, int K, int N, int G, int layout,
+                     int nthreads) {
+  if (layout == INT4_ROW_LAYOUT || !int4_layout_ok(layout, K, N, G, mins)) return 1;
+  with_x16_scales(layout, scales, mins, K, G, [&](const auto& sc) {
+    parallel_for(N / 16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+      for (int t = int(t0); t < t1; ++t) dequant_int4x16_tile(q, sc, K, t, w);
+    });
+  });
+  return 0;
+}
+
 extern "C" {
 
 // packed: q is in the packed layout (needs N % 4 == 0 and K % 16 == 0; returns 1 otherwise).
@@ -1068,40 +1243,43 @@ int pagedlm_linear_int8(const float* x, const int8_t* q, const float* s, float* 
   return 0;
 }
 
-// layout: 0 the row layout, 1 x16 (needs N % 16 == 0; returns 1 otherwise).
-int pagedlm_linear_int4(const float* x, const uint8_t* q, const uint16_t* scales, const uint16_t* mins, float* y,
-                        int M, int K, int N, int G, int layout, int nthreads) {
-  if (G % 32 != 0 || K % G != 0 || (layout == 1 && N % X16 != 0) || layout < 0 || layout > 1) return 1;
+// layout: an Int4Layout; returns 1 where int4_layout_ok says no.
+int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, const void* mins, float* y, int M,
+                        int K, int N, int G, int layout, int nthreads) {
+  if (!int4_layout_ok(layout, K, N, G, mins)) return 1;
   thread_local std::vector<int8_t> xq;  // kept between calls (grow-only): no page faults per call
   thread_local std::vector<float> d, gsum;
-  const ActLayout lay{layout == 1};
+  const ActLayout lay{layout != INT4_ROW_LAYOUT};
   const int64_t Mr = rows_allocated(M, lay.pack8);
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / G));
   // Pointers taken here: inside the loops' bodies the names would be each thread's own (empty) vectors.
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
   quantize_act(x, M, K, G, xqp, dp, gp, nthreads, nullptr, lay);
-  if (layout == 1) {
+  if (layout != INT4_ROW_LAYOUT) {
     // Big products in blocks of X16_MBLOCK rows, so a block's activations stay in cache while every tile (the
     // same tiles on the same thread each time) passes over them.
     const int nblk = K / 32, ngroups = K / G;
-    for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
-      const int rows = std::min(X16_MBLOCK, M - m0);
-      parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
-        for (int t = int(t0); t < t1; ++t)
-          int4x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, gp + int64_t(m0) * ngroups,
-                       q, scales, mins, y + int64_t(m0) * N, rows, K, N, G, t * X16);
-      });
-    }
+    with_x16_scales(layout, scales, mins, K, G, [&](const auto& sc) {
+      for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
+        const int rows = std::min(X16_MBLOCK, M - m0);
+        parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+          for (int t = int(t0); t < t1; ++t)
+            int4x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, gp + int64_t(m0) * ngroups, q, sc,
+                         y + int64_t(m0) * N, rows, K, N, t);
+        });
+      }
+    });
     return 0;
   }
+  const uint16_t *sc16 = static_cast<const uint16_t*>(scales), *mn16 = static_cast<const uint16_t*>(mins);
   const int tiles = (N + NT - 1) / NT;
   parallel_for(tiles, nthreads, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scratch;
     scratch.resize(int4_scratch_floats(K, G));
     for (int t = int(t0); t < t1; ++t) {
       const int n0 = t * NT, nt = n0 + NT <= N ? NT : N - n0;
-      int4_tile(xqp, dp, gp, q, scales, mins, y, M, K, N, G, n0, nt, scratch.data());
+      int4_tile(xqp, dp, gp, q, sc16, mn16, y, M, K, N, G, n0, nt, scratch.data());
     }
   });
   return 0;
@@ -1204,21 +1382,21 @@ int pagedlm_dequant_int4(const uint8_t* q, const uint16_t* scales, const uint16_
   return 0;
 }
 
-// W [N, K] in bf16 from the int4 x16 layout (N % 16 == 0): large-M products dequantize into a scratch buffer per
-// call and run a bf16 GEMM where no dense copy is kept.
-int pagedlm_dequant_int4_x16_bf16(const uint8_t* q, const uint16_t* scales, const uint16_t* mins, uint16_t* w, int K,
-                                  int N, int G, int nthreads) {
-  if (G % 32 != 0 || K % G != 0 || N % 16 != 0) return 1;
-  parallel_for(N / 16, nthreads, 1, [&](int64_t t0, int64_t t1) {
-    for (int t = int(t0); t < t1; ++t) dequant_int4x16_tile_bf16(q, scales, mins, K, G, t, w);
-  });
-  return 0;
+int pagedlm_dequant_int4_x16_bf16(const uint8_t* q, const void* scales, const void* mins, uint16_t* w, int K, int N,
+                                  int G, int layout, int nthreads) {
+  return dequant_int4_x16(q, scales, mins, w, K, N, G, layout, nthreads);
+}
+
+int pagedlm_dequant_int4_x16(const uint8_t* q, const void* scales, const void* mins, float* w, int K, int N, int G,
+                             int layout, int nthreads) {
+  return dequant_int4_x16(q, scales, mins, w, K, N, G, layout, nthreads);
 }
 
 // GGUF Q4_0 (kind 0: fp16 d, 16 code bytes) / Q4_1 (kind 1: fp16 d, fp16 m, 16 code bytes) rows written straight
 // into the int4 x16 layout (see the top of this file) as rows row0 .. row0 + rows of a weight of K inputs: source
 // row perm[r] (perm may be null) becomes row row0 + r. The same codes, scales and minimums as Int4Blocks.from_gguf
-// then quant.to_x16 (Q4_0's minimum -8 * d, rounded to fp16 as torch does), in one pass.
+// then quant.to_x16 (Q4_0's minimum -8 * d, rounded to fp16 as torch does, or none where mins is null), in one
+// pass.
 int pagedlm_gguf_q4_to_x16(const uint8_t* raw, int kind, int rows, int K, const int64_t* perm, int row0,
                            uint8_t* codes, uint16_t* scales, uint16_t* mins, int nthreads) {
   if (K % 32 || (kind != 0 && kind != 1)) return 1;
@@ -1235,9 +1413,46 @@ int pagedlm_gguf_q4_to_x16(const uint8_t* raw, int kind, int rows, int K, const 
         else m = float_to_half(half_to_float(d) * -8.0f);
         const int64_t at = (t * nblocks + b) * 16 + j;
         scales[at] = d;
-        mins[at] = m;
+        if (mins != nullptr) mins[at] = m;
         uint8_t* out = codes + (t * nblocks + b) * 256 + j * 4;
         for (int c = 0; c < 4; ++c) std::memcpy(out + c * 64, blk + head + 4 * c, 4);
+      }
+    }
+  });
+  return 0;
+}
+
+// GGUF Q4_K rows (super-blocks of 256 values, 144 bytes: fp16 d and dmin, 12 bytes of 6-bit scales and minimums
+// for its 8 blocks, 4 runs of 32 code bytes, run i holding block 2i in its low nibbles and 2i + 1 in its high ones)
+// written into the x16 layout with KScales (INT4_X16_K): codes as int4 x16, dd [N/16, K/256, 2, 16] (d, dmin as
+// stored), sm [N/16, K/32, 2, 16] (the 6-bit scale and minimum as bytes). Rows as pagedlm_gguf_q4_to_x16's.
+int pagedlm_gguf_q4_k_to_x16(const uint8_t* raw, int rows, int K, const int64_t* perm, int row0, uint8_t* codes,
+                             uint16_t* dd, uint8_t* sm, int nthreads) {
+  if (K % 256) return 1;
+  const int nsuper = K / 256, nblocks = K / 32;
+  parallel_for(rows, nthreads, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* src = raw + (perm ? perm[r] : r) * int64_t(nsuper) * 144;
+      const int64_t dst = row0 + r, t = dst / 16, j = dst % 16;
+      for (int u = 0; u < nsuper; ++u) {
+        const uint8_t* sb = src + int64_t(u) * 144;
+        const uint8_t* q = sb + 4;  // the 12 bytes of scales and minimums
+        std::memcpy(dd + ((t * nsuper + u) * 2 + 0) * 16 + j, sb, 2);
+        std::memcpy(dd + ((t * nsuper + u) * 2 + 1) * 16 + j, sb + 2, 2);
+        for (int k = 0; k < 8; ++k) {
+          const uint8_t sc = k < 4 ? q[k] & 63 : (q[k + 4] & 0x0f) | ((q[k - 4] >> 6) << 4);
+          const uint8_t mn = k < 4 ? q[k + 4] & 63 : (q[k + 4] >> 4) | ((q[k] >> 6) << 4);
+          const int b = u * 8 + k;
+          sm[((t * nblocks + b) * 2 + 0) * 16 + j] = sc;
+          sm[((t * nblocks + b) * 2 + 1) * 16 + j] = mn;
+          const uint8_t* run = sb + 16 + 32 * (k / 2);
+          const int shift = 4 * (k % 2);
+          uint8_t bytes[16];  // value i in the low nibble of byte i, value 16 + i in the high one
+          for (int i = 0; i < 16; ++i)
+            bytes[i] = uint8_t(((run[i] >> shift) & 0x0f) | (((run[16 + i] >> shift) & 0x0f) << 4));
+          uint8_t* out = codes + (t * nblocks + b) * 256 + j * 4;
+          for (int c = 0; c < 4; ++c) std::memcpy(out + c * 64, bytes + 4 * c, 4);
+        }
       }
     }
   });

@@ -1,0 +1,130 @@
+"""GGUF block formats run natively: each layout the kernels read straight from the file's blocks dequantizes to
+exactly gguf-py's values, its product is Q8(x) @ W^T with a row's result independent of the rows run with it, and
+every ISA build this CPU runs (AVX-512 on emulated intrinsics included) gives the same bits."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from pagedlm import cbuild
+from pagedlm.hub.blocks import RawInt4
+from pagedlm.model import quant
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid GGUF blocks of `kind` for a [rows, cols] weight: every code and 6-bit scale drawn at random (gguf-py
+    cannot quantize the K-quants), the fp16 factors small and positive."""
+    rng = np.random.default_rng(seed)
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, Q[kind])
+    block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if kind == "Q4_K":  # d, dmin (fp16) lead the super-block
+        raw[..., 0:4] = (rng.random((rows, cols // block, 2)) * 0.004 + 1e-4).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, kind: str, rows: int, cols: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols).astype(np.float32))
+
+
+def _kernel_or_skip():
+    lib = quant.load_quant_kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the quantized kernels are not built")
+    return lib
+
+
+class _Counting:
+    def __init__(self, lib):
+        self.lib, self.calls = lib, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+        return (lambda *a: self.calls.append(name) or fn(*a)) if name.startswith("pagedlm_") else fn
+
+
+@pytest.mark.parametrize("kind, layout, bytes_per_32", [("Q4_0", "x16", 18), ("Q4_1", "x16", 20),
+                                                        ("Q4_K", "x16_k", 18.5)])
+def test_int4_blocks_run_in_their_own_layout(monkeypatch, kind, layout, bytes_per_32):
+    """Q4_0 keeps no minimums (-8 x scale, the format's own: the file's 18 bytes per 32 weights) and Q4_K its
+    super-block d / dmin and 6-bit scales (18.5 bytes, not 20 with fp16 scales per block): written by the kernel in
+    one pass (q/k/v fused, a row permutation), dequantized exactly as gguf-py does, multiplied as Q8(x) @ W^T by the
+    kernel, a row's result the same alone or in any batch."""
+    lib = _kernel_or_skip()
+    rows, cols = (64, 32, 48), 512
+    raws = [random_blocks(kind, r, cols, seed) for seed, r in enumerate(rows)]
+    perm = np.random.default_rng(9).permutation(rows[0])
+    fused = RawInt4.cat([RawInt4.from_gguf(raws[0], kind, cols).rows(perm),
+                         *(RawInt4.from_gguf(r, kind, cols) for r in raws[1:])])
+    want = torch.cat([reference(raws[0], kind, rows[0], cols)[torch.from_numpy(perm)],
+                      *(reference(r, kind, n, cols) for r, n in zip(raws[1:], rows[1:]))])
+    counting = _Counting(lib)
+    monkeypatch.setattr(quant, "load_quant_kernel", lambda: counting)
+    layer = quant.Int4Linear(fused, 32, x16=True)
+    assert layer.layout == layout
+    held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scale, layer.mins))
+    assert held == sum(rows) * cols // 32 * bytes_per_32
+    assert torch.equal(layer.dequantize(), want)
+    layer.kernel_max_rows = 64
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(19, cols, generator=g)
+    full = layer(x)
+    for size in (1, 2, 3, 5, 8, 9, 13):
+        assert torch.equal(layer(x[4:4 + size]), full[4:4 + size]), size
+    assert "pagedlm_linear_int4" in counting.calls
+    ref = F.linear(quant.quantize_activations_q8(x).double(), want.double())
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    # the same weight through the fp16 layout (Q4_0: with minimums; Q4_K: scales rounded to fp16)
+    if kind == "Q4_0":
+        assert torch.equal(quant.Int4Linear(fused.blocks(), 32, x16=True)(x), full)
+    bf16 = torch.empty(sum(rows), cols, dtype=torch.bfloat16)
+    assert layer._dequant_rows(0, sum(rows), bf16) is bf16 and torch.equal(bf16, want.to(torch.bfloat16))
+
+
+def test_mixed_int4_kinds_fall_back_to_fp16_scales():
+    """A fused weight mixing Q4_K with Q4_0 rows has no single native layout: its blocks take the fp16 one."""
+    _kernel_or_skip()
+    raw = RawInt4.cat([RawInt4.from_gguf(random_blocks("Q4_K", 32, 256, 0), "Q4_K", 256),
+                       RawInt4.from_gguf(random_blocks("Q4_0", 16, 256, 1), "Q4_0", 256)])
+    layer = quant.Int4Linear(raw, 32, x16=True)
+    assert layer.layout == "x16" and layer.mins.numel() == 48 * 8
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64", cbuild.EMULATED_AVX512])
+def test_native_layouts_bit_identical_in_every_build(monkeypatch, march):
+    """Each GGUF layout gives the native build's bits in the AVX2, portable and (emulated) AVX-512 builds: the
+    products at 1-19 rows and the bf16 / fp32 dequantizations."""
+    import platform
+
+    from pagedlm.cpu import cpu_features
+
+    _kernel_or_skip()
+    if platform.machine() != "x86_64" or (march != "x86-64" and not {"avx2", "fma", "f16c"} <= cpu_features().flags):
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    if march == cbuild.EMULATED_AVX512 and not cbuild.emulation_available():
+        pytest.skip("no SIMDe headers (libsimde-dev) for the emulated AVX-512 build")
+    variant = quant.kernel_variant(march).load()
+    assert variant is not None
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(19, 512, generator=g)
+    for kind in ("Q4_0", "Q4_1", "Q4_K"):
+        layer = quant.Int4Linear(RawInt4.from_gguf(random_blocks(kind, 48, 512, 4), kind, 512), 32, x16=True)
+        layer.kernel_max_rows = 64
+        native = [layer(x[:m]) for m in (1, 2, 3, 19)]
+        bf16 = torch.empty(48, 512, dtype=torch.bfloat16)
+        native_bf16 = layer._dequant_rows(0, 48, bf16).clone()
+        native_w = layer.dequantize()
+        counting = _Counting(variant)
+        monkeypatch.setattr(quant, "load_quant_kernel", lambda: counting)
+        for m, want in zip((1, 2, 3, 19), native):
+            assert torch.equal(layer(x[:m]), want), (kind, m)
+        assert torch.equal(layer._dequant_rows(0, 48, bf16), native_bf16), kind
+        assert torch.equal(layer.dequantize(), native_w), kind
+        monkeypatch.undo()
+        assert counting.calls.count("pagedlm_linear_int4") == 4
