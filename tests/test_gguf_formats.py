@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from pagedlm import cbuild
-from pagedlm.hub.blocks import RawInt4
+from pagedlm.hub.blocks import RawBlocks
 from pagedlm.model import quant
 
 
@@ -59,12 +59,12 @@ def test_int4_blocks_run_in_their_own_layout(monkeypatch, kind, layout, bytes_pe
     rows, cols = (64, 32, 48), 512
     raws = [random_blocks(kind, r, cols, seed) for seed, r in enumerate(rows)]
     perm = np.random.default_rng(9).permutation(rows[0])
-    fused = RawInt4.cat([RawInt4.from_gguf(raws[0], kind, cols).rows(perm),
-                         *(RawInt4.from_gguf(r, kind, cols) for r in raws[1:])])
+    fused = RawBlocks.cat([RawBlocks.from_gguf(raws[0], kind, cols).rows(perm),
+                         *(RawBlocks.from_gguf(r, kind, cols) for r in raws[1:])])
     want = torch.cat([reference(raws[0], kind, rows[0], cols)[torch.from_numpy(perm)],
                       *(reference(r, kind, n, cols) for r, n in zip(raws[1:], rows[1:]))])
     counting = _Counting(lib)
-    monkeypatch.setattr(quant, "load_quant_kernel", lambda: counting)
+    monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: counting)
     layer = quant.Int4Linear(fused, 32, x16=True)
     assert layer.layout == layout
     held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scale, layer.mins))
@@ -90,8 +90,8 @@ def test_int4_blocks_run_in_their_own_layout(monkeypatch, kind, layout, bytes_pe
 def test_mixed_int4_kinds_fall_back_to_fp16_scales():
     """A fused weight mixing Q4_K with Q4_0 rows has no single native layout: its blocks take the fp16 one."""
     _kernel_or_skip()
-    raw = RawInt4.cat([RawInt4.from_gguf(random_blocks("Q4_K", 32, 256, 0), "Q4_K", 256),
-                       RawInt4.from_gguf(random_blocks("Q4_0", 16, 256, 1), "Q4_0", 256)])
+    raw = RawBlocks.cat([RawBlocks.from_gguf(random_blocks("Q4_K", 32, 256, 0), "Q4_K", 256),
+                       RawBlocks.from_gguf(random_blocks("Q4_0", 16, 256, 1), "Q4_0", 256)])
     layer = quant.Int4Linear(raw, 32, x16=True)
     assert layer.layout == "x16" and layer.mins.numel() == 48 * 8
 
@@ -114,14 +114,14 @@ def test_native_layouts_bit_identical_in_every_build(monkeypatch, march):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(19, 512, generator=g)
     for kind in ("Q4_0", "Q4_1", "Q4_K"):
-        layer = quant.Int4Linear(RawInt4.from_gguf(random_blocks(kind, 48, 512, 4), kind, 512), 32, x16=True)
+        layer = quant.Int4Linear(RawBlocks.from_gguf(random_blocks(kind, 48, 512, 4), kind, 512), 32, x16=True)
         layer.kernel_max_rows = 64
         native = [layer(x[:m]) for m in (1, 2, 3, 19)]
         bf16 = torch.empty(48, 512, dtype=torch.bfloat16)
         native_bf16 = layer._dequant_rows(0, 48, bf16).clone()
         native_w = layer.dequantize()
         counting = _Counting(variant)
-        monkeypatch.setattr(quant, "load_quant_kernel", lambda: counting)
+        monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: counting)
         for m, want in zip((1, 2, 3, 19), native):
             assert torch.equal(layer(x[:m]), want), (kind, m)
         assert torch.equal(layer._dequant_rows(0, 48, bf16), native_bf16), kind

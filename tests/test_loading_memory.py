@@ -225,7 +225,7 @@ def test_gguf_blocks_convert_in_one_pass_as_the_reference(march: str, random_300
     """The kernel writes Q4_0 / Q4_1 rows (a Q/K row permutation and a fused q/k/v included) straight into the x16
     layout, and requantizes a Q8_0 table to int8 per row: the same bytes as the reference (Int4Blocks.from_gguf ->
     rows -> cat -> to_x16; dequantize -> quantize_int8), in every build this CPU runs."""
-    from pagedlm.hub.blocks import LazyRows, RawInt4
+    from pagedlm.hub.blocks import LazyRows, RawBlocks
 
     _skip_unless_runnable(march)
     lib = quant.load_quant_kernel() if march == "native" else quant.kernel_variant(march).load()
@@ -242,10 +242,10 @@ def test_gguf_blocks_convert_in_one_pass_as_the_reference(march: str, random_300
     for kind in ("Q4_0", "Q4_1"):
         parts = [gguf.quants.quantize(rng.standard_normal((rows, 256)).astype(np.float32) * 0.05, Q[kind])
                  for rows in (64, 32, 48)]
-        raw = RawInt4.cat([RawInt4.from_gguf(parts[0], kind, 256).rows(rng.permutation(64)),
-                           *(RawInt4.from_gguf(p, kind, 256) for p in parts[1:])])
+        raw = RawBlocks.cat([RawBlocks.from_gguf(parts[0], kind, 256).rows(rng.permutation(64)),
+                           *(RawBlocks.from_gguf(p, kind, 256) for p in parts[1:])])
         ref = quant.Int4Linear(raw.blocks(), 32, x16=True)
-        monkeypatch.setattr(quant, "load_quant_kernel", lambda: Counting())
+        monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: Counting())
         got = quant.Int4Linear(raw, 32, x16=True)
         monkeypatch.undo()
         assert all(torch.equal(getattr(got, n), getattr(ref, n)) for n in ("qweight", "scale")), kind
@@ -254,7 +254,7 @@ def test_gguf_blocks_convert_in_one_pass_as_the_reference(march: str, random_300
     reader = read_gguf(random_300m)
     table = LazyRows(reader, next(t for t in reader.tensors if t.name == "token_embd.weight"))
     ref = quant.Int8Linear(table.materialize(), x16=True)
-    monkeypatch.setattr(quant, "load_quant_kernel", lambda: Counting())
+    monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: Counting())
     got = quant.Int8Linear(table, x16=True)
     monkeypatch.undo()
     assert torch.equal(got.qweight, ref.qweight) and torch.equal(got.scale, ref.scale)

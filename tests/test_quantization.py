@@ -13,7 +13,7 @@ from test_attention import build_case
 
 from pagedlm import LLM, SamplingParams, cbuild
 from pagedlm.attention import BACKENDS
-from pagedlm.config import EngineConfig
+from pagedlm.config import KERNEL_MAX_ROWS, EngineConfig
 from pagedlm.kvcache.kv_cache import KVCacheSpec
 from pagedlm.kvcache.quant import dequantize_kv, quantize_kv
 from pagedlm.model import quant
@@ -51,7 +51,7 @@ def test_quant_linear_kernel_and_fallback_agree(monkeypatch, rows):
     for method in ("int8", "int4"):
         layer = quant.make_quant_linear(w, method, 32)
         fast = layer(x)
-        monkeypatch.setattr(quant, "load_quant_kernel", lambda: None)
+        monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: None)
         slow = layer(x)
         monkeypatch.undo()
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
@@ -88,7 +88,7 @@ def test_int4_kernel_rows_do_not_depend_on_the_batch(monkeypatch, group_size, x1
     if lib is None:
         pytest.skip("no C++ compiler: the quantized kernels are not built")
     counting = _CountingKernel(lib)
-    monkeypatch.setattr(quant, "load_quant_kernel", lambda: counting)
+    monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: counting)
     g = torch.Generator().manual_seed(group_size)
     layer = quant.Int4Linear(torch.randn(48, 192, generator=g) * 0.05, group_size, x16=x16)
     assert layer.x16 == x16
@@ -136,7 +136,7 @@ def test_int4_x16_layout_is_a_reordering_of_the_rows():
     for a, b in zip(quant.from_x16(x16.qweight, x16.scale, x16.mins), (rows.qweight, rows.scale, rows.mins)):
         assert torch.equal(a, b)
     assert torch.equal(x16.dequantize(), rows.dequantize())
-    rows.kernel_max_rows = x16.kernel_max_rows = quant.KERNEL_MAX_ROWS
+    rows.kernel_max_rows = x16.kernel_max_rows = KERNEL_MAX_ROWS
     # x16 activations are packed in groups of 8 rows and run in blocks of 256: partial groups, several blocks
     for m in (5, 8, 523):
         x = torch.randn(m, 256, generator=g)
@@ -170,8 +170,8 @@ def test_bf16_x16_layout_and_kernel():
     for w in (w, torch.randn(64, 96, generator=g) * 0.05):
         layer = quant.Bf16Linear(w)
         counting = _CountingKernel(lib)
-        layer.kernel_max_rows = quant.KERNEL_MAX_ROWS
-        with unittest.mock.patch.object(quant, "load_quant_kernel", lambda: counting):
+        layer.kernel_max_rows = KERNEL_MAX_ROWS
+        with unittest.mock.patch.object(quant.kernel, "load_quant_kernel", lambda: counting):
             full = layer(x)
             for start, size in ((3, 1), (3, 2), (8, 7), (0, 8), (5, 9), (250, 13), (100, 300)):
                 assert torch.equal(layer(x[start:start + size]), full[start:start + size]), (start, size)
@@ -579,7 +579,7 @@ def test_quant_kernel_isa_paths_agree_with_the_native_build(monkeypatch, march):
         layer.kernel_max_rows = 64
         native = layer(x)
         counting = _CountingKernel(variant)
-        monkeypatch.setattr(quant, "load_quant_kernel", lambda: counting)
+        monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: counting)
         other = layer(x)
         monkeypatch.undo()
         assert counting.int4_calls == method.startswith("int4")

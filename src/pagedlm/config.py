@@ -266,7 +266,7 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
-QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see model/quant.py
+QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see model/quant/
 DEFAULT_MODEL = "smollm2-135m"  # what `pagedlm serve` and LLM() run without a model (a hub/registry.py name)
 KERNEL_MAX_ROWS = 1 << 16  # kernel_max_rows at this value: every step runs the quantized kernels (no dense copy)
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.1  # the default KV budget's cap, of (available - weights): kvcache/sizing.py

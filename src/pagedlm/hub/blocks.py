@@ -1,6 +1,7 @@
-"""A checkpoint's quantized blocks as read, kept in their own format: GGUF's Q4_0 / Q4_1 / Q4_K tensors become
-`Int4Blocks`, which model/quant.py's int4 layers run without dequantizing; `LazyRows` are other GGUF matrices,
-dequantized a few rows at a time by whoever converts them (a 128k-row vocabulary table in fp32 would be GBs)."""
+"""A checkpoint's quantized blocks as read, kept in their own format: GGUF's quantized linear weights come as
+`RawBlocks` (the file's bytes), which model/quant/'s layers convert in one pass into the layouts their kernels run
+(int4 kinds also through `Int4Blocks`); `LazyRows` are other GGUF matrices, dequantized a few rows at a time by
+whoever converts them (a 128k-row vocabulary table in fp32 would be GBs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -74,12 +75,15 @@ class Int4Blocks:
         return Int4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qweight", "scale", "mins")))
 
 
+INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
+
+
 @dataclass
-class RawInt4:
-    """GGUF Q4_0 / Q4_1 / Q4_K rows not yet converted: `parts` (raw [rows, blocks * bytes] uint8, kind, row
-    permutation or None), stacked in order (a fused q/k/v). `blocks()` converts them to Int4Blocks; model/quant.py
-    writes its x16 layouts straight from the raw bytes where its kernel runs (one pass instead of four copies; Q4_0
-    without minimums, Q4_K with its own scales: see `kinds`)."""
+class RawBlocks:
+    """GGUF quantized rows not yet converted (Q4_0 / Q4_1 / Q4_K, INT4_KINDS, and the 5- to 8-bit kinds model/quant/
+    runs natively too): `parts` (raw [rows, blocks * bytes] uint8, kind, row permutation or None), stacked in order
+    (a fused q/k/v). model/quant/ writes its x16 layouts straight from the raw bytes where its kernel runs (one
+    pass; each kind's own scales: see `kinds`); `blocks()` converts int4 kinds to Int4Blocks, `dequantize()` any."""
 
     parts: list[tuple[np.ndarray, str, np.ndarray | None]]
     cols: int
@@ -87,7 +91,7 @@ class RawInt4:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, kind: str, cols: int,
-                  release: Callable[[], None] | None = None) -> "RawInt4":
+                  release: Callable[[], None] | None = None) -> "RawBlocks":
         return cls([(raw, kind, None)], cols, [release] if release else [])
 
     def converted(self) -> None:
@@ -103,13 +107,13 @@ class RawInt4:
     def kinds(self) -> set[str]:
         return {kind for _, kind, _ in self.parts}
 
-    def rows(self, perm: np.ndarray) -> "RawInt4":
+    def rows(self, perm: np.ndarray) -> "RawBlocks":
         (raw, kind, old), = self.parts
-        return RawInt4([(raw, kind, perm if old is None else old[perm])], self.cols, self.releases)
+        return RawBlocks([(raw, kind, perm if old is None else old[perm])], self.cols, self.releases)
 
     @staticmethod
-    def cat(parts: list["RawInt4"]) -> "RawInt4":
-        return RawInt4([p for part in parts for p in part.parts], parts[0].cols,
+    def cat(parts: list["RawBlocks"]) -> "RawBlocks":
+        return RawBlocks([p for part in parts for p in part.parts], parts[0].cols,
                        [r for part in parts for r in part.releases])
 
     def dequantize(self) -> torch.Tensor:

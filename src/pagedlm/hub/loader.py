@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawInt4
+from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawBlocks
 from pagedlm.hub.gguf_file import GGUFFile
 from pagedlm.hub.registry import ModelLoadError, open_gguf
 
@@ -241,7 +241,7 @@ def iter_weights(path: Path, dtype: torch.dtype = torch.float32, native: Collect
 
     `lm_head.weight` is absent when embeddings are tied. GGUF tensors are dequantized and
     Q/K rows are un-permuted exactly as transformers does it, so results are bit-identical; linear weights
-    whose GGUF type is in `native` come as stored (Q4_0, Q4_1, Q4_K: `RawInt4`), and the GGUF matrices named in
+    whose GGUF type is in `native` come as stored (Q4_0, Q4_1, Q4_K: `RawBlocks`), and the GGUF matrices named in
     `lazy` (HF names) as `LazyRows`, to be dequantized by rows by their consumer.
     """
     path = Path(path)
@@ -295,7 +295,7 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = (),
         if name is None:
             continue
         if t.tensor_type.name in native and name.endswith("proj.weight") and "{}" not in name:
-            blocks = RawInt4.from_gguf(t.data, t.tensor_type.name, t.shape[0], lambda t=t: reader.release(t))
+            blocks = RawBlocks.from_gguf(t.data, t.tensor_type.name, t.shape[0], lambda t=t: reader.release(t))
             if (kind := t.name.split(".")[-2]) in heads:
                 blocks = blocks.rows(_unpermute(np.arange(blocks.shape[0]), heads[kind]))
             yield name, blocks  # its pages are released once converted (see quant.Int4Linear)

@@ -19,11 +19,12 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
                fallback: str | None = None, dense_copy: bool = True) -> tuple[CausalLM, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
-    rows through a dense copy in `dense_dtype` (per call without `dense_copy`), see model/quant.py and plan.py; `head_kernel_max_rows` for
-    the int8 embedding table as LM head, None: the same; `fallback`: the method for the linear weights a GGUF holds
-    no int4 blocks for, None: `quantization`). Weights stream from the checkpoint into their final format one
-    tensor at a time: the model is built without weights (`layers.deferred_weights`) and each Linear is quantized
-    as soon as it is loaded, so loading never holds more than the result plus one tensor's temporaries."""
+    rows through a dense copy in `dense_dtype` (per call without `dense_copy`), see model/quant/ and plan.py;
+    `head_kernel_max_rows` for the int8 embedding table as LM head, None: the same; `fallback`: the method for the
+    linear weights a GGUF holds no native blocks for, None: `quantization`). Weights stream from the checkpoint into
+    their final format one tensor at a time: the model is built without weights (`layers.deferred_weights`) and
+    each Linear is quantized as soon as it is loaded, so loading never holds more than the result plus one tensor's
+    temporaries."""
     from pagedlm.hub.loader import iter_weights, load_hf_config
     from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.layers import Linear, deferred_weights

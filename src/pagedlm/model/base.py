@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
-from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawInt4
+from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawBlocks
 from pagedlm.model.layers import Linear
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class CausalLM(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.layer_sliding_windows = cfg.layer_sliding_windows
         # checkpoint tensors kept in their own format for `finalize`, by parameter name (_copy)
-        self.native_weights: dict[str, Int4Blocks | RawInt4 | LazyRows] = {}
+        self.native_weights: dict[str, Int4Blocks | RawBlocks | LazyRows] = {}
         self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
 
     # ---- forward -------------------------------------------------------------------------------------------
@@ -154,10 +154,10 @@ class CausalLM(nn.Module):
                 group[idx] = tensor
                 if len(group) == (3 if fused == "qkv_proj" else 2):
                     parts = [group[i] for i in sorted(group)]
-                    if all(isinstance(p, RawInt4) for p in parts):
-                        fused_tensor = RawInt4.cat(parts)
-                    elif all(isinstance(p, (Int4Blocks, RawInt4)) for p in parts):
-                        fused_tensor = Int4Blocks.cat([p.blocks() if isinstance(p, RawInt4) else p for p in parts])
+                    if all(isinstance(p, RawBlocks) for p in parts):
+                        fused_tensor = RawBlocks.cat(parts)
+                    elif all(isinstance(p, (Int4Blocks, RawBlocks)) for p in parts):
+                        fused_tensor = Int4Blocks.cat([p.blocks() if isinstance(p, RawBlocks) else p for p in parts])
                     else:  # int4 blocks beside other formats (Gemma's q/k Q5_0, v Q8_0): one dense weight
                         fused_tensor = torch.cat([_dense(p, params[target].dtype) for p in parts], dim=0)
                     del pending[target], group, parts
@@ -189,7 +189,7 @@ class CausalLM(nn.Module):
         p = params[name]
         if tuple(p.shape) != tuple(tensor.shape):
             raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}.")
-        if isinstance(tensor, (Int4Blocks, RawInt4, LazyRows)):
+        if isinstance(tensor, (Int4Blocks, RawBlocks, LazyRows)):
             self.native_weights[name] = tensor
         elif p.is_meta:
             owner, _, attr = name.rpartition(".")
@@ -208,8 +208,8 @@ def _process(name: str, module: nn.Module) -> nn.Module:
     return module
 
 
-def _dense(w: torch.Tensor | Int4Blocks | RawInt4, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(w, RawInt4):
+def _dense(w: torch.Tensor | Int4Blocks | RawBlocks, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, RawBlocks):
         return w.dequantize().to(dtype)
     if isinstance(w, Int4Blocks):
         from pagedlm.model.quant import dequantize_int4

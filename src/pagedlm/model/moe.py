@@ -2,7 +2,7 @@
 
 A router scores the experts of every token (softmax over all logits, in float32), keeps the top k and, where the
 family says so, renormalizes their weights to sum to 1 (for Mixtral this equals a softmax over the chosen logits).
-Each expert is a gated MLP of its own `layers.Linear`s, so the weight-only quantization of model/quant.py applies
+Each expert is a gated MLP of its own `layers.Linear`s, so the weight-only quantization of model/quant/ applies
 to it like to any other layer. Tokens are grouped by expert: each chosen expert runs once, over exactly the tokens
 that chose it (one GEMM per expert in prefill and large batches), and experts nobody chose are never read, so a
 decode step of one token streams k of the E experts' weights. The router stays in full precision.

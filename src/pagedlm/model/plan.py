@@ -3,7 +3,7 @@ matmul path serves a step of a given size. Decided once at start-up from the CPU
 user's settings; `ExecutionPlan.describe()` says what was chosen and why.
 
 The default (`dtype="auto"`, no `quantization`) on a CPU:
-- a GGUF whose linear weights are all Q4_0 / Q4_1 / Q4_K runs them as int4 (model/quant.py stores exactly these
+- a GGUF whose linear weights are all Q4_0 / Q4_1 / Q4_K runs them as int4 (model/quant/ stores exactly these
   blocks: groups of 32, fp16 scale and minimum; Q4_K's scales rounded to fp16), with fp32 activations, so decode
   steps take the fused C++ decoder stack, and a bf16 KV cache (unless `kv_cache_dtype` says otherwise): half the
   bytes of fp32, so twice the tokens fit (perplexity +0.17% against the fp32 path; the attention kernel's speed is
@@ -12,7 +12,7 @@ The default (`dtype="auto"`, no `quantization`) on a CPU:
   int4 blocks as stored, every other linear weight requantized to int8 per channel (8 bits: at least as many as any
   of those formats holds), said at start-up;
 - an HF checkpoint on a CPU with AVX512-BF16 keeps its weights in bf16 (a bf16 checkpoint's as stored; others
-  rounded) and runs fp32 activations through the bf16 kernels of model/quant.py (`Bf16Linear`: activations rounded
+  rounded) and runs fp32 activations through the bf16 kernels of model/quant/ (`Bf16Linear`: activations rounded
   to bf16 at each product, as a bf16 GEMM does, but the residual stream, norms and attention in fp32), so decode
   steps take the fused decoder stack too, with a bf16 KV cache;
 - anything else runs in bf16 where the CPU has native bf16 (AVX512-BF16 or AMX), else in fp32, as before.
@@ -35,7 +35,7 @@ import torch
 from pagedlm.config import KERNEL_MAX_ROWS, EngineConfig, parse_dtype
 from pagedlm.cpu import cpu_features
 
-# GGUF block formats that model/quant.py's int4 layout holds (group size 32; Q4_K's scales rounded to fp16).
+# GGUF block formats that model/quant/'s int4 layout holds (group size 32; Q4_K's scales rounded to fp16).
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 DENSE_COPY_MEMORY_FRACTION = 1 / 32  # the most of the machine's memory a dense copy of the weights may take

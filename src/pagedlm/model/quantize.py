@@ -1,4 +1,4 @@
-"""Model surgery: every layers.Linear of a model replaced by its quantized twin (model/quant.py), one by one as the
+"""Model surgery: every layers.Linear of a model replaced by its quantized twin (model/quant/), one by one as the
 checkpoint streams in (`LinearQuantizer`, a `CausalLM.load_weights` finalize) or over a loaded model
 (`quantize_model`)."""
 from __future__ import annotations
@@ -7,9 +7,16 @@ import torch
 from torch import nn
 
 from pagedlm.config import KERNEL_MAX_ROWS
-from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawInt4
-from pagedlm.model.quant import (METHODS, Bf16Linear, Int8Linear, QuantLinear, TableEmbedding, WithBias,
-                                 make_quant_linear)
+from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawBlocks
+from pagedlm.model.quant import (
+    METHODS,
+    Bf16Linear,
+    Int8Linear,
+    QuantLinear,
+    TableEmbedding,
+    WithBias,
+    make_quant_linear,
+)
 
 
 class LinearQuantizer:
@@ -32,7 +39,7 @@ class LinearQuantizer:
             table = Bf16Linear(_dense(w)) if self.method == "bf16" else Int8Linear(w)
             return TableEmbedding(table, child.weight.dtype)
         method = self.method
-        if not isinstance(w, (Int4Blocks, RawInt4)):
+        if not isinstance(w, (Int4Blocks, RawBlocks)):
             w = w if w is not None else child.weight.data.t() if child.transposed else child.weight.data
             method = self.fallback or self.method
             w = w if method == "int8" else _dense(w)  # int8 quantizes lazy rows by rows

@@ -1,6 +1,6 @@
 // Weight-only quantized linear layers for CPUs: y[M, N] = x[M, K] @ W^T with W kept quantized in memory and
 // dequantized in registers, so small-M products (decode) stream 1/4 (int8) or about 1/6 (int4) of the fp32
-// bytes. Activations and accumulation are fp32. Plain C ABI, loaded with ctypes by model/quant.py.
+// bytes. Activations and accumulation are fp32. Plain C ABI, loaded with ctypes by model/quant/.
 //
 // int8: q [N, K] int8, one fp32 scale per output row:            W[n, k] = q[n, k] * s[n]
 //       Packed (when N % 4 == 0 and K % 16 == 0): rows 4t..4t+3 form tile t, stored as K/16 chunks of 64 bytes,
@@ -489,6 +489,16 @@ struct KScales {
 #endif
 };
 
+constexpr int X16_CHUNK = 16;  // blocks (4 KB of codes) per pass of the half kernels: read once from memory
+
+#ifdef PAGEDLM_AVX2
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+#endif
+
 #ifdef PAGEDLM_AVX512_VNNI
 // acc += (u8 codes w) . (four s8 activations at p, broadcast to every lane), with the broadcast embedded in the
 // instruction's memory operand (compilers emit a separate vpbroadcastd for the intrinsic, 1.x slower here).
@@ -554,11 +564,6 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
 }
 #elif defined(PAGEDLM_AVX2)
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 
 // The AVX2 form of int4x16_rows. vpmaddubsw sums pairs of code x activation products into 16-bit lanes, which hold
 // a whole 32-value block's partial sums exactly (codes 0..15, |activations| <= 127: at most 8 x 2 x 15 x 127 =
@@ -652,8 +657,6 @@ void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, cons
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(yh + int64_t(i) * N, f[i]);
 }
-
-constexpr int X16_CHUNK = 16;  // blocks (4 KB of codes) per pass of the half kernels: read once from memory
 
 // Rows m0 .. m0+R of x (R <= 8, one packed group) against tile n0 / 16. Up to two rows in one pass; more as two
 // halves of 8 outputs, rows 4 at a time, over chunks of X16_CHUNK blocks that stay in L1 between the passes.
@@ -1179,6 +1182,8 @@ constexpr int BUFFERED_MIN_ROWS = 3;
 
 }  // namespace
 
+#include "gguf_x16.h"
+
 // Layouts of int4 weights (the `layout` argument of the entry points below).
 enum Int4Layout { INT4_ROW_LAYOUT = 0, INT4_X16 = 1, INT4_X16_K = 2 };
 
@@ -1485,6 +1490,73 @@ int pagedlm_gguf_q8_0_to_int8(const uint8_t* raw, int rows, int K, int8_t* q, fl
         q[r * K + k] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[k] / sr))));
       }
     }
+  });
+  return 0;
+}
+
+// ---- GGUF Q8_0 / Q5_0 / Q5_K / Q6_K in their x16 layouts (gguf_x16.h) --------------------------------------
+// kind: a GgufKind; K % 32 == 0 (K-quants: % 256), N % 16 == 0; planes / aux as the kind has them (else null).
+
+static bool gguf_shape_ok(int kind, int K, int N) {
+  if (kind < GK_Q8_0 || kind > GK_Q6_K || K <= 0 || N % X16 != 0) return false;
+  return (kind == GK_Q5_K || kind == GK_Q6_K) ? K % 256 == 0 : K % 32 == 0;
+}
+
+// Raw GGUF rows of `kind` written into the x16 layout as rows row0 .. row0 + rows (source row perm[r], perm may
+// be null), as pagedlm_gguf_q4_to_x16 does for int4; planes must be zeroed beforehand.
+int pagedlm_gguf_to_x16(const uint8_t* raw, int kind, int rows, int K, const int64_t* perm, int row0, uint8_t* codes,
+                        uint8_t* planes, uint16_t* scales, uint8_t* aux, int nthreads) {
+  if (!gguf_shape_ok(kind, K, X16)) return 1;
+  const int per = gguf_block_bytes(kind), superblocks = kind == GK_Q5_K || kind == GK_Q6_K;
+  const int64_t row_bytes = int64_t(superblocks ? K / 256 : K / 32) * per;
+  const GgufX16 g{kind, K / 32, codes, planes, scales, aux};
+  parallel_for(rows, nthreads, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) gguf_write_row(g, raw + (perm ? perm[r] : r) * row_bytes, row0 + r);
+  });
+  return 0;
+}
+
+int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const uint8_t* planes, const uint16_t* scales,
+                        const uint8_t* aux, float* y, int M, int K, int N, int nthreads) {
+  if (!gguf_shape_ok(kind, K, N)) return 1;
+  thread_local std::vector<int8_t> xq;  // kept between calls, as in pagedlm_linear_int4
+  thread_local std::vector<float> d, gsum;
+  thread_local std::vector<int32_t> bsum;
+  const int nblk = K / 32;
+  const int64_t Mr = rows_allocated(M, true);
+  xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * nblk); gsum.resize(size_t(Mr) * nblk); bsum.resize(size_t(Mr) * nblk);
+  int8_t* const xqp = xq.data();
+  float *const dp = d.data(), *const gp = gsum.data();
+  int32_t* const bp = bsum.data();
+  quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, kPack8);
+  const GgufX16 g{kind, nblk, codes, planes, scales, aux};
+  for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
+    const int rows = std::min(X16_MBLOCK, M - m0);
+    parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+      for (int t = int(t0); t < t1; ++t)
+        gguf_x16_tile(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
+                      gp + int64_t(m0) * nblk, y + int64_t(m0) * N, rows, N, t);
+    });
+  }
+  return 0;
+}
+
+int pagedlm_dequant_gguf_x16(int kind, const uint8_t* codes, const uint8_t* planes, const uint16_t* scales,
+                             const uint8_t* aux, float* w, int K, int N, int nthreads) {
+  if (!gguf_shape_ok(kind, K, N)) return 1;
+  const GgufX16 g{kind, K / 32, codes, planes, scales, aux};
+  parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    for (int t = int(t0); t < t1; ++t) gguf_x16_dequant_tile(g, K, t, w);
+  });
+  return 0;
+}
+
+int pagedlm_dequant_gguf_x16_bf16(int kind, const uint8_t* codes, const uint8_t* planes, const uint16_t* scales,
+                                  const uint8_t* aux, uint16_t* w, int K, int N, int nthreads) {
+  if (!gguf_shape_ok(kind, K, N)) return 1;
+  const GgufX16 g{kind, K / 32, codes, planes, scales, aux};
+  parallel_for(N / X16, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    for (int t = int(t0); t < t1; ++t) gguf_x16_dequant_tile(g, K, t, w);
   });
   return 0;
 }

@@ -1,0 +1,383 @@
+// GGUF's 5-, 6- and 8-bit block formats multiplied as the file stores them (no requantization): Q8_0, Q5_0, Q5_K
+// and Q6_K, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output rows and 32-value
+// block, chunk c = 0..3 holding, for row j, bytes 4c..4c+3 of that row's 16 nibble bytes, inputs 4c + i in the low
+// nibbles and 16 + 4c + i in the high ones; Q8_0: the int8 x16 layout, 8 chunks of 4 values). Per tile and block:
+//   Q8_0  codes 512 B (int8); scales fp16 d [nblk, 16]                         w = d * q
+//   Q5_0  codes 256 B, planes 64 B (the 5th bit); scales fp16 d [nblk, 16]      w = d * (q - 16)
+//   Q5_K  codes 256 B, planes 64 B; scales fp16 (d, dmin) [nblk / 8, 2, 16]; aux (sc, m) bytes [nblk, 2, 16]
+//                                                                               w = (d * sc) * q - dmin * m
+//   Q6_K  codes 256 B, planes 128 B (bits 4-5); scales fp16 d [nblk / 8, 16]; aux int8 sc of inputs 0-15 and 16-31
+//         [nblk, 2, 16]                                                         w = (d * sc) * (q - 32)
+// Planes, per chunk c and half h (rows 8h .. 8h + 7) of a block, for register byte p = 4 * (j % 8) + i (as the
+// codes' 32 bytes of that chunk and half are ordered): Q5, 8 bytes: bit p of the first 32-bit word is the 5th bit
+// of input 4c + i, bit p of the second that of input 16 + 4c + i; Q6_K, 16 bytes: byte p % 16 holds in bits 2f..2f+1
+// the high bits of field f = (p >= 16) for input 4c + i and f = 2 + (p >= 16) for input 16 + 4c + i.
+// The activations are Q8 per 32-value block (quantize_act) and every path computes each block's exact integer dot
+// products, then the same fp32 operations: f = fma(dot, scale * d_x, f), Q6_K once per half-block (its scales are
+// per 16 inputs), Q5_K then f = fma(-dmin * m, d_x * sum_x, f). The AVX2 code runs on AVX-512 machines too.
+#pragma once
+
+enum GgufKind { GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3 };
+
+struct GgufX16 {
+  int kind, nblk;
+  const uint8_t* codes;
+  const uint8_t* planes;
+  const uint16_t* scales;
+  const uint8_t* aux;
+
+  int code_bytes() const { return kind == GK_Q8_0 ? 512 : 256; }
+  int plane_bytes() const { return kind == GK_Q6_K ? 128 : kind == GK_Q8_0 ? 0 : 64; }
+  int scales_per_tile() const {
+    return kind == GK_Q5_K ? nblk / 8 * 32 : kind == GK_Q6_K ? nblk / 8 * 16 : nblk * 16;
+  }
+  bool split() const { return kind == GK_Q6_K; }  // two scales per block
+  bool has_min() const { return kind == GK_Q5_K; }
+
+  GgufX16 tile(int t) const {
+    return {kind, nblk, codes + int64_t(t) * nblk * code_bytes(),
+            planes ? planes + int64_t(t) * nblk * plane_bytes() : nullptr,
+            scales + int64_t(t) * scales_per_tile(), aux ? aux + int64_t(t) * nblk * 32 : nullptr};
+  }
+
+  // The code of input v (0..31) of block b for row j (0..15) of this tile, as it multiplies the activation: Q8_0's
+  // q, Q5_0's q - 16, Q5_K's q (0..31), Q6_K's q - 32.
+  int code(int b, int j, int v) const {
+    const int c = (v % 16) / 4, i = v % 4, hi = v >= 16, h = j / 8, p = 4 * (j % 8) + i;
+    if (kind == GK_Q8_0) return int8_t(codes[int64_t(b) * 512 + 64 * (v / 4) + 4 * j + i]);
+    const uint8_t nib = codes[int64_t(b) * 256 + 64 * c + 4 * j + i];
+    int q = hi ? nib >> 4 : nib & 0x0f;
+    if (kind == GK_Q6_K) {
+      const uint8_t pb = planes[int64_t(b) * 128 + (2 * c + h) * 16 + p % 16];
+      const int f = 2 * hi + (p >= 16);
+      return (q | ((pb >> (2 * f)) & 3) << 4) - 32;
+    }
+    uint32_t bits;
+    std::memcpy(&bits, planes + int64_t(b) * 64 + (2 * c + h) * 8 + 4 * hi, 4);
+    q |= int((bits >> p) & 1) << 4;
+    return kind == GK_Q5_0 ? q - 16 : q;
+  }
+  // The fp32 scale of block b's inputs 0-15 (half 0) or 16-31 (half 1) for row j, and its minimum (Q5_K).
+  float scale(int b, int half, int j) const {
+    switch (kind) {
+      case GK_Q5_K: return half_to_float(scales[(b / 8) * 32 + j]) * float(aux[b * 32 + j]);
+      case GK_Q6_K: return half_to_float(scales[(b / 8) * 16 + j]) * float(int8_t(aux[b * 32 + 16 * half + j]));
+      default: return half_to_float(scales[b * 16 + j]);
+    }
+  }
+  float min(int b, int j) const { return -(half_to_float(scales[(b / 8) * 32 + 16 + j]) * float(aux[b * 32 + 16 + j])); }
+  float weight(int b, int j, int v) const {  // the dequantized weight, as gguf-py computes it
+    const int q = code(b, j, v);
+    if (kind == GK_Q5_K) return scale(b, 0, j) * float(q) - (-min(b, j));
+    return scale(b, v >= 16, j) * float(q);
+  }
+
+#ifdef PAGEDLM_AVX2
+  // Chunk c, half h of block b as signed int8 multipliers of inputs 4c + i (lo) and 16 + 4c + i (hi): the codes as
+  // code() gives them, but Q5_K's q - 16 (its dot gets 16 * sum_x back).
+  void load8(int b, int c, int h, __m256i& lo, __m256i& hi) const {
+    if (kind == GK_Q8_0) {
+      const uint8_t* p = codes + int64_t(b) * 512 + 32 * h;
+      lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
+      hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (c + 4)));
+      return;
+    }
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + int64_t(b) * 256 + 64 * c + 32 * h));
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    lo = _mm256_and_si256(v, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (kind == GK_Q6_K) {
+      const __m256i pb = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + int64_t(b) * 128 + (2 * c + h) * 16)));
+      const __m256i t = _mm256_srlv_epi32(pb, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+      const __m256i off = _mm256_set1_epi8(32);
+      lo = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(t, 4), m30)), off);
+      hi = _mm256_sub_epi8(_mm256_or_si256(hi, _mm256_and_si256(t, m30)), off);
+      return;
+    }
+    const uint8_t* pl = planes + int64_t(b) * 64 + (2 * c + h) * 8;
+    const __m256i off = _mm256_set1_epi8(16);
+    lo = _mm256_sub_epi8(_mm256_or_si256(lo, bit4(pl)), off);
+    hi = _mm256_sub_epi8(_mm256_or_si256(hi, bit4(pl + 4)), off);
+  }
+  // 0x10 in byte p where bit p of the 32-bit word at p is set.
+  static __m256i bit4(const uint8_t* p) {
+    int32_t bits;
+    std::memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits), _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                    0x0303030303030303LL));
+    const __m256i sel = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel), _mm256_set1_epi8(0x10));
+  }
+  // Block b's scales for the 8 rows of half h: of inputs 0-15 (s0) and 16-31 (s1: Q6_K only), and the minimum
+  // (Q5_K only).
+  void scales8(int b, int h, __m256& s0, __m256& s1, __m256& mn) const {
+    auto f16 = [](const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+    auto u8 = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    auto s8 = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    switch (kind) {
+      case GK_Q5_K:
+        s0 = _mm256_mul_ps(f16(scales + (b / 8) * 32 + 8 * h), u8(aux + b * 32 + 8 * h));
+        mn = _mm256_xor_ps(_mm256_mul_ps(f16(scales + (b / 8) * 32 + 16 + 8 * h), u8(aux + b * 32 + 16 + 8 * h)),
+                           _mm256_set1_ps(-0.f));
+        return;
+      case GK_Q6_K: {
+        const __m256 d = f16(scales + (b / 8) * 16 + 8 * h);
+        s0 = _mm256_mul_ps(d, s8(aux + b * 32 + 8 * h));
+        s1 = _mm256_mul_ps(d, s8(aux + b * 32 + 16 + 8 * h));
+        return;
+      }
+      default: s0 = f16(scales + b * 16 + 8 * h);
+    }
+  }
+#endif
+};
+
+#ifdef PAGEDLM_AVX2
+// Rows m0 + i0 .. m0 + i0 + R of x against H halves of tile n0 / 16 from half h0, over blocks b0 .. b1, the
+// outputs' partial sums continuing from y (b0 > 0). vpmaddubsw over |w| and x with w's sign (pair sums in 16 bits:
+// |w| <= 16 for the Q5 formats, 32 for Q6_K, whose halves accumulate apart; Q8_0's go to 32 bits at once).
+template <int R, int H>
+void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const float* gsum,
+                   float* y, int N, int n0, int m0, int i0, int h0, int b0, int b1) {
+  const int nblk = w.nblk;
+  const bool split = w.split(), wide = w.kind == GK_Q8_0, q5k = w.kind == GK_Q5_K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xg = xq + int64_t(m0) * nblk * 32;
+  const float* dg = d + int64_t(m0) * nblk;
+  __m256 f[R][H];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h)
+      f[i][h] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * (h0 + h));
+  for (int b = b0; b < b1; ++b) {
+    if (i0 == 0 && h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w.codes + int64_t(b) * w.code_bytes()) +
+                                         PF_BYTES, _MM_HINT_T0);
+    const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
+    __m256i a0[R][H], a1[R][H];  // 16-bit pair sums (a1: Q6_K's second half), or Q8_0's 32-bit sums in a0
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h) a0[i][h] = a1[i][h] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i xl[R], xh[R];
+      for (int i = 0; i < R; ++i) xl[i] = bcast4(xb + 32 * i + 4 * c), xh[i] = bcast4(xb + 32 * i + 16 + 4 * c);
+      for (int h = 0; h < H; ++h) {
+        __m256i lo, hi;
+        w.load8(b, c, h0 + h, lo, hi);
+        const __m256i al = _mm256_abs_epi8(lo), ah = _mm256_abs_epi8(hi);
+        for (int i = 0; i < R; ++i) {
+          const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(xl[i], lo));
+          const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xh[i], hi));
+          if (wide) {
+            a0[i][h] = _mm256_add_epi32(a0[i][h], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                                   _mm256_madd_epi16(ph, ones)));
+          } else if (split) {
+            a0[i][h] = _mm256_add_epi16(a0[i][h], pl);
+            a1[i][h] = _mm256_add_epi16(a1[i][h], ph);
+          } else {
+            a0[i][h] = _mm256_add_epi16(a0[i][h], _mm256_add_epi16(pl, ph));
+          }
+        }
+      }
+    }
+    const float* db = dg + int64_t(b) * 8 + i0;
+    for (int h = 0; h < H; ++h) {
+      __m256 s0, s1 = _mm256_setzero_ps(), mn = s1;
+      w.scales8(b, h0 + h, s0, s1, mn);
+      for (int i = 0; i < R; ++i) {
+        const __m256 dv = _mm256_set1_ps(db[i]);
+        __m256i dot = wide ? a0[i][h] : _mm256_madd_epi16(a0[i][h], ones);
+        if (q5k) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(16 * bsum[(int64_t(m0) + 0) * nblk + int64_t(b) * 8 + i0 + i]));
+        f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, dv), f[i][h]);
+        if (split)
+          f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1[i][h], ones)), _mm256_mul_ps(s1, dv),
+                                    f[i][h]);
+        if (q5k)
+          f[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(gsum[int64_t(m0) * nblk + int64_t(b) * 8 + i0 + i]), f[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) _mm256_storeu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * (h0 + h), f[i][h]);
+}
+#endif
+
+// Tile t of a GGUF x16 weight against every row of x (packed activations, blocks of 32, bsum / gsum per block).
+void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, const float* gsum,
+                   float* y, int M, int N, int t) {
+  const GgufX16 w = weights.tile(t);
+  const int nblk = w.nblk, n0 = t * X16;
+#ifdef PAGEDLM_AVX2
+  for_row_groups(M, [&](auto r, int m0) {
+    constexpr int R = decltype(r)::value;
+    if constexpr (R == 1) {
+      gguf_x16_rows<1, 2>(w, xq, d, bsum, gsum, y, N, n0, m0, 0, 0, 0, nblk);  // one pass over the tile
+    } else {
+      for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
+        const int b1 = std::min(nblk, b0 + X16_CHUNK);
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (R > 4) {
+            gguf_x16_rows<4, 1>(w, xq, d, bsum, gsum, y, N, n0, m0, 0, h, b0, b1);
+            gguf_x16_rows<R - 4, 1>(w, xq, d, bsum, gsum, y, N, n0, m0, 4, h, b0, b1);
+          } else {
+            gguf_x16_rows<R, 1>(w, xq, d, bsum, gsum, y, N, n0, m0, 0, h, b0, b1);
+          }
+        }
+      }
+    }
+  });
+#else
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < X16; ++j) {
+      float f = 0.f;
+      for (int b = 0; b < nblk; ++b) {
+        const int8_t* xb = xq + kPack8.xq(m, b, nblk);
+        const int64_t mb = kPack8.blk(m, b, nblk);
+        int dot[2] = {0, 0};
+        for (int v = 0; v < 32; ++v) dot[v >= 16] += w.code(b, j, v) * xb[v];
+        if (w.split()) {
+          f = std::fma(float(dot[0]), w.scale(b, 0, j) * d[mb], f);
+          f = std::fma(float(dot[1]), w.scale(b, 1, j) * d[mb], f);
+        } else {
+          f = std::fma(float(dot[0] + dot[1]), w.scale(b, 0, j) * d[mb], f);
+          if (w.has_min()) f = std::fma(w.min(b, j), gsum[mb], f);
+        }
+      }
+      y[int64_t(m) * N + n0 + j] = f;
+    }
+  (void)bsum;
+#endif
+}
+
+// Tile t of a GGUF x16 weight dequantized to rows of w [N, K] (fp32, or bf16 rounded to nearest even).
+template <class Out>
+void gguf_x16_dequant_tile(const GgufX16& weights, int K, int t, Out* w) {
+  const GgufX16 g = weights.tile(t);
+  for (int j = 0; j < X16; ++j) {
+    Out* wj = w + (int64_t(t) * X16 + j) * K;
+    for (int b = 0; b < g.nblk; ++b)
+      for (int v = 0; v < 32; ++v) {
+        const float f = g.weight(b, j, v);
+        if constexpr (std::is_same_v<Out, uint16_t>) wj[b * 32 + v] = float_to_bf16(f);
+        else wj[b * 32 + v] = f;
+      }
+  }
+}
+
+// One block of 32 values of a GGUF row: its codes (Q8_0: int8; else unsigned, the 5th / 6th bits included) and the
+// scale words GgufX16 keeps for it. Returns false for an unknown kind.
+struct RawBlock {
+  int8_t q8[32];
+  uint8_t q[32];
+  uint16_t d, dmin;  // fp16 as stored
+  uint8_t sc[2], m;  // Q5_K: sc[0], m (6-bit); Q6_K: sc[0], sc[1] (int8 bits)
+};
+
+inline int gguf_block_bytes(int kind) {  // per 32 values (K-quants: per super-block of 256)
+  switch (kind) {
+    case GK_Q8_0: return 34;
+    case GK_Q5_0: return 22;
+    case GK_Q5_K: return 176;
+    case GK_Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+// Block b (of 32 values) of a raw GGUF row.
+inline void gguf_read_block(int kind, const uint8_t* row, int b, RawBlock& o) {
+  switch (kind) {
+    case GK_Q8_0: {
+      const uint8_t* blk = row + int64_t(b) * 34;
+      std::memcpy(&o.d, blk, 2);
+      std::memcpy(o.q8, blk + 2, 32);
+      return;
+    }
+    case GK_Q5_0: {
+      const uint8_t* blk = row + int64_t(b) * 22;
+      uint32_t qh;
+      std::memcpy(&o.d, blk, 2);
+      std::memcpy(&qh, blk + 2, 4);
+      for (int v = 0; v < 32; ++v) {
+        const uint8_t byte = blk[6 + v % 16];
+        o.q[v] = uint8_t(((v < 16 ? byte : byte >> 4) & 0x0f) | ((qh >> v) & 1) << 4);
+      }
+      return;
+    }
+    case GK_Q5_K: {
+      const uint8_t* sb = row + int64_t(b / 8) * 176;
+      const int k = b % 8;
+      const uint8_t* s = sb + 4;
+      std::memcpy(&o.d, sb, 2);
+      std::memcpy(&o.dmin, sb + 2, 2);
+      o.sc[0] = k < 4 ? s[k] & 63 : (s[k + 4] & 0x0f) | ((s[k - 4] >> 6) << 4);
+      o.m = k < 4 ? s[k + 4] & 63 : (s[k + 4] >> 4) | ((s[k] >> 6) << 4);
+      const uint8_t *qh = sb + 16, *qs = sb + 48 + 32 * (k / 2);
+      for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(((qs[l] >> (4 * (k % 2))) & 0x0f) | ((qh[l] >> k) & 1) << 4);
+      return;
+    }
+    case GK_Q6_K: {
+      const uint8_t* sb = row + int64_t(b / 8) * 210;
+      const int k = b % 8, n = k / 4, s = k % 4;
+      const uint8_t *ql = sb, *qh = sb + 128, *sc = sb + 192;
+      std::memcpy(&o.d, sb + 208, 2);
+      o.sc[0] = sc[8 * n + 2 * s];
+      o.sc[1] = sc[8 * n + 2 * s + 1];
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t lo = (ql[64 * n + l + 32 * (s % 2)] >> (4 * (s / 2))) & 0x0f;
+        o.q[l] = uint8_t(lo | ((qh[32 * n + l] >> (2 * s)) & 3) << 4);
+      }
+      return;
+    }
+  }
+}
+
+// Row `dst` (tile t = dst / 16, j = dst % 16) of a GGUF x16 weight written from raw row `row`: codes and scale
+// words are the row's own bytes; the plane bits it shares a byte with other rows are OR-ed in (planes start zeroed).
+inline void gguf_write_row(const GgufX16& g, const uint8_t* row, int64_t dst) {
+  const int64_t t = dst / X16;
+  const int j = int(dst % X16), nblk = g.nblk, h = j / 8;
+  const GgufX16 w = g.tile(int(t));
+  uint8_t* codes = const_cast<uint8_t*>(w.codes);
+  uint8_t* planes = const_cast<uint8_t*>(w.planes);
+  uint16_t* scales = const_cast<uint16_t*>(w.scales);
+  uint8_t* aux = const_cast<uint8_t*>(w.aux);
+  RawBlock o;
+  for (int b = 0; b < nblk; ++b) {
+    gguf_read_block(g.kind, row, b, o);
+    switch (g.kind) {
+      case GK_Q8_0:
+        for (int v = 0; v < 32; ++v) codes[int64_t(b) * 512 + 64 * (v / 4) + 4 * j + v % 4] = uint8_t(o.q8[v]);
+        scales[b * 16 + j] = o.d;
+        continue;
+      case GK_Q5_0: scales[b * 16 + j] = o.d; break;
+      case GK_Q5_K:
+        if (b % 8 == 0) scales[(b / 8) * 32 + j] = o.d, scales[(b / 8) * 32 + 16 + j] = o.dmin;
+        aux[b * 32 + j] = o.sc[0];
+        aux[b * 32 + 16 + j] = o.m;
+        break;
+      case GK_Q6_K:
+        if (b % 8 == 0) scales[(b / 8) * 16 + j] = o.d;
+        aux[b * 32 + j] = o.sc[0];
+        aux[b * 32 + 16 + j] = o.sc[1];
+        break;
+    }
+    for (int c = 0; c < 4; ++c)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t ql = o.q[4 * c + i], qh = o.q[16 + 4 * c + i];
+        codes[int64_t(b) * 256 + 64 * c + 4 * j + i] = uint8_t((ql & 0x0f) | (qh & 0x0f) << 4);
+        const int p = 4 * (j % 8) + i;
+        if (g.kind == GK_Q6_K) {
+          uint8_t* pb = planes + int64_t(b) * 128 + (2 * c + h) * 16 + p % 16;
+          const int f = p >= 16;
+          __atomic_fetch_or(pb, uint8_t((ql >> 4) << (2 * f) | (qh >> 4) << (2 * (2 + f))), __ATOMIC_RELAXED);
+        } else {
+          uint8_t* word = planes + int64_t(b) * 64 + (2 * c + h) * 8;
+          __atomic_fetch_or(word + p / 8, uint8_t(((ql >> 4) & 1) << (p % 8)), __ATOMIC_RELAXED);
+          __atomic_fetch_or(word + 4 + p / 8, uint8_t(((qh >> 4) & 1) << (p % 8)), __ATOMIC_RELAXED);
+        }
+      }
+  }
+}
