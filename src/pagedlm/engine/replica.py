@@ -136,6 +136,11 @@ class EngineReplica:
                   age_s: float, cache_salt: str | None) -> tuple[str, str] | None:
         """Queue a request; None, or the refusal as (error class, message). `age_s`: time since its arrival."""
         self._bind_loop()
+        if params.structured_outputs is not None:  # compiled off the engine thread (a pickled request has none)
+            try:
+                await asyncio.to_thread(self.engine.facade.prepare_params, params)
+            except Exception as e:  # noqa: BLE001 - the verdict goes back to the caller
+                return _encode_error(e)
         stream = self.engine.submit(request_id, prompt, params, priority, time.monotonic() - max(age_s, 0.0),
                                     cache_salt)
         try:

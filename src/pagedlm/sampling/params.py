@@ -137,6 +137,12 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # set by the sampler on first use (sampler.allowed_mask): allowed_token_ids as a [vocab] bool tensor
     _allowed_mask: Any = field(default=None, repr=False, compare=False)
+    # set by prepare_params: the compiled constraint (an llguidance matcher every sequence copies), held for the
+    # request's life so that the engine thread never compiles; not pickled (another process compiles its own)
+    _grammar: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_grammar": None}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
