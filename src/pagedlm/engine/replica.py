@@ -340,6 +340,8 @@ class ReplicaClient(EngineClient):
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
+        if self._stop.is_set():  # shut down: nothing left to free, and Ray may be restarting
+            return
         try:
             self.actor.abort.remote([request_id])
         except Exception:  # noqa: BLE001 - a dead replica frees nothing, and needs nothing freed
@@ -502,10 +504,27 @@ class RayCluster:
         if self.started and ray.is_initialized():
             ray.shutdown()
 
+    def down_reason(self) -> str | None:
+        """Why a local cluster this process started cannot serve: its raylet or GCS process exited (e.g. killed,
+        or the raylet followed its dashboard agent); None while they run, or for a cluster joined."""
+        import ray
+
+        node = getattr(ray._private.worker, "_global_node", None) if self.started else None
+        try:
+            dead = [name for name, _ in node.dead_processes() if name in ("raylet", "gcs_server")] if node else []
+        except Exception:  # noqa: BLE001 - Ray's internals moved: no verdict
+            return None
+        return f"Ray's {' and '.join(dead)} exited" if dead else None
+
+
+RAY_MIN_VERSION = (2, 59)  # local clusters with token authentication (Ray turns it on by default from 2.59)
+
 
 def connect_ray(address: str | None = None, num_cpus: int | None = None, **init_kwargs: Any) -> RayCluster:
     """Join the cluster at `address` (or the one already initialized); without one, start a local Ray on this
-    machine's cores (no dashboard)."""
+    machine's cores (no dashboard) with token authentication: Ray's services listen on every interface (it binds
+    0.0.0.0 and turns a loopback node address into the routable one), so the token is what keeps others from
+    running code in it. RuntimeError if this Ray cannot, or RAY_AUTH_MODE says otherwise."""
     import ray
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -514,10 +533,23 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None, **init_
         if address:
             ray.init(address=address, **init_kwargs)
         else:
+            _require_token_auth(ray.__version__)
             ray.init(address="local", num_cpus=num_cpus or len(cpus), include_dashboard=False, **init_kwargs)
             started = True
     total = float(ray.cluster_resources().get("CPU", len(cpus)))
     return RayCluster(started, total, cpus)
+
+
+def _require_token_auth(version: str) -> None:
+    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < RAY_MIN_VERSION:
+        raise RuntimeError(f"Ray {version} starts local clusters without authentication; install ray>="
+                           f"{'.'.join(map(str, RAY_MIN_VERSION))} (pip install 'pagedlm[ray]') or join a cluster "
+                           "of your own with --ray-address.")
+    mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if mode.lower() != "token":
+        raise RuntimeError(f"RAY_AUTH_MODE={mode}: the local Ray cluster would listen on every interface without "
+                           "authentication, running code for anyone who reaches it. Unset it (token authentication "
+                           "is then on), or start a cluster yourself and join it with --ray-address.")
 
 
 def launch_replicas(cluster: RayCluster, engine_kwargs: dict[str, Any], num_replicas: int, *,

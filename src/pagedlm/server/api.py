@@ -123,9 +123,9 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     async def health() -> Response:
         if front.draining:
             raise shutting_down()
-        dead = [name for name, srv in front.servers.items() if not srv.engine.is_running]
-        if dead:
-            raise APIError(503, f"The engine loop has stopped ({', '.join(dead)}).", type="server_error")
+        down = [f"{name}: {why}" for name, srv in front.servers.items() if (why := srv.engine.down_reason)]
+        if down:
+            raise APIError(503, f"Not serving ({'; '.join(down)}).", type="server_error")
         stuck = [n for n, srv in front.servers.items() if 0 < health_step_timeout < srv.engine.step_stuck_for]
         if stuck:
             raise APIError(503, f"An engine step has run longer than {health_step_timeout:g} s with requests "
