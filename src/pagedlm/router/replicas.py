@@ -96,7 +96,7 @@ class ReplicaSet(EngineClient):
     def down_reason(self) -> str | None:
         if self._ray_down is not None:
             return self._ray_down
-        return None if self.is_running else "every replica is down (Ray is restarting them)"
+        return None if self.is_running else "every replica is down (see the log)"
 
     @property
     def num_rejected(self) -> int:
