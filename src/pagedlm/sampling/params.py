@@ -67,11 +67,14 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        return [k for k in kinds if getattr(self, k) not in (None, False)]
 
     def validate(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or "
                              f"json_object, got {given or 'none'}.")
