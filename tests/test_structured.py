@@ -186,6 +186,15 @@ def test_json_object_regex_choice_and_grammars(llm):
         assert isinstance(json.loads(t)["k"], bool)
 
 
+def test_an_empty_json_schema_is_a_constraint_not_a_crash(llm):
+    """`{"json": {}}` (any JSON) was counted as given by the validation but not by `kind`: StopIteration, a 500
+    (found by the schemathesis fuzzer)."""
+    so = StructuredOutputsParams(json={})
+    assert so.kind == "json" and so.cache_key() == '["json",{},false]'
+    out = llm.generate(PROMPTS[:1], constrained(so, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason in ("stop", "length")
+
+
 def test_compile_cache_and_errors(llm):
     mgr = llm.engine.structured
     before = mgr.stats.compiles
