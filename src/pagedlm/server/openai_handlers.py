@@ -115,8 +115,8 @@ class ModelServer(TokenizerEndpoints):
             raise APIError(400, f"A request may hold at most {self.engine.max_waiting} prompts.", param="prompt")
         check_fan_out(len(prompt), req, self.max_prompts_per_request)
         self.limits.check_text_prompts(prompt)
-        out = await self.stages.run(
-            "tokenize", lambda: [_Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
+        out = await self.stages.run("tokenize", lambda: [
+            _Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
         for p in out:
             self._check_prompt(p.token_ids)
         return out

@@ -41,7 +41,8 @@ class StagePools:
         self._stages = {name: _Stage(name, threads, queue) for name in STAGES}
 
     async def run(self, stage: str, fn: Callable[..., T], *args) -> T:
-        """`fn(*args)` on the stage's pool; APIError 503 (not a model's failure: no fallback) if the stage already holds threads + queue jobs."""
+        """`fn(*args)` on the stage's pool; APIError 503 (not a model's failure: no fallback) if the stage
+        already holds threads + queue jobs."""
         s = self._stages[stage]
         with s.lock:
             if s.jobs >= s.threads + s.queue:
