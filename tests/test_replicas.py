@@ -112,8 +112,9 @@ def test_a_local_ray_starts_only_with_token_authentication(monkeypatch):
     from pagedlm.engine.replica import _require_token_auth
 
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    _require_token_auth("2.60.0")  # unset: Ray's own default, token authentication, from 2.59
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
     _require_token_auth("2.60.0")
-    assert os.environ["RAY_AUTH_MODE"] == "token"  # set explicitly, whatever this Ray's default
     with pytest.raises(RuntimeError, match="ray>=2.59"):
         _require_token_auth("2.58.1")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")

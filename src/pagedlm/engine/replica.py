@@ -353,11 +353,14 @@ class ReplicaClient(EngineClient):
         except Exception:  # noqa: BLE001
             pass
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, remote: bool = True) -> None:
+        """Stop polling and fail the open requests; `remote`: also shut the actor's engine down."""
         self._stop.set()
         self._thread.join(timeout)
         for stream in self._take_streams():
             self._deliver(stream, EngineDeadError("The engine was shut down."))
+        if not remote:
+            return
         try:
             self._ray.get(self.actor.shutdown.remote(), timeout=timeout)
         except Exception:  # noqa: BLE001
@@ -536,6 +539,9 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None, **init_
             _require_token_auth(ray.__version__)
             ray.init(address="local", num_cpus=num_cpus or len(cpus), include_dashboard=False, **init_kwargs)
             started = True
+            if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":  # Ray sets it when it turns the token on
+                ray.shutdown()
+                raise RuntimeError("Ray started its local cluster without token authentication; refusing to use it.")
     total = float(ray.cluster_resources().get("CPU", len(cpus)))
     return RayCluster(started, total, cpus)
 
@@ -545,7 +551,7 @@ def _require_token_auth(version: str) -> None:
         raise RuntimeError(f"Ray {version} starts local clusters without authentication; install ray>="
                            f"{'.'.join(map(str, RAY_MIN_VERSION))} (pip install 'pagedlm[ray]') or join a cluster "
                            "of your own with --ray-address.")
-    mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
+    mode = os.environ.get("RAY_AUTH_MODE", "token")  # unset: Ray's default for a local cluster (>= 2.59)
     if mode.lower() != "token":
         raise RuntimeError(f"RAY_AUTH_MODE={mode}: the local Ray cluster would listen on every interface without "
                            "authentication, running code for anyone who reaches it. Unset it (token authentication "

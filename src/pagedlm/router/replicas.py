@@ -229,7 +229,7 @@ class ReplicaSet(EngineClient):
                          "the %d replicas", why, len(self.replicas))
             old = list(self.replicas.values())
             for c in old:
-                c.shutdown(timeout=5.0)  # its open requests fail (EngineDeadError); nothing left to kill
+                c.shutdown(timeout=5.0, remote=False)  # its open requests fail (EngineDeadError); its actor is gone
             delay = 1.0
             while not self._closed.is_set():
                 try:
