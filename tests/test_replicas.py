@@ -1,7 +1,8 @@
 """Data parallelism: engine replicas as Ray actors behind the server and `LLM`, replica routing, lost replicas.
 
-The Ray part shares one local Ray (2 CPUs) and one pair of replicas (from `LLM(data_parallel_size=2)`) across the
-module; the policy and hashing tests need no Ray.
+The Ray part shares one local Ray (2 CPUs, started by `LLM(data_parallel_size=2)` as `pagedlm serve` starts it)
+and its pair of replicas across the module; the last test kills Ray's raylet and waits for both to come back. The
+policy and hashing tests need no Ray.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import itertools
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -104,28 +107,41 @@ def test_bad_replica_flags_fail_before_anything_starts(capsys):
 
 # ---- replicas on Ray ----
 
+def test_a_local_ray_starts_only_with_token_authentication(monkeypatch):
+    """Ray's services listen on every interface: a local cluster without its token would run anyone's code."""
+    from pagedlm.engine.replica import _require_token_auth
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    _require_token_auth("2.60.0")  # unset: Ray's own default, token authentication, from 2.59
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    _require_token_auth("2.60.0")
+    with pytest.raises(RuntimeError, match="ray>=2.59"):
+        _require_token_auth("2.58.1")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(RuntimeError, match="RAY_AUTH_MODE=disabled"):
+        _require_token_auth("2.60.0")
+
+
 @pytest.fixture(scope="module")
 def models(tiny_model_dir):
-    """(one local engine, two replicas via LLM(data_parallel_size=2)); Ray is stopped at the end."""
+    """(one local engine, two replicas via LLM(data_parallel_size=2), which starts Ray); Ray stops at the end."""
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install pagedlm[ray])")
     from pagedlm import LLM
 
+    kw = dict(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_num_seqs=16)
+    ref = LLM(**kw)
     for attempt in range(2):  # Ray gives its node 30 s to start: a busy shared machine can miss that once
         try:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            dp = LLM(**kw, data_parallel_size=2)
             break
         except Exception:
             ray.shutdown()
             if attempt:
                 raise
-    kw = dict(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_num_seqs=16)
     try:
-        ref = LLM(**kw)
-        dp = LLM(**kw, data_parallel_size=2)
         yield ref, dp
-        dp.shutdown()
     finally:
+        dp.shutdown()
         ray.shutdown()
 
 
@@ -138,6 +154,41 @@ def server(models):
     srv = InProcessServer(build_app({"tiny": models[1].replicas}))
     yield srv
     srv.stop()
+
+
+_GCS_PROBE = """
+import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_get(b"pagedlm-probe", namespace=None, timeout=5)
+except Exception as e:
+    print("refused:", type(e).__name__, str(e)[:200])
+else:
+    print("answered")
+"""
+
+
+def test_the_local_cluster_refuses_clients_without_its_token(models, tmp_path):
+    """The Ray that pagedlm started listens on the machine's routable address (Ray makes a loopback node address
+    the routable one) with token authentication: a client without the token, or with a wrong one, is refused by
+    its GCS; with the token it is answered (so the refusals are the token's doing)."""
+    import ray
+    from ray._raylet import AuthenticationTokenLoader
+
+    assert models[1].replicas._watch is not None  # the replicas' own cluster, not one joined
+    gcs = ray._private.worker._global_node.gcs_address
+    token = AuthenticationTokenLoader.instance().get_raw_token()
+    assert token and os.environ["RAY_AUTH_MODE"] == "token"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(tmp_path)}
+
+    def probe(**env: str) -> str:
+        r = subprocess.run([sys.executable, "-c", _GCS_PROBE, gcs], env={**base, **env}, capture_output=True,
+                           text=True, timeout=60)
+        return r.stdout.strip() or r.stderr[-300:]
+
+    assert probe(RAY_AUTH_MODE="disabled").startswith("refused"), "a client without a token got in"
+    assert probe(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="x" * len(token)).startswith("refused")
+    assert probe(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token) == "answered"
 
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there was", "It was the best of times", "Hello! How are you",
@@ -314,3 +365,33 @@ def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(models, serv
         assert min(rs.decisions.values()) > 0
     finally:
         rs.policy = PrefixAffinityPolicy()
+
+
+@pytest.mark.slow
+def test_a_dead_raylet_is_reported_and_ray_comes_back_with_the_replicas(models, server):
+    """Ray's raylet dies (as it does after its dashboard agent): every replica goes with it and Ray cannot restart
+    them. The set that started this Ray says why on /health (503), restarts Ray and its replicas, and serves again;
+    the restarts show in the metrics. Runs last: it replaces the module's Ray."""
+    import ray
+
+    ref, dp = models
+    rs = dp.replicas
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process
+    before = {name: c.restarts for name, c in rs.replicas.items()}
+    os.kill(raylet.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (r := httpx.get(f"{server.url}/health", timeout=10)).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.status_code == 503 and "raylet exited" in r.json()["error"]["message"], r.text
+    deadline = time.monotonic() + 120
+    while rs.down_reason is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rs.down_reason is None and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert {name: c.restarts for name, c in rs.replicas.items()} == {k: v + 1 for k, v in before.items()}
+    want = ref.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    got = dp.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert _ids(got) == _ids(want)
+    r = server.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[0].outputs[0].text
+    m = server.metrics(all_labels=True)
+    assert m["pagedlm:replica_restarts_total{model_name=tiny,replica=0}"] == before["0"] + 1

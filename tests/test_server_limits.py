@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -253,3 +254,60 @@ def test_generated_logprobs_are_bounded_per_request(engine):
         assert post("/v1/chat/completions", **chat, max_tokens=200).status_code == 200
     finally:
         srv.stop()
+
+
+# --- pre-engine stages ----------------------------------------------------------------------------------------------
+FLOOD = 40  # more than the default thread pool's workers (at most 32) that every stage shared before
+
+
+def test_a_flood_of_slow_constraints_stalls_no_other_stage(engine, monkeypatch):
+    """Constraints that take long to compile (held here until released) fill their own stage's 2 threads and 3
+    queue places, and the rest of the flood gets 503 server_busy at once; meanwhile other requests are parsed,
+    tokenized and served, and /health answers 200 (it runs on no stage)."""
+    import pagedlm.engine.facade as facade_module
+
+    release, entered = threading.Event(), threading.Semaphore(0)
+    real = facade_module.prepare_params
+
+    def slow(params, *args):
+        if params.structured_outputs is not None:
+            entered.release()
+            release.wait(30)
+        return real(params, *args)
+
+    monkeypatch.setattr(facade_module, "prepare_params", slow)
+    app = build_app({"tiny": engine}, stage_threads=2, stage_queue=3)
+    srv, stages = InProcessServer(app), app.state.server.stages
+    results: list[httpx.Response] = []
+
+    def constrained(i: int) -> None:
+        results.append(srv.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                         "structured_outputs": {"regex": f"a{{{i + 1}}}"}}))
+
+    flood = [threading.Thread(target=constrained, args=(i,)) for i in range(FLOOD)]
+    try:
+        for i, t in enumerate(flood):  # one at a time: each is refused or held before the next is parsed
+            t.start()
+            deadline = time.monotonic() + 10
+            while len(results) + stages.load()["grammar"][0] <= i and time.monotonic() < deadline:
+                time.sleep(0.002)
+        assert entered.acquire(timeout=30) and entered.acquire(timeout=30)  # both threads of the stage are held
+        for body in ({"prompt": "Hello there", "max_tokens": 2},
+                     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            r = httpx.post(f"{srv.url}{path}", json={"model": "tiny", **body}, timeout=10)
+            assert r.status_code == 200, r.text
+        assert httpx.post(f"{srv.url}/tokenize", json={"prompt": "Hello"}, timeout=10).status_code == 200
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        busy = [r for r in results if r.status_code == 503]
+        assert len(busy) == FLOOD - 5 and all(r.json()["error"]["code"] == "server_busy" for r in busy)
+        assert busy[0].headers["retry-after"]
+        m = srv.metrics()
+        assert m["pagedlm:stage_jobs{stage=grammar}"] == 5 and m["pagedlm:stage_jobs{stage=parse}"] == 0
+        assert m["pagedlm:stage_refused_total{stage=grammar}"] == FLOOD - 5
+    finally:
+        release.set()
+        for t in flood:
+            t.join(60)
+        srv.stop()
+    assert sorted(r.status_code for r in results) == [200] * 5 + [503] * (FLOOD - 5)

@@ -186,6 +186,15 @@ def test_json_object_regex_choice_and_grammars(llm):
         assert isinstance(json.loads(t)["k"], bool)
 
 
+def test_an_empty_json_schema_is_a_constraint_not_a_crash(llm):
+    """`{"json": {}}` (any JSON) was counted as given by the validation but not by `kind`: StopIteration, a 500
+    (found by the schemathesis fuzzer)."""
+    so = StructuredOutputsParams(json={})
+    assert so.kind == "json" and so.cache_key() == '["json",{},false]'
+    out = llm.generate(PROMPTS[:1], constrained(so, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason in ("stop", "length")
+
+
 def test_compile_cache_and_errors(llm):
     mgr = llm.engine.structured
     before = mgr.stats.compiles
@@ -210,7 +219,53 @@ def test_replay_reproduces_the_matcher_state(llm):
     live = mgr.new_matcher(so)
     for t in tokens:
         assert live.consume_token(t)
-    assert torch.equal(mgr.fill_bitmask([live]), mgr.fill_bitmask([mgr.replay(so, tokens)]))
+    assert torch.equal(mgr.fill_bitmask([live]), mgr.fill_bitmask([mgr.replay(mgr.compile(so), tokens)]))
+
+
+def test_grammars_beyond_the_cache_are_never_compiled_on_the_engine_thread(tiny_model_dir):
+    """More distinct grammars than the compile cache holds: each request keeps the constraint compiled before it
+    was queued (its params), so admitting it, running it and replaying it after preemption compile nothing."""
+    from pagedlm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=12, block_size=4,
+                                 preemption_mode="recompute")
+    mgr = engine.structured
+    mgr.cache_size = 2
+    params = [constrained(StructuredOutputsParams(regex=f"[a-z]{{{i + 2},40}}"), max_tokens=30, ignore_eos=True)
+              for i in range(4)]
+    for p in params:  # what the server does on its grammar stage
+        engine.prepare_params(p)
+    compiled = mgr.stats.compiles
+    assert compiled == 4 and len(mgr._cache) == 2
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", PROMPTS[i % len(PROMPTS)], p)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert mgr.stats.compiles == compiled and engine.get_stats().num_preemptions > 0
+    for i, p in enumerate(params):
+        assert re.fullmatch(p.structured_outputs.regex, outs[f"r{i}"].outputs[0].text)
+
+
+def test_an_ambiguous_grammar_stops_at_the_parser_limits(llm):
+    """An ambiguous grammar whose parse grows with every token (Earley items): under llguidance's default limits
+    its 150 tokens cost 17 s of masks (over 100 ms a step at the end, on this 512-token vocabulary), every step
+    of the batch waiting; with the limits set in structured.py its request fails near token 60, naming the limit,
+    and a request beside it is unaffected."""
+    engine = llm.engine
+    abc = [engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in "abc"]
+    so = StructuredOutputsParams(grammar='start: s\ns: s s | s s s | s s s s | "a" | "b" | "c" | "ab" | "bc"')
+    engine.add_request("ambiguous", PROMPTS[0], SamplingParams(max_tokens=150, ignore_eos=True, seed=0,
+                                                               allowed_token_ids=abc, structured_outputs=so))
+    engine.add_request("plain", PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    bad, plain = outs["ambiguous"], outs["plain"]
+    assert bad.error is not None and "max is 500" in bad.error, bad.error
+    assert 20 < len(bad.outputs[0].token_ids) < 150
+    want = llm.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0), use_tqdm=False)
+    assert plain.error is None and plain.outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
 def _greedy(path, prompts, so_list, **kw):

@@ -171,6 +171,11 @@ class EngineClient:
         raise NotImplementedError
 
     @property
+    def down_reason(self) -> str | None:
+        """Why the engine cannot serve now (said by /health), or None while it can."""
+        return None if self.is_running else "the engine loop has stopped"
+
+    @property
     def step_stuck_for(self) -> float:
         """Seconds the engine's current step has run while other requests wait for it (0: none such)."""
         return 0.0

@@ -28,7 +28,7 @@ from pagedlm.outputs import PositionLogprobs, RequestOutput
 from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow, allowed_mask
-from pagedlm.sampling.structured import StructuredOutputManager
+from pagedlm.sampling.structured import StructuredOutputError, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +317,8 @@ class LLMEngine:
         self.scheduler.abort_request(req.request_id)
         self._requests.pop(req.request_id, None)
         out = self.output_processor.request_output(req, True)
-        out.error = f"{type(error).__name__} while running request {req.request_id}"
+        out.error = str(error) if isinstance(error, StructuredOutputError) \
+            else f"{type(error).__name__} while running request {req.request_id}"
         self._failed[req.request_id] = out
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -411,7 +412,9 @@ class LLMEngine:
     def _append_token(self, req: Request, seq: Sequence, token: int, logprob: float,
                       top: PositionLogprobs | None, now: float) -> None:
         if seq.matcher is not None and not seq.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} breaks the constraint: {seq.matcher.get_error()}")
+            error = (seq.matcher.get_error() or "").strip().splitlines()
+            raise StructuredOutputError(f"The constraint stopped at output token {len(seq.output_token_ids)}: "
+                                        f"{error[0] if error else token}")
         seq.output_token_ids.append(token)
         seq.cumulative_logprob += logprob
         if top is not None:
@@ -438,7 +441,7 @@ class LLMEngine:
                 continue
             try:
                 if row.seq.matcher is None:
-                    row.seq.matcher = self.structured.replay(p.structured_outputs, row.seq.output_token_ids)
+                    row.seq.matcher = self.structured.replay(p._grammar, row.seq.output_token_ids)
                 seqs.append(row.seq)
             except Exception as e:  # noqa: BLE001 - isolate the request (failed once the batch has run)
                 self._mask_errors.append((row.request, e))
@@ -587,5 +590,5 @@ def prepare_params(params: SamplingParams, vocab_size: int, tokenizer, structure
                 if ids and ids not in words:
                     words.append(ids)
         params._bad_words_token_ids = words
-    if params.structured_outputs is not None:
-        structured().compile(params.structured_outputs)
+    if params.structured_outputs is not None and params._grammar is None:
+        params._grammar = structured().compile(params.structured_outputs)

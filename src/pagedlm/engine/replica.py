@@ -136,6 +136,11 @@ class EngineReplica:
                   age_s: float, cache_salt: str | None) -> tuple[str, str] | None:
         """Queue a request; None, or the refusal as (error class, message). `age_s`: time since its arrival."""
         self._bind_loop()
+        if params.structured_outputs is not None:  # compiled off the engine thread (a pickled request has none)
+            try:
+                await asyncio.to_thread(self.engine.facade.prepare_params, params)
+            except Exception as e:  # noqa: BLE001 - the verdict goes back to the caller
+                return _encode_error(e)
         stream = self.engine.submit(request_id, prompt, params, priority, time.monotonic() - max(age_s, 0.0),
                                     cache_salt)
         try:
@@ -335,6 +340,8 @@ class ReplicaClient(EngineClient):
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
+        if self._stop.is_set():  # shut down: nothing left to free, and Ray may be restarting
+            return
         try:
             self.actor.abort.remote([request_id])
         except Exception:  # noqa: BLE001 - a dead replica frees nothing, and needs nothing freed
@@ -346,11 +353,14 @@ class ReplicaClient(EngineClient):
         except Exception:  # noqa: BLE001
             pass
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, remote: bool = True) -> None:
+        """Stop polling and fail the open requests; `remote`: also shut the actor's engine down."""
         self._stop.set()
         self._thread.join(timeout)
         for stream in self._take_streams():
             self._deliver(stream, EngineDeadError("The engine was shut down."))
+        if not remote:
+            return
         try:
             self._ray.get(self.actor.shutdown.remote(), timeout=timeout)
         except Exception:  # noqa: BLE001
@@ -497,10 +507,27 @@ class RayCluster:
         if self.started and ray.is_initialized():
             ray.shutdown()
 
+    def down_reason(self) -> str | None:
+        """Why a local cluster this process started cannot serve: its raylet or GCS process exited (e.g. killed,
+        or the raylet followed its dashboard agent); None while they run, or for a cluster joined."""
+        import ray
+
+        node = getattr(ray._private.worker, "_global_node", None) if self.started else None
+        try:
+            dead = [name for name, _ in node.dead_processes() if name in ("raylet", "gcs_server")] if node else []
+        except Exception:  # noqa: BLE001 - Ray's internals moved: no verdict
+            return None
+        return f"Ray's {' and '.join(dead)} exited" if dead else None
+
+
+RAY_MIN_VERSION = (2, 59)  # local clusters with token authentication (Ray turns it on by default from 2.59)
+
 
 def connect_ray(address: str | None = None, num_cpus: int | None = None, **init_kwargs: Any) -> RayCluster:
     """Join the cluster at `address` (or the one already initialized); without one, start a local Ray on this
-    machine's cores (no dashboard)."""
+    machine's cores (no dashboard) with token authentication: Ray's services listen on every interface (it binds
+    0.0.0.0 and turns a loopback node address into the routable one), so the token is what keeps others from
+    running code in it. RuntimeError if this Ray cannot, or RAY_AUTH_MODE says otherwise."""
     import ray
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -509,10 +536,26 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None, **init_
         if address:
             ray.init(address=address, **init_kwargs)
         else:
+            _require_token_auth(ray.__version__)
             ray.init(address="local", num_cpus=num_cpus or len(cpus), include_dashboard=False, **init_kwargs)
             started = True
+            if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":  # Ray sets it when it turns the token on
+                ray.shutdown()
+                raise RuntimeError("Ray started its local cluster without token authentication; refusing to use it.")
     total = float(ray.cluster_resources().get("CPU", len(cpus)))
     return RayCluster(started, total, cpus)
+
+
+def _require_token_auth(version: str) -> None:
+    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < RAY_MIN_VERSION:
+        raise RuntimeError(f"Ray {version} starts local clusters without authentication; install ray>="
+                           f"{'.'.join(map(str, RAY_MIN_VERSION))} (pip install 'pagedlm[ray]') or join a cluster "
+                           "of your own with --ray-address.")
+    mode = os.environ.get("RAY_AUTH_MODE", "token")  # unset: Ray's default for a local cluster (>= 2.59)
+    if mode.lower() != "token":
+        raise RuntimeError(f"RAY_AUTH_MODE={mode}: the local Ray cluster would listen on every interface without "
+                           "authentication, running code for anyone who reaches it. Unset it (token authentication "
+                           "is then on), or start a cluster yourself and join it with --ray-address.")
 
 
 def launch_replicas(cluster: RayCluster, engine_kwargs: dict[str, Any], num_replicas: int, *,

@@ -9,18 +9,23 @@ A replica that refuses (queue full) or is down at placement: the next choice tak
 with the request on it (died, hung, engine loop stopped): a request that sent nothing to its client yet is
 placed again on another replica (`retries` counts them per lost replica); a started stream fails with
 EngineDeadError, which the server turns into an error event and `[DONE]`.
+
+A set that started its own local Ray watches it: when Ray's raylet or GCS process dies, every replica goes with
+it and Ray cannot bring them back, so the set says why (`down_reason`, /health's 503), restarts Ray and launches
+its replicas again.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pagedlm.engine.client import EngineClient, StepRecord
 from pagedlm.engine.errors import EngineDeadError, QueueFullError
 from pagedlm.engine.llm_engine import EngineStats
-from pagedlm.engine.replica import RemoteStream, ReplicaClient, prompt_block_hashes
+from pagedlm.engine.replica import RayCluster, RemoteStream, ReplicaClient, prompt_block_hashes
 from pagedlm.router.policies import (
     REPLICA_POLICIES,
     Candidate,
@@ -50,6 +55,8 @@ class ReplicaSet(EngineClient):
     listeners / fail_all / shutdown). policy: a replica policy (default prefix affinity); max_retries: times a
     request is placed again after losing its replica."""
 
+    WATCH_S = 1.0  # how often a set that started its own Ray checks that Ray's processes run
+
     def __init__(self, replicas: list[ReplicaClient], policy: Policy | str = "prefix", max_retries: int = 2,
                  on_shutdown: Callable[[], None] | None = None) -> None:
         if not replicas:
@@ -65,9 +72,16 @@ class ReplicaSet(EngineClient):
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._placing = 0
         self._on_shutdown = on_shutdown
+        self._ray_down: str | None = None  # why the local Ray is down, while it is restarted
+        self._closed = threading.Event()
+        self._watch: threading.Thread | None = None
+        self._adopt(replicas)
+
+    def _adopt(self, replicas: list[ReplicaClient]) -> None:
         for c in replicas:
             c.on_lost = self._on_lost
             c.add_listener(self._notify)
+        self.replicas = {c.name: c for c in replicas}
 
     # --- the engine interface (listeners run on a replica's pump thread, with its records) -------------
     @property
@@ -77,6 +91,12 @@ class ReplicaSet(EngineClient):
     @property
     def is_running(self) -> bool:
         return any(c.is_running for c in self.replicas.values())
+
+    @property
+    def down_reason(self) -> str | None:
+        if self._ray_down is not None:
+            return self._ray_down
+        return None if self.is_running else "every replica is down (see the log)"
 
     @property
     def num_rejected(self) -> int:
@@ -136,6 +156,9 @@ class ReplicaSet(EngineClient):
             c.fail_all(message)
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self._closed.set()
+        if self._watch is not None:
+            self._watch.join(timeout)  # a restart under way ends first: Ray is not shut down under it
         for c in self.replicas.values():
             c.shutdown(timeout)
         if self._on_shutdown is not None:
@@ -151,33 +174,82 @@ class ReplicaSet(EngineClient):
 
         from pagedlm.engine.replica import connect_ray, launch_replicas
 
+        def start(cluster: RayCluster, tokenizer=None) -> list[ReplicaClient]:
+            actors = []
+            try:
+                actors = launch_replicas(cluster, engine_kwargs, num_replicas, num_threads=num_threads,
+                                         max_waiting=max_waiting, stall_timeout=stall_timeout,
+                                         log_interval=log_interval)
+                clients: list[ReplicaClient] = []
+                for i, actor in enumerate(actors):
+                    clients.append(ReplicaClient(actor, f"{i}", tokenizer or (clients[0].tokenizer if clients
+                                                                              else None),
+                                                 max_waiting=max_waiting, stall_timeout=stall_timeout,
+                                                 health_timeout=health_timeout))
+                    logger.info("Replica %d: pid %d on node %s, %d threads", i, clients[-1].pid,
+                                clients[-1].info.node[:12], clients[-1].info.num_threads)
+                return clients
+            except BaseException:
+                for actor in actors:
+                    ray.kill(actor, no_restart=True)
+                cluster.stop()
+                raise
+
         cluster = connect_ray(ray_address, **(ray_init_kwargs or {}))
-        actors = []
-        try:
-            actors = launch_replicas(cluster, engine_kwargs, num_replicas, num_threads=num_threads,
-                                     max_waiting=max_waiting, stall_timeout=stall_timeout, log_interval=log_interval)
-            clients: list[ReplicaClient] = []
-            for i, actor in enumerate(actors):
-                clients.append(ReplicaClient(actor, f"{i}", clients[0].tokenizer if clients else None,
-                                             max_waiting=max_waiting, stall_timeout=stall_timeout,
-                                             health_timeout=health_timeout))
-                logger.info("Replica %d: pid %d on node %s, %d threads", i, clients[-1].pid,
-                            clients[-1].info.node[:12], clients[-1].info.num_threads)
-        except BaseException:
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
-            cluster.stop()
-            raise
+        rs: ReplicaSet
 
         def stop() -> None:
-            for actor in actors:
+            for c in rs.replicas.values():
                 try:
-                    ray.kill(actor, no_restart=True)
+                    ray.kill(c.actor, no_restart=True)
                 except Exception:  # noqa: BLE001
                     pass
             cluster.stop()
 
-        return cls(clients, policy, on_shutdown=stop)
+        rs = cls(start(cluster), policy, on_shutdown=stop)
+        if cluster.started:
+            rs._watch = threading.Thread(target=rs._watch_ray, args=(cluster, start, ray_init_kwargs or {}),
+                                         name="pagedlm-ray-watch", daemon=True)
+            rs._watch.start()
+        return rs
+
+    def _watch_ray(self, cluster: RayCluster, start: Callable[..., list[ReplicaClient]], init_kwargs: dict) -> None:
+        """A thread while this set's own local Ray runs: if Ray's raylet or GCS dies, restart Ray and the
+        replicas (the set answers `down_reason` meanwhile; requests fail over to nothing and get 503)."""
+        import ray
+
+        from pagedlm.engine.replica import connect_ray
+
+        while not self._closed.wait(self.WATCH_S):
+            why = cluster.down_reason()
+            if why is None:
+                continue
+            self._ray_down = f"{why}; restarting Ray and the replicas"
+            logger.error("The local Ray cluster is down (%s): every replica went with it. Restarting Ray and "
+                         "the %d replicas", why, len(self.replicas))
+            old = list(self.replicas.values())
+            for c in old:
+                c.shutdown(timeout=5.0, remote=False)  # its open requests fail (EngineDeadError); its actor is gone
+            delay = 1.0
+            while not self._closed.is_set():
+                try:
+                    ray.shutdown()
+                    fresh = connect_ray(None, **init_kwargs)
+                    cluster.num_cpus, cluster.cpus = fresh.num_cpus, fresh.cpus
+                    clients = start(cluster, old[0].tokenizer)
+                except Exception:  # noqa: BLE001 - try again
+                    logger.exception("Restarting Ray failed; trying again in %.0f s", delay)
+                    self._closed.wait(delay)
+                    delay = min(2 * delay, 30.0)
+                    continue
+                for new, prev in zip(clients, old):
+                    new.restarts, new._base = prev.restarts + 1, (prev.num_rejected, prev.num_failed,
+                                                                  prev.num_stalled)
+                    new.num_rejected, new.num_failed, new.num_stalled = new._base
+                self._adopt(clients)
+                self._ray_down = None
+                logger.warning("Ray and its %d replicas are back", len(clients))
+                break
 
     # --- placement -----------------------------------------------------------------------------------
     @property

@@ -67,11 +67,14 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        return [k for k in kinds if getattr(self, k) not in (None, False)]
 
     def validate(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or "
                              f"json_object, got {given or 'none'}.")
@@ -137,6 +140,12 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # set by the sampler on first use (sampler.allowed_mask): allowed_token_ids as a [vocab] bool tensor
     _allowed_mask: Any = field(default=None, repr=False, compare=False)
+    # set by prepare_params: the compiled constraint (an llguidance matcher every sequence copies), held for the
+    # request's life so that the engine thread never compiles; not pickled (another process compiles its own)
+    _grammar: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_grammar": None}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

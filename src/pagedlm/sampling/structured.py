@@ -1,7 +1,9 @@
 """Constrained decoding through llguidance: JSON schema, JSON object, regex, choice and Lark / GBNF grammars.
 
-A constraint compiles once into a template matcher (cached, keyed by the constraint's canonical text); every
-sequence gets a deep copy, which shares the compiled grammar and advances on the tokens the sequence accepts.
+A constraint compiles once into a template matcher (cached, keyed by the constraint's canonical text, and held by
+the request's params, so that a request never needs the cache again); every sequence gets a deep copy, which
+shares the compiled grammar and advances on the tokens the sequence accepts. PARSER_LIMITS bound what one grammar
+may cost (compile, memory, and each row's mask: a grammar past them fails its own request).
 Each step the masks of all constrained rows are computed together (llguidance's thread pool, the GIL dropped).
 """
 from __future__ import annotations
@@ -21,8 +23,20 @@ from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 from pagedlm.sampling.params import StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 256
-# hostile grammars: bounded compile and per-step work (llguidance's defaults are 1M / 200k fuel)
-_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=200_000)
+# Every llguidance limit set here, not left to the library's defaults (in brackets), so that a hostile grammar costs
+# bounded work. Per row and step: Earley items (an ambiguous 4-rule grammar reached 0.4-0.8 s per mask on a 49k
+# vocabulary under the default; 5,000 keep it near 20-30 ms, and JSON, GBNF and expression grammars stay far below)
+# and lexer fuel (~14k/ms). Per grammar: lexer states (1-2 kB each, kept while the grammar is cached) and size.
+PARSER_LIMITS = dict(
+    max_items_in_row=500,  # [2,000] alternatives alive in one Earley row
+    step_max_items=5_000,  # [50,000] Earley items of one mask computation
+    step_lexer_fuel=100_000,  # [200,000] lexer work of one mask computation (~7 ms)
+    initial_lexer_fuel=1_000_000,  # [1,000,000] building the lexer at compile time (~20 ms)
+    max_lexer_states=20_000,  # [250,000] lexer (DFA) states of one grammar: ~40 MB at most, not ~500 MB
+    max_grammar_size=200_000,  # [500,000] symbols of the grammar's productions
+    precompute_large_lexemes=True,  # [True] large regexes walked over the token trie at compile time
+    verbose_errors=False,  # [True] errors name the grammar's rule, not the parser's state (they reach clients)
+)
 _GBNF = re.compile(r"::=")
 
 
@@ -70,7 +84,7 @@ class StructuredOutputManager:
             hf_tokenizer, n_vocab=max(vocab_size, len(hf_tokenizer)), eos_token=eos or None)
         self.words = (self.tokenizer.vocab_size + 31) // 32
         self.executor = LLExecutor(num_threads)
-        self.limits = LLParserLimits(**_LIMITS)
+        self.limits = LLParserLimits(**PARSER_LIMITS)
         self.cache_size = cache_size
         self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -103,9 +117,10 @@ class StructuredOutputManager:
     def new_matcher(self, p: StructuredOutputsParams) -> LLMatcher:
         return self.compile(p).deep_copy()
 
-    def replay(self, p: StructuredOutputsParams, tokens: list[int]) -> LLMatcher:
-        """A fresh matcher advanced over `tokens` (a sequence's output so far)."""
-        m = self.new_matcher(p)
+    @staticmethod
+    def replay(template: LLMatcher, tokens: list[int]) -> LLMatcher:
+        """A fresh copy of `template` (a compiled constraint) advanced over `tokens` (a sequence's output so far)."""
+        m = template.deep_copy()
         if tokens and not m.consume_tokens(tokens):
             raise StructuredOutputError(f"The tokens do not follow the constraint: {m.get_error()}")
         return m

@@ -9,3 +9,5 @@ DEFAULT_MAX_PROMPT_CHARS = 1 << 22  # characters of one prompt before tokenizati
 DEFAULT_MAX_REQUESTS_PER_KEY = 256  # engine requests (prompts) one API key may have waiting or running
 DEFAULT_MAX_CONNECTIONS = 1000  # open HTTP connections (see server/http.py)
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request's line, headers and body to arrive
+DEFAULT_STAGE_THREADS = 4  # worker threads of each pre-engine stage (parse, chat, tokenize, grammar)
+DEFAULT_STAGE_QUEUE = 256  # jobs of one stage that may wait for its threads; beyond: 503 server_busy

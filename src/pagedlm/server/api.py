@@ -16,13 +16,14 @@ wire.py (request bodies in, JSON out). Engines are seen only through their `Engi
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -32,6 +33,8 @@ from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
+    DEFAULT_STAGE_QUEUE,
+    DEFAULT_STAGE_THREADS,
 )
 from pagedlm.server import protocol as P
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
@@ -41,6 +44,7 @@ from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.openai_handlers import ModelServer
 from pagedlm.server.protocol import APIError, shutting_down
 from pagedlm.server.routing import AutoRoute
+from pagedlm.server.stages import StagePools
 from pagedlm.server.tools import TOOL_PARSERS
 from pagedlm.server.wire import error_response, json_response, parse_request
 
@@ -56,7 +60,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               strict_request_fields: bool = False, tool_call_parser: str | None = None,
               health_step_timeout: float = DEFAULT_HEALTH_STEP_TIMEOUT,
               max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, allow_client_priority: bool = False,
-              limits: RequestLimits = RequestLimits()) -> FastAPI:
+              limits: RequestLimits = RequestLimits(), stage_threads: int = DEFAULT_STAGE_THREADS,
+              stage_queue: int = DEFAULT_STAGE_QUEUE) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -72,6 +77,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     (0: no cap; without keys there is none).
     allow_client_priority: requests may set `priority`; otherwise a non-zero one is a 400.
     limits: the other per-request bounds (chat messages, prompt characters, ...).
+    stage_threads, stage_queue: each pre-engine stage's threads and the jobs that may wait for them (stages.py).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
@@ -82,10 +88,11 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
         raise ValueError("build_app needs at least one engine")
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
-    app = FastAPI(title="pagedlm", version=__version__)
-    metrics = ServerMetrics(engines, router=route.router if route is not None else None)
+    stages = StagePools(stage_threads, stage_queue)
+    app = FastAPI(title="pagedlm", version=__version__, on_shutdown=[stages.shutdown])
+    metrics = ServerMetrics(engines, router=route.router if route is not None else None, stages=stages)
     servers = {name: ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key,
-                                 TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None, limits)
+                                 TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None, limits, stages)
                for name, engine in engines.items()}
     front = Frontend(servers, metrics, route, strict_request_fields, allow_client_priority)
     app.state.server = front
@@ -118,9 +125,9 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     async def health() -> Response:
         if front.draining:
             raise shutting_down()
-        dead = [name for name, srv in front.servers.items() if not srv.engine.is_running]
-        if dead:
-            raise APIError(503, f"The engine loop has stopped ({', '.join(dead)}).", type="server_error")
+        down = [f"{name}: {why}" for name, srv in front.servers.items() if (why := srv.engine.down_reason)]
+        if down:
+            raise APIError(503, f"Not serving ({'; '.join(down)}).", type="server_error")
         stuck = [n for n, srv in front.servers.items() if 0 < health_step_timeout < srv.engine.step_stuck_for]
         if stuck:
             raise APIError(503, f"An engine step has run longer than {health_step_timeout:g} s with requests "
@@ -153,16 +160,37 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = await parse_request(request, P.TokenizeRequest)
-        return await asyncio.to_thread(front.server(req.model).tokenize, req)
+        req = await parse_request(request, P.TokenizeRequest, stages)
+        return await stages.run("tokenize" if req.messages is None else "chat", front.server(req.model).tokenize, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = await parse_request(request, P.DetokenizeRequest)
-        return await asyncio.to_thread(front.server(req.model).detokenize, req)
+        req = await parse_request(request, P.DetokenizeRequest, stages)
+        return await stages.run("tokenize", front.server(req.model).detokenize, req)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(model: str | None = None) -> Response:
         return JSONResponse(front.server(model).tokenizer_info())
 
+    _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
+                           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest})
     return app
+
+
+def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """/openapi.json describes the bodies these POST routes parse themselves (wire.parse_request, for its 400s),
+    as their models' JSON schemas, so that clients and fuzzers see what the handlers take."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -87,7 +87,8 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         health_step_timeout=args.health_step_timeout,
                         max_requests_per_key=args.max_requests_per_key,
                         allow_client_priority=args.allow_client_priority,
-                        limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars))
+                        limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars),
+                        stage_threads=args.stage_threads, stage_queue=args.stage_queue)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         served = ", ".join([*engines, *([route.name] if route else [])])

@@ -38,6 +38,7 @@ class Frontend:
     def __init__(self, servers: dict[str, ModelServer], metrics: ServerMetrics, route: AutoRoute | None,
                  strict_request_fields: bool = False, allow_client_priority: bool = False) -> None:
         self.servers, self.metrics, self.route = servers, metrics, route
+        self.stages = next(iter(servers.values())).stages  # the app's, shared by its models
         self.strict_request_fields, self.allow_client_priority = strict_request_fields, allow_client_priority
         self.default = next(iter(servers.values()))
         self.created = int(time.time())
@@ -83,7 +84,7 @@ class Frontend:
         arrival = time.monotonic()
         if self.draining:
             raise shutting_down()
-        req = await parse_request(request, P.CompletionRequest)
+        req = await parse_request(request, P.CompletionRequest, self.stages)
         unknown = self._unknown_fields(req)
         self._admit(request, req, _num_prompts(req.prompt))
         if not self.is_routed(req.model):
@@ -104,7 +105,7 @@ class Frontend:
         arrival = time.monotonic()
         if self.draining:
             raise shutting_down()
-        req = await parse_request(request, P.ChatCompletionRequest)
+        req = await parse_request(request, P.ChatCompletionRequest, self.stages)
         unknown = self._unknown_fields(req)
         self._admit(request, req, 1)
         if not self.is_routed(req.model):

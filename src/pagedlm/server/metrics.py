@@ -23,6 +23,7 @@ from pagedlm.engine.async_engine import AsyncLLMEngine, StepRecord
 
 if TYPE_CHECKING:
     from pagedlm.router import Router
+    from pagedlm.server.stages import StagePools
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -156,6 +157,24 @@ class _RouterCollector(Collector):
                         value=b.cap_per_hour)
 
 
+class _StageCollector(Collector):
+    """The pre-engine stages' load (stages.py): jobs in each pool, its threads, and requests it refused."""
+
+    def __init__(self, stages: StagePools) -> None:
+        self.stages = stages
+
+    def collect(self):
+        jobs = _G("pagedlm:stage_jobs", "Pre-engine jobs running or queued, by stage.", labels=["stage"])
+        threads = _G("pagedlm:stage_threads", "Worker threads of each pre-engine stage.", labels=["stage"])
+        refused = _C("pagedlm:stage_refused", "Requests answered 503 because their stage was full.",
+                     labels=["stage"])
+        for stage, (n, t, r) in self.stages.load().items():
+            jobs.add_metric([stage], n)
+            threads.add_metric([stage], t)
+            refused.add_metric([stage], r)
+        yield from (jobs, threads, refused)
+
+
 class _ModelHistograms:
     """One model's children of the shared latency/size histograms; `on_step` is its engine listener."""
 
@@ -197,10 +216,13 @@ class ServerMetrics:
     """Metrics of every served engine (each sample labelled `model_name`, as vLLM does), registered as step
     listeners on them; with a `router`, also its counters and gauges. `render()` gives the exposition text."""
 
-    def __init__(self, engines: Mapping[str, AsyncLLMEngine], router: Router | None = None) -> None:
+    def __init__(self, engines: Mapping[str, AsyncLLMEngine], router: Router | None = None,
+                 stages: StagePools | None = None) -> None:
         disable_created_metrics()  # no `_created` series (process-wide), as vLLM does
         self.registry = reg = CollectorRegistry()
         reg.register(_EngineCollector(engines))
+        if stages is not None:
+            reg.register(_StageCollector(stages))
         ProcessCollector(registry=reg)  # process_resident_memory_bytes etc.: host memory of the server process
         lbl = ["model_name"]
 

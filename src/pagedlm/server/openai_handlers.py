@@ -29,6 +29,7 @@ from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import protocol as P
 from pagedlm.server.limits import RequestLimits, check_fan_out, check_prompt_logprobs
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable
+from pagedlm.server.stages import StagePools
 from pagedlm.server.streaming import (
     ChoiceState,
     EventStream,
@@ -58,14 +59,12 @@ class ModelServer(TokenizerEndpoints):
 
     def __init__(self, engine: AsyncLLMEngine, name: str, max_prompts_per_request: int = 256,
                  prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None,
-                 limits: RequestLimits = RequestLimits()) -> None:
+                 limits: RequestLimits = RequestLimits(), stages: StagePools | None = None) -> None:
         self.engine, self.name, self.limits = engine, name, limits
-        self.facade = engine.facade
-        self.tool_parser = tool_parser
+        self.stages = stages or StagePools()
+        self.facade, self.tool_parser, self.created = engine.facade, tool_parser, int(time.time())
         self.tok = self.facade.tokenizer
-        self.created = int(time.time())
-        self.max_prompts_per_request = max_prompts_per_request
-        self.prefix_cache_per_key = prefix_cache_per_key
+        self.max_prompts_per_request, self.prefix_cache_per_key = max_prompts_per_request, prefix_cache_per_key
 
     def _cache_salt(self, request: Request, req: P.SamplingRequest) -> str | None:
         """The client's `cache_salt`, prefixed (with --prefix-cache-per-key) by a hash of its API key."""
@@ -116,8 +115,8 @@ class ModelServer(TokenizerEndpoints):
             raise APIError(400, f"A request may hold at most {self.engine.max_waiting} prompts.", param="prompt")
         check_fan_out(len(prompt), req, self.max_prompts_per_request)
         self.limits.check_text_prompts(prompt)
-        out = await asyncio.to_thread(
-            lambda: [_Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
+        out = await self.stages.run("tokenize", lambda: [
+            _Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
         for p in out:
             self._check_prompt(p.token_ids)
         return out
@@ -209,7 +208,7 @@ class ModelServer(TokenizerEndpoints):
             raise APIError(400, "This server does not parse tool calls (start it with --tool-call-parser).",
                            param="tools")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools_active else None
-        ids = await asyncio.to_thread(self.chat_prompt, req.messages, req.add_generation_prompt, tools)
+        ids = await self.stages.run("chat", self.chat_prompt, req.messages, req.add_generation_prompt, tools)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k,
@@ -327,10 +326,11 @@ class ModelServer(TokenizerEndpoints):
         return events
 
     async def _prepare(self, req: P.SamplingRequest, params: SamplingParams) -> None:
-        """Token controls checked against the vocabulary and the constraint compiled (cached) on a worker
-        thread, so that the engine thread finds it compiled; 400 naming the problem."""
+        """Token controls checked against the vocabulary (tokenize stage) and the constraint compiled (grammar stage,
+        kept on `params`) on worker threads, so that the engine thread finds it compiled; 400 naming the problem."""
         try:
-            await asyncio.to_thread(self.facade.prepare_params, params)
+            stage = "tokenize" if params.structured_outputs is None else "grammar"
+            await self.stages.run(stage, self.facade.prepare_params, params)
         except ValueError as e:
             fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words", "tools")

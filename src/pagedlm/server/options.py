@@ -14,6 +14,8 @@ from pagedlm.server import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_REQUEST_READ_TIMEOUT,
+    DEFAULT_STAGE_QUEUE,
+    DEFAULT_STAGE_THREADS,
 )
 from pagedlm.server.tools import TOOL_PARSERS
 
@@ -53,6 +55,10 @@ class ServerConfig:
                                     "before the template runs", group=LIMITS)
     max_prompt_chars: int = option(DEFAULT_MAX_PROMPT_CHARS, "most characters of one prompt (a chat as its template "
                                    "renders it, a text prompt); beyond: 400, before tokenizing", group=LIMITS)
+    stage_threads: int = option(DEFAULT_STAGE_THREADS, "worker threads of each stage before the engine (parsing, "
+                                "chat templates, tokenizing, grammar), each stage its own", group=LIMITS)
+    stage_queue: int = option(DEFAULT_STAGE_QUEUE, "jobs of one such stage that may wait for its threads; beyond: "
+                              "503 server_busy", group=LIMITS)
     stream_stall_timeout: float = option(60.0, "abort a request whose output nobody read for this many seconds, "
                                          "freeing its KV blocks (0: never)", group=LIMITS)
     allowed_origins: str = option("", "comma-separated origins allowed by CORS (default none: browsers cannot use "
@@ -125,13 +131,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         check_choices(self)
         if min(self.max_waiting, self.max_body_bytes, self.max_prompts_per_request, self.max_chat_messages,
-               self.max_prompt_chars) < 1:
-            raise ValueError("--max-waiting, --max-body-bytes, --max-prompts-per-request, --max-chat-messages and "
-                             "--max-prompt-chars must be >= 1.")
+               self.max_prompt_chars, self.stage_threads) < 1:
+            raise ValueError("--max-waiting, --max-body-bytes, --max-prompts-per-request, --max-chat-messages, "
+                             "--max-prompt-chars and --stage-threads must be >= 1.")
         if min(self.stream_stall_timeout, self.shutdown_timeout, self.health_step_timeout,
-               self.request_read_timeout, self.max_connections, self.max_requests_per_key) < 0:
+               self.request_read_timeout, self.max_connections, self.max_requests_per_key, self.stage_queue) < 0:
             raise ValueError("--stream-stall-timeout, --shutdown-timeout, --health-step-timeout, "
-                             "--request-read-timeout, --max-connections and --max-requests-per-key must be >= 0.")
+                             "--request-read-timeout, --max-connections, --max-requests-per-key and --stage-queue "
+                             "must be >= 0.")
         if self.data_parallel_size < 1 or (self.threads_per_replica is not None and self.threads_per_replica < 1):
             raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
 

@@ -245,6 +245,11 @@ class ToolCallIn(Request):
 
 
 class ChatMessage(Request):
+    # as check_contents has it: content, unless it is an assistant turn with tool calls
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+        {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                     "tool_calls": {"type": "array", "minItems": 1}}}]})
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -343,6 +348,9 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(Request):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of prompt or messages
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -2,8 +2,7 @@
 response."""
 from __future__ import annotations
 
-import asyncio
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -11,14 +10,18 @@ from pydantic import BaseModel, ValidationError
 
 from pagedlm.server.protocol import APIError
 
+if TYPE_CHECKING:
+    from pagedlm.server.stages import StagePools
+
 T = TypeVar("T", bound=BaseModel)
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # union members in pydantic error paths
 
 
-async def parse_request(request: Request, model: type[T]) -> T:
+async def parse_request(request: Request, model: type[T], stages: StagePools) -> T:
+    """The body as `model`, parsed on the `parse` stage's threads; 400 naming the field."""
     body = await request.body()
     try:
-        return await asyncio.to_thread(model.model_validate_json, body)
+        return await stages.run("parse", model.model_validate_json, body)
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(x) for x in err.get("loc", ())]
