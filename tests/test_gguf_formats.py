@@ -19,12 +19,15 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Valid GGUF blocks of `kind` for a [rows, cols] weight: every code and 6-bit scale drawn at random (gguf-py
     cannot quantize the K-quants), the fp16 factors small and positive."""
     rng = np.random.default_rng(seed)
-    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, Q[kind])
     block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    if kind == "Q4_K":  # d, dmin (fp16) lead the super-block
-        raw[..., 0:4] = (rng.random((rows, cols // block, 2)) * 0.004 + 1e-4).astype(np.float16).view(np.uint8)
+    small = (rng.random((rows, cols // block, 2)) * 0.004 + 1e-4).astype(np.float16).view(np.uint8)
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin (fp16) lead the super-block
+        raw[..., 0:4] = small
+    elif kind == "Q6_K":  # d (fp16) ends it
+        raw[..., 208:210] = small[..., 0:2]
     return raw.reshape(rows, -1)
 
 
@@ -113,18 +116,60 @@ def test_native_layouts_bit_identical_in_every_build(monkeypatch, march):
     assert variant is not None
     g = torch.Generator().manual_seed(2)
     x = torch.randn(19, 512, generator=g)
-    for kind in ("Q4_0", "Q4_1", "Q4_K"):
-        layer = quant.Int4Linear(RawBlocks.from_gguf(random_blocks(kind, 48, 512, 4), kind, 512), 32, x16=True)
+    for kind in ("Q4_0", "Q4_1", "Q4_K", *quant.GGUF_KINDS):
+        raw = RawBlocks.from_gguf(random_blocks(kind, 48, 512, 4), kind, 512)
+        int4 = kind.startswith("Q4")
+        layer = quant.Int4Linear(raw, 32, x16=True) if int4 else quant.GGUFLinear(raw)
         layer.kernel_max_rows = 64
         native = [layer(x[:m]) for m in (1, 2, 3, 19)]
-        bf16 = torch.empty(48, 512, dtype=torch.bfloat16)
-        native_bf16 = layer._dequant_rows(0, 48, bf16).clone()
+        native_bf16 = layer.dequantize_to(torch.bfloat16).clone()
         native_w = layer.dequantize()
         counting = _Counting(variant)
         monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: counting)
         for m, want in zip((1, 2, 3, 19), native):
             assert torch.equal(layer(x[:m]), want), (kind, m)
-        assert torch.equal(layer._dequant_rows(0, 48, bf16), native_bf16), kind
+        assert torch.equal(layer.dequantize_to(torch.bfloat16), native_bf16), kind
         assert torch.equal(layer.dequantize(), native_w), kind
         monkeypatch.undo()
-        assert counting.calls.count("pagedlm_linear_int4") == 4
+        assert counting.calls.count("pagedlm_linear_int4" if int4 else "pagedlm_linear_gguf") == 4
+
+
+@pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25)])
+def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
+    """Q8_0 / Q5_0 / Q5_K / Q6_K weights keep the file's codes and scales (about its bytes; no second rounding to
+    int8): written in one pass (a fused weight, a row permutation), dequantized exactly as gguf-py does, multiplied as
+    Q8(x) @ W^T by their kernel, a row's result the same alone or in any batch."""
+    lib = _kernel_or_skip()
+    rows, cols = (32, 16, 48), 512
+    raws = [random_blocks(kind, r, cols, seed) for seed, r in enumerate(rows)]
+    perm = np.random.default_rng(7).permutation(rows[0])
+    fused = RawBlocks.cat([RawBlocks.from_gguf(raws[0], kind, cols).rows(perm),
+                           *(RawBlocks.from_gguf(r, kind, cols) for r in raws[1:])])
+    want = torch.cat([reference(raws[0], kind, rows[0], cols)[torch.from_numpy(perm)],
+                      *(reference(r, kind, n, cols) for r, n in zip(raws[1:], rows[1:]))])
+    counting = _Counting(lib)
+    monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: counting)
+    layer = quant.GGUFLinear(fused)
+    held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.planes, layer.scale, layer.aux))
+    assert held == sum(rows) * cols // 32 * bytes_per_32
+    assert torch.equal(layer.dequantize(), want)
+    assert torch.equal(layer.dequantize_to(torch.bfloat16), want.to(torch.bfloat16))
+    layer.kernel_max_rows = 64
+    x = torch.randn(19, cols, generator=torch.Generator().manual_seed(3))
+    full = layer(x)
+    for size in (1, 2, 3, 5, 8, 9, 13):
+        assert torch.equal(layer(x[4:4 + size]), full[4:4 + size]), size
+    assert counting.calls.count("pagedlm_linear_gguf") == 8
+    ref = F.linear(quant.quantize_activations_q8(x).double(), want.double())
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_layer_needs_one_kind_and_whole_tiles():
+    _kernel_or_skip()
+    mixed = RawBlocks.cat([RawBlocks.from_gguf(random_blocks("Q5_0", 16, 256, 0), "Q5_0", 256),
+                           RawBlocks.from_gguf(random_blocks("Q8_0", 16, 256, 1), "Q8_0", 256)])
+    assert not quant.GGUFLinear.supports(mixed)  # Gemma 3's q/k Q5_0 beside v Q8_0: no single layout
+    assert not quant.GGUFLinear.supports(RawBlocks.from_gguf(random_blocks("Q6_K", 40, 256, 2), "Q6_K", 256))
+    assert quant.GGUFLinear.supports(RawBlocks.from_gguf(random_blocks("Q6_K", 48, 256, 2), "Q6_K", 256))
+    with pytest.raises(ValueError, match="no x16 layout"):
+        quant.GGUFLinear(mixed)

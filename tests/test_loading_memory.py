@@ -124,7 +124,7 @@ def test_loading_grows_by_the_file_and_the_kv_cache(random_300m: Path) -> None:
     assert r["growth"] <= size * 1.15, (r["growth"], size)
     assert r["file_rss"] < size * 0.5  # not a second copy of the weights in mapped file pages
     r = _measure(random_300m, "engine")
-    assert "int4" in r["plan"] and r["weights"] < size * 1.05
+    assert "own Q4_0 blocks" in r["plan"] and r["weights"] < size * 1.05
     assert r["growth"] <= (size + r["kv"]) * 1.15 + RUNTIME_ALLOWANCE, (r["growth"], size, r["kv"])
 
 

@@ -409,10 +409,12 @@ def test_default_runs_the_checkpoints_int4_blocks(tiny_q4_gguf, monkeypatch):
             == [o.outputs[0].token_ids for o in requantized.generate(prompts, params, use_tqdm=False)])
 
 
-def test_default_on_a_mixed_gguf_keeps_the_int4_blocks_and_makes_the_rest_int8(tiny_model_dir, tmp_path):
+def test_default_on_a_mixed_gguf_keeps_each_kinds_blocks_and_makes_mixed_fused_weights_int8(tiny_model_dir,
+                                                                                            tmp_path):
     """A GGUF mixing formats as Q4_K_M files do (here Q4_0 / Q4_1 beside Q5_0 and Q8_0; a fused q/k/v with Q4_0 q/k
-    and a Q8_0 v): `dtype="auto"` keeps the layers stored as int4 blocks exactly, requantizes every other to int8
-    per channel from the checkpoint's values, says so, and runs decode steps through the fused stack."""
+    and a Q8_0 v): `dtype="auto"` keeps every layer stored in one kind as the file's blocks exactly (int4 and Q5_0
+    alike), requantizes the fused weight that mixes kinds to int8 per channel from the checkpoint's values, says so,
+    and runs decode steps through the fused stack."""
     from pagedlm.hub.loader import iter_weights
     from pagedlm.model.llama_decode import LlamaDecodeKernel
 
@@ -422,17 +424,20 @@ def test_default_on_a_mixed_gguf_keeps_the_int4_blocks_and_makes_the_rest_int8(t
     llm = LLM(str(path), num_kv_blocks=32)
     plan, model = llm.engine.plan, llm.engine.runner.model
     assert (plan.quantization, plan.fallback, plan.dtype) == ("int4", "int8", torch.float32)
-    assert "Q4_0/Q4_1 blocks run natively" in plan.describe() and "Q5_0/Q8_0 weights are requantized" in plan.describe()
+    described = plan.describe()
+    assert "Q4_0/Q4_1/Q5_0/Q8_0 blocks run as stored" in described, described
+    assert "fused weights mixing Q4_0/Q8_0 are requantized to int8" in described, described
     ref = dict(iter_weights(path, torch.float32))
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         for m, name in ((attn.o_proj, "self_attn.o_proj"), (mlp.down_proj, "mlp.down_proj")):
             assert isinstance(m, quant.Int4Linear)
             assert torch.equal(m.dequantize(), ref[f"model.layers.{i}.{name}.weight"])
-        for m, parts in ((attn.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                         (mlp.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj"))):
-            q, scale = quant.quantize_int8(torch.cat([ref[f"model.layers.{i}.{p}.weight"] for p in parts]))
-            assert isinstance(m, quant.Int8Linear) and torch.equal(m.row_layout(), q) and torch.equal(m.scale, scale)
+        gate_up = torch.cat([ref[f"model.layers.{i}.mlp.{p}.weight"] for p in ("gate_proj", "up_proj")])
+        assert isinstance(mlp.gate_up_proj, quant.GGUFLinear) and torch.equal(mlp.gate_up_proj.dequantize(), gate_up)
+        q, scale = quant.quantize_int8(torch.cat([ref[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]))
+        assert isinstance(attn.qkv_proj, quant.Int8Linear)
+        assert torch.equal(attn.qkv_proj.row_layout(), q) and torch.equal(attn.qkv_proj.scale, scale)
     assert isinstance(model.decode_kernel(), LlamaDecodeKernel)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                        use_tqdm=False)
@@ -454,7 +459,7 @@ def test_plan_per_cpu_and_setting(tiny_model_dir, tiny_q4_gguf, monkeypatch):
     p = plan(zen4, tiny_q4_gguf)
     assert (p.quantization, p.dtype, p.dense_dtype, p.kernel_max_rows) == ("int4", torch.float32, torch.bfloat16, 8)
     assert p.kv_cache_dtype == "bfloat16"
-    assert "avx512_bf16" in p.describe() and "natively" in p.describe() and "KV cache bfloat16" in p.describe()
+    assert "avx512_bf16" in p.describe() and "as stored" in p.describe() and "KV cache bfloat16" in p.describe()
     p = plan(avx2, tiny_q4_gguf)
     assert (p.quantization, p.dtype, p.dense_dtype, p.kv_cache_dtype) == ("int4", torch.float32, torch.float32,
                                                                           "bfloat16")

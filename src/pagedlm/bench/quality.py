@@ -20,19 +20,27 @@ def quality_prompts(n: int = 64) -> list[str]:
     return [_FORMS[(i // len(_SUBJECTS)) % len(_FORMS)].format(_SUBJECTS[i % len(_SUBJECTS)]) for i in range(n)]
 
 
-def perplexity(llm, token_ids: Sequence[int], window: int = 512) -> float:
-    """exp(mean negative log-likelihood) of `token_ids`, scored in consecutive non-overlapping windows (each
-    window's first token is not scored), from the engine's prompt logprobs."""
+def token_logprobs(llm, token_ids: Sequence[int], window: int = 512) -> list[float]:
+    """The log-probability of each token of `token_ids` given the ones before it in its window (consecutive
+    non-overlapping windows; each window's first token is not scored), from the engine's prompt logprobs."""
     chunks = [list(token_ids[i:i + window]) for i in range(0, len(token_ids), window)]
     chunks = [c for c in chunks if len(c) > 1]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outs = llm.generate(chunks, params, use_tqdm=False)
-    nll, count = 0.0, 0
-    for chunk, out in zip(chunks, outs):
-        for tok, entry in zip(chunk[1:], out.prompt_logprobs[1:]):
-            nll -= entry[tok].logprob
-            count += 1
-    return math.exp(nll / count)
+    return [entry[tok].logprob for chunk, out in zip(chunks, outs)
+            for tok, entry in zip(chunk[1:], out.prompt_logprobs[1:])]
+
+
+def perplexity(llm, token_ids: Sequence[int], window: int = 512) -> float:
+    """exp(mean negative log-likelihood) of `token_ids` (see token_logprobs)."""
+    lps = token_logprobs(llm, token_ids, window)
+    return math.exp(-sum(lps) / len(lps))
+
+
+def logprob_drift(logprobs: Sequence[float], reference: Sequence[float]) -> float:
+    """Mean |difference| of two runs' token log-probabilities of the same text: how far a setting moves each
+    prediction from a reference path (perplexity alone hides that: errors of both signs cancel in its mean)."""
+    return sum(abs(a - b) for a, b in zip(logprobs, reference, strict=True)) / len(reference)
 
 
 @dataclass

@@ -29,7 +29,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.layers import Linear, deferred_weights
     from pagedlm.model.llama import LlamaForCausalLM
-    from pagedlm.model.plan import NATIVE_INT4_TYPES
+    from pagedlm.model.plan import NATIVE_INT4_TYPES, NATIVE_TYPES
     from pagedlm.model.quantize import LinearQuantizer
 
     cfg = ModelConfig.from_hf(load_hf_config(path))
@@ -41,7 +41,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
             model = model_cls(cfg)
     finally:
         torch.set_default_dtype(prev)
-    native = NATIVE_INT4_TYPES if quantization == "int4" and group_size == 32 else ()
+    # the GGUF blocks kept as stored: every kind a kernel runs under the default plan (its int8 fallback), the int4
+    # kinds under an explicit int4
+    native = () if quantization != "int4" or group_size != 32 else NATIVE_TYPES if fallback else NATIVE_INT4_TYPES
     quantizer = LinearQuantizer(model, quantization, group_size, fallback) if quantization else None
     # the vocabulary matrices become int8 (bf16) tables: read them by rows, never whole in fp32
     lazy = ("model.embed_tokens.weight", "lm_head.weight") if quantization and device.type == "cpu" else ()

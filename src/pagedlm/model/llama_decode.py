@@ -22,10 +22,11 @@ from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.kvcache.format import KV_BF16, KV_F32, KV_INT8, kv_kind
 from pagedlm.model.layers import Linear
-from pagedlm.model.quant import Bf16Linear, Int4Linear, Int8Linear, QuantLinear
+from pagedlm.model.quant import GGUF_KINDS, Bf16Linear, GGUFLinear, Int4Linear, Int8Linear, QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
-LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16, LIN_BF16_X16, LIN_INT4_X16_K = range(8)
+(LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16, LIN_BF16_X16, LIN_INT4_X16_K,
+ LIN_GGUF_X16) = range(9)
 INT4_KINDS = {"rows": LIN_INT4, "x16": LIN_INT4_X16, "x16_k": LIN_INT4_X16_K}  # by Int4Linear.layout
 FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_INT8)  # the caches the stack writes (not fp8)
 # Steps with more tokens over fp32 weights run layer by layer: torch's sgemm beats the stack's simple fp32 product
@@ -35,7 +36,8 @@ F32_MAX_TOKENS = 64
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("K", ctypes.c_int), ("N", ctypes.c_int), ("G", ctypes.c_int),
-                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("planes", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -119,6 +121,10 @@ def _describe(linear: nn.Module) -> _Linear | None:
         if not linear.x16:
             return None
         return _Linear(LIN_BF16_X16, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(), None, None)
+    if isinstance(linear, GGUFLinear):
+        codes, planes, scale, aux = linear._pointers()
+        return _Linear(LIN_GGUF_X16, linear.in_features, linear.out_features, GGUF_KINDS[linear.kind], codes, scale,
+                       aux, planes)
     if isinstance(linear, Int4Linear):
         mins = linear.mins.data_ptr() if linear.mins.numel() else None  # Q4_0's x16 layout: none
         return _Linear(INT4_KINDS[linear.layout], linear.in_features, linear.out_features, linear.group_size,

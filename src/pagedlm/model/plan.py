@@ -3,14 +3,14 @@ matmul path serves a step of a given size. Decided once at start-up from the CPU
 user's settings; `ExecutionPlan.describe()` says what was chosen and why.
 
 The default (`dtype="auto"`, no `quantization`) on a CPU:
-- a GGUF whose linear weights are all Q4_0 / Q4_1 / Q4_K runs them as int4 (model/quant/ stores exactly these
-  blocks: groups of 32, fp16 scale and minimum; Q4_K's scales rounded to fp16), with fp32 activations, so decode
-  steps take the fused C++ decoder stack, and a bf16 KV cache (unless `kv_cache_dtype` says otherwise): half the
-  bytes of fp32, so twice the tokens fit (perplexity +0.17% against the fp32 path; the attention kernel's speed is
-  the same for both);
-- a GGUF with other quantized blocks too (Gemma 3's Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0) runs the same way: its
-  int4 blocks as stored, every other linear weight requantized to int8 per channel (8 bits: at least as many as any
-  of those formats holds), said at start-up;
+- a GGUF whose linear weights are Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 blocks runs them as the file stores
+  them, each kind in a kernel of its own (model/quant/: int4.py, gguf.py; no weight is rounded a second time and
+  decode reads about the file's bytes), with fp32 activations, so decode steps take the fused C++ decoder stack, and
+  a bf16 KV cache (unless `kv_cache_dtype` says otherwise): half the bytes of fp32, so twice the tokens fit
+  (perplexity +0.17% against the fp32 path; the attention kernel's speed is the same for both);
+- a weight that has no such kernel (another block type, or a fused q/k/v or gate/up whose parts mix kinds, as
+  Gemma 3's q/k Q5_0 beside v Q8_0) is requantized to int8 per channel (8 bits: at least as many as any of those
+  formats holds), said at start-up;
 - an HF checkpoint on a CPU with AVX512-BF16 keeps its weights in bf16 (a bf16 checkpoint's as stored; others
   rounded) and runs fp32 activations through the bf16 kernels of model/quant/ (`Bf16Linear`: activations rounded
   to bf16 at each product, as a bf16 GEMM does, but the residual stream, norms and attention in fp32), so decode
@@ -35,8 +35,9 @@ import torch
 from pagedlm.config import KERNEL_MAX_ROWS, EngineConfig, parse_dtype
 from pagedlm.cpu import cpu_features
 
-# GGUF block formats that model/quant/'s int4 layout holds (group size 32; Q4_K's scales rounded to fp16).
+# GGUF block formats model/quant/ runs as stored: int4 (int4.py) and 5- to 8-bit (gguf.py).
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+NATIVE_TYPES = (*NATIVE_INT4_TYPES, "Q5_0", "Q5_K", "Q6_K", "Q8_0")
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 DENSE_COPY_MEMORY_FRACTION = 1 / 32  # the most of the machine's memory a dense copy of the weights may take
 
@@ -51,14 +52,17 @@ class ExecutionPlan:
     reasons: list[str] = field(default_factory=list)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype, resolved ("auto": the activations' dtype)
     head_kernel_max_rows: int | None = None  # the same for the embedding table as LM head (None: as above)
-    fallback: str | None = None  # "int8": linear weights the checkpoint holds no int4 blocks for (None: quantization)
+    fallback: str | None = None  # "int8": linear weights the checkpoint holds no native blocks for (None: quantization)
     dense_copy: bool = True  # big steps over a dense copy of the weights (else dequantized per call)
+    native_types: tuple[str, ...] = ()  # GGUF block types the layers keep as stored
 
     def describe(self) -> str:
         weights = {None: "dense", "int8": "int8 per channel", "int4": f"int4 (groups of {self.group_size})",
                    "bf16": "bf16"}[self.quantization]
+        if self.native_types:
+            weights = f"the checkpoint's own {'/'.join(self.native_types)} blocks"
         if self.fallback:
-            weights += " where the checkpoint stores int4 blocks, else int8 per channel"
+            weights += ", any other linear weight int8 per channel"
         kv = _name(self.dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         s = f"execution: activations {_name(self.dtype)}, weights {weights}, KV cache {kv}"
         if self.quantization and self.kernel_max_rows >= KERNEL_MAX_ROWS:
@@ -85,6 +89,21 @@ def gguf_linear_types(path: Path) -> set[str]:
 
     return {t.tensor_type.name for t in open_gguf(path).tensors
             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+
+
+def mixed_fused_types(path: Path) -> set[str]:
+    """The GGUF block types of the q/k/v or gate/up groups whose parts differ in type (they fuse into one weight,
+    which no native kernel holds), unless all of them are int4 kinds (one int4 layout holds those)."""
+    from pagedlm.hub.loader import open_gguf
+
+    groups: dict[tuple[str, str], set[str]] = {}
+    for t in open_gguf(Path(path)).tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
+            fused = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+            if parts[2] in fused:
+                groups.setdefault((parts[1], fused[parts[2]]), set()).add(t.tensor_type.name)
+    return {k for g in groups.values() if len(g) > 1 and not g <= set(NATIVE_INT4_TYPES) for k in g}
 
 
 def machine_memory() -> int:
@@ -120,7 +139,7 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
     on_cpu = torch.device(config.device).type == "cpu"
     reasons: list[str] = [f"CPU flags: {cpu.describe()}"] if on_cpu else []
     quantization, group_size = config.quantization, config.quantization_group_size
-    fallback = None
+    fallback, native = None, ()
     auto = config.dtype == "auto"
     if auto and quantization is None and on_cpu and path is not None and Path(path).is_dir():
         if {"avx512_bf16", "avx512_vnni"} <= cpu.flags:
@@ -132,11 +151,14 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
                            "with fp32 activations: the CPU has AVX512-BF16")
     elif auto and quantization is None and on_cpu and path is not None:
         types = gguf_linear_types(path)
-        native, other = types & set(NATIVE_INT4_TYPES), types - set(NATIVE_INT4_TYPES)
+        native, other = tuple(t for t in NATIVE_TYPES if t in types), types - set(NATIVE_TYPES)
         if native:
             quantization, group_size = "int4", 32
-            reasons.append(f"the checkpoint's {'/'.join(sorted(native))} blocks run natively as int4")
-            fallback = "int8" if other else None
+            reasons.append(f"the checkpoint's {'/'.join(native)} blocks run as stored, each kind in a kernel of its "
+                           "own")
+            fallback = "int8" if types - set(NATIVE_INT4_TYPES) else None
+            if mixed := mixed_fused_types(path):
+                reasons.append(f"fused weights mixing {'/'.join(sorted(mixed))} are requantized to int8 per channel")
         elif other - set(UNQUANTIZED_TYPES):
             quantization = "int8"
         if quantization and other:
@@ -156,7 +178,8 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
         return ExecutionPlan(dtype, None, group_size, None, 0, reasons, kv_cache_dtype)
     dense = torch.bfloat16 if (dtype == torch.bfloat16 or (auto and cpu.native_bf16)) else torch.float32
     if not on_cpu:
-        return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons, kv_cache_dtype, fallback=fallback)
+        return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons, kv_cache_dtype, fallback=fallback,
+                             native_types=native)
     copy = True
     if path is not None:
         need, limit = dense_weight_bytes(path, dense), int(machine_memory() * DENSE_COPY_MEMORY_FRACTION)
@@ -168,7 +191,7 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
         rows = KERNEL_MAX_ROWS if config.kernel_max_rows is None else config.kernel_max_rows
         reasons.append(f"kernel_max_rows {rows} as configured")
         return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, fallback=fallback,
-                             dense_copy=copy)
+                             dense_copy=copy, native_types=native)
     from pagedlm.model.probe import HEAD_SHAPE, measure_kernel_max_rows
 
     rows, why = measure_kernel_max_rows(quantization, group_size, dense, copy=copy)
@@ -176,4 +199,4 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
     head_rows, head_why = measure_kernel_max_rows(head, 32, dense, HEAD_SHAPE, copy=copy)
     reasons += [why, f"{head} LM head: {head_why}"]
     return ExecutionPlan(dtype, quantization, group_size, dense, rows, reasons, kv_cache_dtype, head_rows, fallback,
-                         copy)
+                         copy, native)

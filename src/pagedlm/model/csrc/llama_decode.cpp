@@ -15,14 +15,15 @@ namespace {
 
 enum LinearKind {
   LIN_F32T = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_PACKED = 3, LIN_INT4_X16 = 4, LIN_INT8_X16 = 5, LIN_BF16_X16 = 6,
-  LIN_INT4_X16_K = 7
+  LIN_INT4_X16_K = 7, LIN_GGUF_X16 = 8
 };
 
 // A linear layer y = x @ W^T: fp32 stored transposed ([K, N], as layers.Linear keeps it on CPUs), or the
-// int8 / int4 / bf16 layouts of quant_linear.cpp.
+// int8 / int4 / bf16 layouts of quant_linear.cpp, or a GGUF x16 layout (gguf_x16.h: G is its GgufKind, w its codes,
+// scale its scales, mins its aux bytes, planes its high bits).
 struct Linear {
   int kind, K, N, G;
-  const void *w, *scale, *mins;
+  const void *w, *scale, *mins, *planes;
 };
 
 struct Layer {
@@ -113,6 +114,10 @@ int linear(const Linear& l, const float* x, float* y, int M, int nthreads) {
       return pagedlm_linear_int4(x, static_cast<const uint8_t*>(l.w), l.scale, l.mins, y, M, l.K, l.N, l.G,
                                  l.kind == LIN_INT4 ? INT4_ROW_LAYOUT : l.kind == LIN_INT4_X16 ? INT4_X16 : INT4_X16_K,
                                  nthreads);
+    case LIN_GGUF_X16:
+      return pagedlm_linear_gguf(x, l.G, static_cast<const uint8_t*>(l.w), static_cast<const uint8_t*>(l.planes),
+                                 static_cast<const uint16_t*>(l.scale), static_cast<const uint8_t*>(l.mins), y, M, l.K,
+                                 l.N, nthreads);
     default: return 2;
   }
 }

@@ -40,6 +40,7 @@ from pagedlm.model.quant.formats import (
                                          to_x16,
                                          unpack_int8,
 )
+from pagedlm.model.quant.gguf import GGUF_KINDS, GGUFLinear
 from pagedlm.model.quant.int4 import Int4Linear
 from pagedlm.model.quant.kernel import (
                                          KERNEL,
@@ -60,9 +61,9 @@ from pagedlm.model.quant.linear import (
                                          make_quant_linear,
 )
 
-__all__ = ["KERNEL", "METHODS", "SOURCE", "X16", "Bf16Linear", "Int4Linear", "Int8Linear", "QuantLinear",
-           "TableEmbedding", "WithBias", "bf16_from_x16", "bf16_to_x16", "bf16_x16_native", "can_pack_int8",
-           "dequantize_int4", "dequantize_int8", "from_x16", "int8_from_x16", "int8_to_x16", "kernel",
-           "kernel_variant", "load_quant_kernel", "make_quant_linear", "pack_int8", "prepack_bf16",
-           "quantize_activations_q8", "quantize_int4", "quantize_int8", "scratch", "to_x16", "unpack_int8",
-           "x16_native"]
+__all__ = ["GGUF_KINDS", "KERNEL", "METHODS", "SOURCE", "X16", "Bf16Linear", "GGUFLinear", "Int4Linear",
+           "Int8Linear", "QuantLinear", "TableEmbedding", "WithBias", "bf16_from_x16", "bf16_to_x16",
+           "bf16_x16_native", "can_pack_int8", "dequantize_int4", "dequantize_int8", "from_x16", "int8_from_x16",
+           "int8_to_x16", "kernel", "kernel_variant", "load_quant_kernel", "make_quant_linear", "pack_int8",
+           "prepack_bf16", "quantize_activations_q8", "quantize_int4", "quantize_int8", "scratch", "to_x16",
+           "unpack_int8", "x16_native"]
