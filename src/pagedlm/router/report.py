@@ -56,9 +56,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"held-out prompts: {len(test_idx)}  weak acc {report['weak_acc']:.3f}  strong acc "
-          f"{report['strong_acc']:.3f}  (router: {recipe.kind} on embedder {report['embedder']}; "
-          f"k-NN k={cmp.knn_k} on the same embeddings)")
-    print(f"{'router':<12}{'APGR':>8}{'CPT(50%)':>10}{'CPT(80%)':>10}{'PGR@50%':>9}")
+          f"{report['strong_acc']:.3f}  (router: {recipe.kind} on {recipe.inputs}, target {recipe.target}; "
+          f"k-NN k={cmp.knn_k} on embedder {report['embedder']})")
+    print(f"{'method':<12}{'APGR':>8}{'CPT(50%)':>10}{'CPT(80%)':>10}{'PGR@50%':>9}")
     for name, r in report["curves"].items():
         print(f"{name:<12}{r['APGR']:>8.3f}{r['CPT(50%)']:>9.1f}%{r['CPT(80%)']:>9.1f}%{r['PGR@50%']:>9.3f}")
     print(ROUTELLM_MMLU)
@@ -79,7 +79,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _recipe_dict(r: Recipe) -> dict:
-    return {"kind": r.kind, "embedder": r.embedder.tag()}
+    return {"inputs": r.inputs, "kind": r.kind, "target": r.target, "embedder": r.embedder.tag()}
 
 
 def folds_report(mode: str, recipe: Recipe, data, rows: Rows, heuristic: np.ndarray, folds: int, seed: int) -> dict:
@@ -110,8 +110,8 @@ def print_folds(r: dict) -> None:
     what = "leave-domain-out (MMLU subject groups)" if r["mode"] == "leave_domain_out" else \
         f"subject-held-out ({len(r['folds'])} folds of whole subjects)"
     rc = r["recipe"]
-    print(f"{what}: APGR on each held-out fold; router = {rc['kind']} on embedder {rc['embedder']} re-trained on "
-          "the other folds, as is the k-NN")
+    print(f"{what}: APGR on each held-out fold; router = {rc['kind']} on {rc['inputs']} (target {rc['target']}) "
+          f"re-trained on the other folds; k-NN on embedder {rc['embedder']}")
     methods = list(r["folds"][0]["curves"])
     print(f"{'fold':<16}{'prompts':>8}" + "".join(f"{m:>10}" for m in methods) + f"{'share@50%':>10}")
     for f in r["folds"]:
