@@ -39,6 +39,15 @@ def add_router_parser(subparsers) -> None:
                    help="embedding and feature cache (default: <model cache>/router; 'none': off)")
     t.set_defaults(fn=cmd_train)
 
+    k = sub.add_parser("train-cascade", help="fit the cascade's escalation scorer on weak answers labelled right or "
+                                             "wrong (for serve --cascade-scorer FILE)")
+    k.add_argument("data", help="JSONL: one answer a line, {\"token_logprobs\": [...], \"samples\": [texts, "
+                                "optional], \"weak_correct\": true|false}")
+    k.add_argument("--out", required=True, help="scorer file (JSON) to write")
+    k.add_argument("--test-fraction", type=float, default=0.3)
+    k.add_argument("--seed", type=int, default=0)
+    k.set_defaults(fn=cmd_train_cascade)
+
     e = sub.add_parser("eval", help="call-performance curve, APGR and CPT on the held-out prompts, beside the "
                                     "length, k-NN, heuristic, random and oracle baselines")
     e.add_argument("data")
@@ -163,3 +172,42 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"wrote {args.out}")
     return 0
 
+
+def cmd_train_cascade(args: argparse.Namespace) -> int:
+    import json
+
+    from pagedlm.router.answer import EscalationScorer, WeakAnswer, answer_features
+
+    rows, labels = [], []
+    with open(args.data) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows.append(answer_features(WeakAnswer.of(row["token_logprobs"], row.get("samples") or ())))
+                labels.append(bool(row["weak_correct"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"{args.data}:{n}: expected token_logprobs and weak_correct ({e})") from None
+    x, y = np.array(rows), np.array(labels)
+    if len(set(labels)) < 2:
+        raise SystemExit(f"{args.data}: need answers labelled both right and wrong")
+    perm = np.random.default_rng(args.seed).permutation(len(y))
+    test, train = perm[:round(len(y) * args.test_fraction)], perm[round(len(y) * args.test_fraction):]
+    held = EscalationScorer.fit(x[train], y[train])
+    scorer = EscalationScorer.fit(x, y)
+    scorer.save(args.out)
+    report = ", ".join(f"{name} {_auc(s.score_features(x[test]), y[test]):.3f}" for name, s in
+                       (("fitted", held), ("prior", EscalationScorer.prior()),
+                        ("mean logprob", EscalationScorer.mean_logprob())))
+    print(f"fit on {len(y)} answers ({(~y).mean():.1%} wrong); AUC of wrong vs right on a held-out "
+          f"{args.test_fraction:.0%} (fit on the rest): {report}; wrote {args.out}")
+    return 0
+
+
+def _auc(scores: np.ndarray, right: np.ndarray) -> float:
+    """P(a wrong answer scores above a right one), ties half (nan without both)."""
+    wrong, ok = scores[~right], scores[right]
+    if not len(wrong) or not len(ok):
+        return float("nan")
+    return float((wrong[:, None] > ok[None, :]).mean() + 0.5 * (wrong[:, None] == ok[None, :]).mean())

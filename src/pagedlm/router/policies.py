@@ -3,7 +3,8 @@
 Quality policies (heuristic, learned classifier, random) score a request and send it to a strong candidate when
 the score reaches their threshold, else to the cheapest weak one; `calibrate` sets the threshold so that a target
 share of requests goes strong (RouteLLM's calibration), `calibrate_live` keeps moving it so that the share holds on
-live traffic. `CascadePolicy` sends every request to the weak tier first and judges the answer afterwards.
+live traffic. `CascadePolicy` (cascade.py) sends every request to the weak tier first and judges the answer
+afterwards.
 `SLAPolicy` wraps a quality policy and skips candidates that are down, overloaded, over budget or predicted to
 miss the latency objective. Among replicas of one model, `LeastLoadedPolicy`, `RoundRobinPolicy` and
 `PrefixAffinityPolicy` pick one; none sends a request to a replica whose free KV blocks cannot hold its prompt
@@ -124,7 +125,7 @@ class NoCandidateError(RuntimeError):
     """No model can take the request (all excluded, down or overloaded past every fallback)."""
 
 
-def _cheapest(cands: Sequence[Candidate], f: RequestFeatures) -> Candidate:
+def cheapest(cands: Sequence[Candidate], f: RequestFeatures) -> Candidate:
     return min(cands, key=lambda c: (c.cost(f), c.cost_per_output_token, c.name))
 
 
@@ -167,7 +168,7 @@ class ScorePolicy:
         pool = (strong or weak) if want_strong else (weak or strong)
         tier = "strong" if want_strong else "weak"
         note = "" if pool is (strong if want_strong else weak) else f" (no {tier} model available)"
-        c = _cheapest(pool, features)
+        c = cheapest(pool, features)
         return Decision(c.name, f"{type(self).__name__}: score {s:.3f} {'>=' if want_strong else '<'} "
                                 f"threshold {threshold:.3f} -> {tier}{note}", s, c.stats.replica,
                         "strong" if c.strong else "weak", want_strong)
@@ -216,34 +217,6 @@ class ClassifierPolicy(ScorePolicy):
 
     def score(self, f: RequestFeatures) -> float:
         return float(self.classifier.score_texts([f.prompt])[0])
-
-
-class CascadePolicy(ScorePolicy):
-    """Cascade mode: the cheapest weak model answers first; `escalate(its mean token logprob)` re-runs the request on
-    the strong tier when minus that mean reaches the threshold (`--cascade-threshold`, or live-calibrated)."""
-
-    def __init__(self, min_logprob: float = -1.0) -> None:
-        self.threshold = -min_logprob
-
-    def choose(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> Decision:
-        if not candidates:
-            raise NoCandidateError("no candidate models")
-        weak = [c for c in candidates if not c.strong]
-        c = _cheapest(weak or candidates, features)
-        note = "" if weak else " (no weak model available)"
-        return Decision(c.name, f"cascade: {c.name} answers first{note}", None, c.stats.replica,
-                        "strong" if c.strong else "weak")
-
-    def escalate(self, mean_logprob: float) -> tuple[bool, str]:
-        """Whether to re-run on the strong tier, and why (feeds the live calibration)."""
-        score = -mean_logprob if math.isfinite(mean_logprob) else math.inf
-        threshold = self.threshold
-        strong = self.wants_strong(score)
-        if self.calibrator is not None:
-            self.calibrator.observe(score, strong)
-        verdict = "re-run on the strong model" if strong else "weak answer kept"
-        return strong, (f"cascade: weak answer's mean token logprob {mean_logprob:.3f} "
-                        f"{'<=' if strong else '>'} {-threshold:.3f}: {verdict}")
 
 
 class RandomPolicy(ScorePolicy):

@@ -15,12 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from pagedlm.router.answer import WeakAnswer
 from pagedlm.router.budget import BudgetExceededError, SpendLedger
 from pagedlm.router.calibration import ShareCalibrator, ShareMonitor
+from pagedlm.router.cascade import CascadePolicy
 from pagedlm.router.policies import (
     SLO,
     Candidate,
-    CascadePolicy,
     Decision,
     HeuristicPolicy,
     LeastLoadedPolicy,
@@ -147,14 +148,15 @@ class Router:
                                           self.budget.retry_after(api_key, cheapest))
         return replace(d, reservation=self.budget.hold(api_key, cost[d.model]))
 
-    def escalate(self, first: Decision, mean_logprob: float, prompt: str, max_tokens: int | None = None,
+    def escalate(self, first: Decision, answer: WeakAnswer | float, prompt: str, max_tokens: int | None = None,
                  stats_by_model: Mapping[str, Stats] | None = None, api_key: str | None = None,
                  cost_tokens: tuple[int, int] | None = None) -> tuple[Decision | None, str]:
-        """Cascade mode: after `first` (a weak model) answered with this mean token logprob, the strong decision
-        to re-run the request with (None: keep the weak answer), and why. Raises like `route`."""
+        """Cascade mode: after `first` (a weak model) gave this answer (or an answer of this mean token logprob),
+        the strong decision to re-run the request with (None: keep the weak answer), and why. Raises like
+        `route`."""
         if not isinstance(self.policy, CascadePolicy) or self.models[first.model].strong:
             return None, "not a cascade"
-        strong, why = self.policy.escalate(mean_logprob)
+        strong, why = self.policy.escalate(answer)
         if not strong:
             return None, why
         weak = {m.name for m in self.models.values() if not m.strong}

@@ -203,8 +203,12 @@ def build_router(args: argparse.Namespace, names: list[str]):
         policy = ClassifierPolicy(clf, fraction, args.router_threshold)
         reference = clf.train_scores
     elif kind == "cascade":
+        from pagedlm.router import EscalationScorer
+
         fraction, reference = args.strong_fraction, None
-        policy = CascadePolicy(args.cascade_threshold)
+        scorer = {"mean": EscalationScorer.mean_logprob, "answer": EscalationScorer.prior}.get(
+            args.cascade_scorer, lambda: EscalationScorer.load(args.cascade_scorer))()
+        policy = CascadePolicy(args.cascade_threshold, scorer, args.cascade_samples)
     else:
         fraction = args.strong_fraction
         policy = HeuristicPolicy(0.5 if args.router_threshold is None else args.router_threshold)
