@@ -5,6 +5,7 @@ the score reaches their threshold, else to the cheapest weak one; `calibrate` se
 share of requests goes strong (RouteLLM's calibration), `calibrate_live` keeps moving it so that the share holds on
 live traffic. `CascadePolicy` (cascade.py) sends every request to the weak tier first and judges the answer
 afterwards.
+`TieredPolicy` (tiers.py) spreads requests over more than two tiers.
 `SLAPolicy` wraps a quality policy and skips candidates that are down, overloaded, over budget or predicted to
 miss the latency objective. Among replicas of one model, `LeastLoadedPolicy`, `RoundRobinPolicy` and
 `PrefixAffinityPolicy` pick one; none sends a request to a replica whose free KV blocks cannot hold its prompt
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ class Decision:
     category: str = ""  # short, bounded label of `reason`: weak | strong | sla | load | fallback | budget
     policy_strong: bool | None = None  # the quality policy's own tier choice, before SLA/load/budget rules
     reservation: int | None = None  # the budget's hold on this request's cost (settled with the tokens used)
+    tier: int | None = None  # with more than two tiers: the quality policy's tier choice (0: the cheapest)
 
 
 @dataclass
@@ -59,13 +61,19 @@ class LoadStats:
 
 @dataclass
 class Candidate:
-    """A model (or one replica of it) a request may go to. `strong` is its quality tier."""
+    """A model (or one replica of it) a request may go to. `strong` is its quality tier; `tier` its rank among
+    more than two (default: 1 if strong else 0)."""
 
     name: str
     strong: bool = False
     cost_per_input_token: float = 0.0
     cost_per_output_token: float = 0.0
     stats: LoadStats = field(default_factory=LoadStats)
+    tier: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier is None:
+            self.tier = int(self.strong)
 
     def cost(self, f: "RequestFeatures") -> float:
         return f.prompt_tokens * self.cost_per_input_token + f.max_tokens * self.cost_per_output_token
@@ -243,9 +251,9 @@ class SLO:
 
 class SLAPolicy:
     """Take `preferred`'s choice unless that model is down, overloaded, over budget or predicted to miss the SLO;
-    then the next candidate that passes (same tier first, then the other, cheapest first). If none passes, the
-    healthy non-overloaded candidate with the lowest predicted TTFT. Predicted TTFT: the recent TTFT times
-    (1 + queue_len / concurrency); predicted TPOT: the recent TPOT."""
+    then the next candidate that passes (same tier first, then the nearest tiers, stronger first; cheapest first).
+    If none passes, the healthy non-overloaded candidate with the lowest predicted TTFT. Predicted TTFT: the recent
+    TTFT times (1 + queue_len / concurrency); predicted TPOT: the recent TPOT."""
 
     def __init__(self, preferred: Policy, slo: SLO, concurrency: float = 1.0) -> None:
         self.preferred, self.slo, self.concurrency = preferred, slo, concurrency
@@ -274,13 +282,13 @@ class SLAPolicy:
         first = self.preferred.choose(features, candidates)
         pref = next(c for c in candidates if c.name == first.model)
         others = sorted((c for c in candidates if c is not pref),
-                        key=lambda c: (c.strong != pref.strong, c.cost(features), c.name))
+                        key=lambda c: (abs(c.tier - pref.tier), c.tier < pref.tier, c.cost(features), c.name))
         skipped, category = [], first.category
         for c in [pref, *others]:
             why = self.problem(c, features)
             if why is None:
                 reason = first.reason if c is pref else f"{first.reason}; skipped {'; '.join(skipped)}"
-                return Decision(c.name, reason, first.score, c.stats.replica, category, first.policy_strong)
+                return replace(first, model=c.name, reason=reason, replica=c.stats.replica, category=category)
             if c is pref:
                 category = "load" if why.startswith(("down", "overloaded")) else "sla"
             skipped.append(f"{c.name}: {why}")
@@ -288,8 +296,8 @@ class SLAPolicy:
         if not usable:
             raise NoCandidateError(f"every model is down or overloaded: {'; '.join(skipped)}")
         c = min(usable, key=lambda c: (self.predict_ttft(c), c.cost(features)))
-        return Decision(c.name, f"no model meets the SLO ({'; '.join(skipped)}); lowest predicted TTFT",
-                        first.score, c.stats.replica, "sla", first.policy_strong)
+        return replace(first, model=c.name, reason=f"no model meets the SLO ({'; '.join(skipped)}); lowest predicted "
+                       "TTFT", replica=c.stats.replica, category="sla")
 
 
 def blocks_short(c: Candidate, features: RequestFeatures | None) -> int:

@@ -106,6 +106,10 @@ class ServerConfig:
                                      "threshold)", group=ROUTING)
     model_cost: list[str] | None = option(None, "price per 1M input and output tokens (cheapest model of a tier "
                                           "wins; repeatable)", metavar="NAME=IN,OUT", group=ROUTING)
+    tier_share: list[str] | None = option(None, "one tier per model, cheapest first (by --model-cost): the share of "
+                                          "requests this model's tier takes, held on live traffic (repeatable, one "
+                                          "per model, summing to 1); harder requests go to pricier tiers",
+                                          metavar="NAME=SHARE", group=ROUTING)
     max_ttft_ms: float | None = option(None, "SLO: predicted time to first token", group=ROUTING)
     max_tpot_ms: float | None = option(None, "SLO: recent time per output token", group=ROUTING)
     max_queue: int | None = option(None, "SLO: waiting requests at which a model is overloaded", group=ROUTING)
