@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from pagedlm.router import HeuristicPolicy, extract_features
+from pagedlm.router import HeuristicPolicy, ModelEntry, Router, extract_features
 from pagedlm.router.baselines import heuristic_scores, knn_scores, length_scores, tune_knn
 from pagedlm.router.classifier import WeakCorrectClassifier, build_inputs
 from pagedlm.router.domains import MMLU_GROUPS, SUBJECT_GROUP, subject_groups
@@ -166,3 +166,11 @@ def test_folds_retrain_per_fold_and_summarise():
     assert len(subject_folds(subjects, 2)) == 2
     with pytest.raises(ValueError):
         subject_folds(subjects, 5)
+
+
+def test_router_latency_bench_runs_every_policy_open_loop():
+    from pagedlm.bench.router_latency import _prompts, run
+
+    router = Router([ModelEntry("w"), ModelEntry("s", strong=True)], HeuristicPolicy())
+    out = run(router, _prompts(None, 50, seed=0), rate=400.0, seconds=0.1, seed=0)
+    assert out["decisions"] == 40 and out["p50_ms"] <= out["p95_ms"] <= out["p99_ms"] and out["rate"] > 0

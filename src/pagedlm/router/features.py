@@ -8,6 +8,7 @@ its reading level (word length, syllables, sentence length, a Flesch-Kincaid gra
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
@@ -27,6 +28,7 @@ _OPERATOR = re.compile(r"[-+*/^=<>%]|\\[a-z]+")
 _WORD = re.compile(r"[A-Za-z]+")
 _SENTENCE_END = re.compile(r"[.?!](?:\s|$)")
 _VOWELS = re.compile(r"[aeiouy]+")
+_NO_VOWEL = re.compile(r"\b[b-df-hj-np-tv-xz]+\b")  # a lower-case word without a vowel group
 _CHOICE = re.compile(r"^[A-D][.)] ?(.*)$", re.MULTILINE)
 _NEGATED = re.compile(r"\b(not|except|false|incorrect|least)\b", re.IGNORECASE)
 _STATEMENTS = re.compile(r"(Statement|Scenario) 1\s*\|")
@@ -39,33 +41,33 @@ _PASSAGE = re.compile(r"\b(the following (passage|information|excerpt|text)|refe
 _ALL_NONE = re.compile(r"\b(all|none|both) of the (above|following)\b", re.IGNORECASE)
 
 
-def _syllables(word: str) -> int:
-    return max(1, len(_VOWELS.findall(word.lower())))
-
-
-def prompt_features(prompt: str) -> list:
+def prompt_features(prompt: str) -> list[float]:
     """The FEATURE_NAMES values of one prompt. The stem is the text before the first `\\nA.` choice line."""
     stem = prompt.split("\nA.")[0]
     choices = _CHOICE.findall(prompt)
     words, stem_words = _WORD.findall(prompt), _WORD.findall(stem)
     n_words, n_stem_words = max(1, len(words)), max(1, len(stem_words))
     sentences = max(1, len(_SENTENCE_END.findall(stem)))
-    numbers = _NUMBER.findall(prompt)
-    choice_chars = [len(c) for c in choices] or [0]
+    numbers = len(_NUMBER.findall(prompt))
+    choice_logs = [math.log1p(len(c)) for c in choices] or [0.0]
+    choice_mean = sum(len(c) for c in choices) / len(choices) if choices else 0.0
+    log_mean = sum(choice_logs) / len(choice_logs)
     numeric_choices = sum(bool(_NUMBER.search(c)) and len(_WORD.findall(c)) <= 2 for c in choices)
-    syllables = [_syllables(w) for w in stem_words] or [1]
+    lowered = " ".join(stem_words).lower()  # a word's syllables: its vowel groups, at least one
+    syllables = (len(_VOWELS.findall(lowered)) + len(_NO_VOWEL.findall(lowered))) / len(stem_words) \
+        if stem_words else 1.0
     words_per_sentence = n_stem_words / sentences
-    grade = 0.39 * words_per_sentence + 11.8 * float(np.mean(syllables)) - 15.59  # Flesch-Kincaid
+    grade = 0.39 * words_per_sentence + 11.8 * syllables - 15.59  # Flesch-Kincaid
     return [
-        np.log1p(len(prompt)), np.log1p(len(stem)), np.log1p(np.mean(choice_chars)),
-        np.std(np.log1p(choice_chars)), np.log1p(len(numbers)), len(numbers) / n_words,
-        len(_OPERATOR.findall(prompt)) / max(1, len(prompt)), numeric_choices / max(1, len(choices)),
-        np.mean([len(w) for w in words]) if words else 0.0, np.mean(syllables), np.log1p(words_per_sentence),
-        grade / 10, np.mean([len(w) > 6 for w in words]) if words else 0.0,
+        math.log1p(len(prompt)), math.log1p(len(stem)), math.log1p(choice_mean),
+        math.sqrt(sum((v - log_mean) ** 2 for v in choice_logs) / len(choice_logs)), math.log1p(numbers),
+        numbers / n_words, len(_OPERATOR.findall(prompt)) / max(1, len(prompt)),
+        numeric_choices / max(1, len(choices)), sum(map(len, words)) / len(words) if words else 0.0, syllables,
+        math.log1p(words_per_sentence), grade / 10, sum(len(w) > 6 for w in words) / len(words) if words else 0.0,
         bool(_NEGATED.search(stem)), stem.rstrip().endswith("?"), "_" in stem, bool(_STATEMENTS.search(stem)),
-        bool(_WHICH.search(stem)), sum(ch.isupper() for ch in prompt) / max(1, len(prompt)),
+        bool(_WHICH.search(stem)), sum(map(str.isupper, prompt)) / max(1, len(prompt)),
         bool(_FIRST_PERSON.search(stem)), bool(_COMPUTATION.search(stem)), bool(_JUDGEMENT.search(stem)),
-        bool(_PASSAGE.search(stem)), bool(_ALL_NONE.search(prompt)), np.log1p(sentences), len(choices) >= 2,
+        bool(_PASSAGE.search(stem)), bool(_ALL_NONE.search(prompt)), math.log1p(sentences), len(choices) >= 2,
     ]
 
 

@@ -81,6 +81,15 @@ class BoostedTrees:
                  right: np.ndarray, value: np.ndarray, depth: int) -> None:
         self.base, self.feature, self.threshold = base, feature, threshold
         self.left, self.right, self.value, self.depth = left, right, value, depth
+        # flat tables over every (output, tree, node): the feature tested, its threshold, the (right, left) child
+        outputs, trees, nodes = feature.shape
+        index = np.arange(feature.size)
+        first, leaf = index // nodes * nodes, feature.reshape(-1) < 0
+        self._roots = np.arange(outputs * trees) * nodes
+        self._tested, self._thresholds = np.maximum(feature.reshape(-1), 0), threshold.reshape(-1)
+        self._children = np.stack([np.where(leaf, index, first + right.reshape(-1)),
+                                   np.where(leaf, index, first + left.reshape(-1))], 1).reshape(-1)
+        self._values = value.reshape(-1)
 
     @classmethod
     def fit(cls, x: np.ndarray, labels: np.ndarray, trees: int = 150, learning_rate: float = 0.05,
@@ -123,20 +132,16 @@ class BoostedTrees:
         return cls(base, feature, threshold, left, right, value, max_depth)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float32)
+        """[rows, outputs]; every output's trees walked together, one level per step."""
+        x = np.asarray(x, dtype=np.float64)
         outputs, trees, _ = self.feature.shape
         out = np.empty((len(x), outputs))
-        rows = np.arange(len(x))[:, None]
-        tree_idx = np.arange(trees)[None, :]
-        for j in range(outputs):
-            node = np.zeros((len(x), trees), dtype=np.int64)
+        for r, row in enumerate(x):  # a request routes one prompt: per row, 1-D gathers are the cheapest
+            node = self._roots
             for _ in range(self.depth):
-                f = self.feature[j, tree_idx, node]
-                leaf = f < 0
-                go_left = x[rows, np.maximum(f, 0)].astype(np.float64) <= self.threshold[j, tree_idx, node]
-                nxt = np.where(go_left, self.left[j, tree_idx, node], self.right[j, tree_idx, node])
-                node = np.where(leaf, node, nxt)
-            out[:, j] = self.base[j] + self.value[j, tree_idx, node].sum(1)
+                node = self._children.take(2 * node + (row.take(self._tested.take(node))
+                                                        <= self._thresholds.take(node)))
+            out[r] = self.base + self._values.take(node).reshape(outputs, trees).sum(1)
         return out
 
     def state(self) -> dict:
