@@ -104,6 +104,8 @@ def test_fitted_scorer_catches_wrong_answers_the_mean_misses(tmp_path):
         EscalationScorer.load(tmp_path / "bad.json")
     with pytest.raises(ValueError):
         EscalationScorer(np.ones(3), np.zeros(3), np.ones(3))
+    with pytest.raises(ValueError, match="both right and wrong"):
+        EscalationScorer.fit(np.array([answer_features(a) for a in train]), np.ones(len(train), dtype=bool))
 
 
 def test_live_calibration_holds_the_escalation_share_and_picks_the_worst():

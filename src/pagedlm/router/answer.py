@@ -106,6 +106,8 @@ class EscalationScorer:
         (Newton's method; a constant feature gets weight 0). The score is the fitted log-odds of wrong."""
         x = np.asarray(x, dtype=np.float64)
         y = 1.0 - np.asarray(weak_correct, dtype=np.float64)
+        if x.ndim != 2 or x.shape != (len(y), len(ANSWER_FEATURES)) or y.min() == y.max():
+            raise ValueError(f"need [n, {len(ANSWER_FEATURES)}] answer features and answers both right and wrong")
         shift, spread = x.mean(0), x.std(0)
         scale = np.where(spread > 1e-9, spread, 1.0)
         z = np.hstack([(x - shift) / scale, np.ones((len(x), 1))])

@@ -44,7 +44,7 @@ def add_router_parser(subparsers) -> None:
     k.add_argument("data", help="JSONL: one answer a line, {\"token_logprobs\": [...], \"samples\": [texts, "
                                 "optional], \"weak_correct\": true|false}")
     k.add_argument("--out", required=True, help="scorer file (JSON) to write")
-    k.add_argument("--test-fraction", type=float, default=0.3)
+    k.add_argument("--folds", type=int, default=5, help="cross-validation folds for the reported AUC")
     k.add_argument("--seed", type=int, default=0)
     k.set_defaults(fn=cmd_train_cascade)
 
@@ -190,18 +190,20 @@ def cmd_train_cascade(args: argparse.Namespace) -> int:
             except (ValueError, KeyError, TypeError) as e:
                 raise SystemExit(f"{args.data}:{n}: expected token_logprobs and weak_correct ({e})") from None
     x, y = np.array(rows), np.array(labels)
-    if len(set(labels)) < 2:
-        raise SystemExit(f"{args.data}: need answers labelled both right and wrong")
-    perm = np.random.default_rng(args.seed).permutation(len(y))
-    test, train = perm[:round(len(y) * args.test_fraction)], perm[round(len(y) * args.test_fraction):]
-    held = EscalationScorer.fit(x[train], y[train])
+    if len(set(labels)) < 2 or not 2 <= args.folds <= min(y.sum(), (~y).sum()):
+        raise SystemExit(f"{args.data}: need answers labelled both right and wrong, at least --folds of each")
+    folds = np.array_split(np.random.default_rng(args.seed).permutation(len(y)), args.folds)
+    held = np.zeros(len(y))
+    for f in folds:  # each answer scored by a scorer fit without it
+        rest = np.setdiff1d(np.arange(len(y)), f)
+        held[f] = EscalationScorer.fit(x[rest], y[rest]).score_features(x[f])
     scorer = EscalationScorer.fit(x, y)
     scorer.save(args.out)
-    report = ", ".join(f"{name} {_auc(s.score_features(x[test]), y[test]):.3f}" for name, s in
-                       (("fitted", held), ("prior", EscalationScorer.prior()),
-                        ("mean logprob", EscalationScorer.mean_logprob())))
-    print(f"fit on {len(y)} answers ({(~y).mean():.1%} wrong); AUC of wrong vs right on a held-out "
-          f"{args.test_fraction:.0%} (fit on the rest): {report}; wrote {args.out}")
+    report = ", ".join(f"{name} {_auc(s, y):.3f}" for name, s in
+                       (("fitted", held), ("prior", EscalationScorer.prior().score_features(x)),
+                        ("mean logprob", EscalationScorer.mean_logprob().score_features(x))))
+    print(f"fit on {len(y)} answers ({(~y).mean():.1%} wrong); AUC of wrong vs right ({args.folds}-fold "
+          f"cross-validated for the fit): {report}; wrote {args.out}")
     return 0
 
 
