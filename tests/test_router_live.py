@@ -16,6 +16,7 @@ from pagedlm.router import (
     SpendLedger,
     population_stability_index,
 )
+from pagedlm.router.transfer import BASELINES
 
 WINDOW, TOLERANCE = 500, 0.05  # the promise stated in pagedlm.router.calibration
 
@@ -235,7 +236,12 @@ def test_router_eval_calibrate_on_and_by_subject(tmp_path, capsys):
     bs = report["by_subject"]
     assert len(bs["folds"]) == 2 and sum(f["prompts"] for f in bs["folds"]) == 160
     assert {s for f in bs["folds"] for s in f["subjects"]} == set(topics)
-    assert all(0.0 <= f["share_at_50"] <= 1.0 and np.isfinite(f["classifier"]) for f in bs["folds"])
+    for f in bs["folds"]:
+        assert 0.0 <= f["share_at_50"] <= 1.0 and set(f["curves"]) == {"router", *BASELINES}
+        assert f["curves"]["oracle"]["APGR"] >= max(c["APGR"] for c in f["curves"].values()) - 1e-9
     with pytest.raises(SystemExit):
         main(["router", "eval", str(data), "--router", str(out), "--cache-dir", "none", "--by-subject",
               "--folds", "9", "--plot", str(tmp_path / "c.png"), "--latency-samples", "2"])
+    with pytest.raises(SystemExit, match="not MMLU subjects"):  # toy subject names have no domain group
+        main(["router", "eval", str(data), "--router", str(out), "--cache-dir", "none", "--leave-domain-out",
+              "--plot", str(tmp_path / "c.png"), "--latency-samples", "2"])

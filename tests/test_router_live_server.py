@@ -8,7 +8,16 @@ import time
 import pytest
 from server_utils import routed_server
 
-from pagedlm.router import BudgetLimits, CascadePolicy, HeuristicPolicy, ModelEntry, Router, ShareMonitor, SpendLedger
+from pagedlm.router import (
+    BudgetLimits,
+    CascadePolicy,
+    EscalationScorer,
+    HeuristicPolicy,
+    ModelEntry,
+    Router,
+    ShareMonitor,
+    SpendLedger,
+)
 
 EASY = "Hello! How are you today?"
 HARD = ("```python\ndef solve(n):\n    return n * 2\n```\nExplain step by step why this function computes the "
@@ -253,3 +262,15 @@ def test_cascade_keeps_the_weak_answer_when_the_strong_rerun_is_over_budget(env,
     assert r.headers["x-pagedlm-routed-model"] == "small" and models == {"small"} and text
     assert "strong model is unavailable" in r.headers["x-pagedlm-route-detail"]
     assert submits == {"small": 1, "big": 0}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_cascade_reads_k_samples_drawn_at_once(env, submits, monkeypatch, chat):
+    server, router = env
+    policy = CascadePolicy(min_logprob=-1e9, scorer=EscalationScorer.prior(), samples=3)
+    monkeypatch.setattr(router, "policy", policy)
+    r, text, models, logprobs, usage = cascade_call(server, HARD, chat, stream=False, temperature=1.0, seed=7)
+    assert r.headers["x-pagedlm-routed-model"] == "small" and text and logprobs is None
+    assert len(r.json()["choices"]) == 1 and usage["completion_tokens"] == 4  # the kept answer alone
+    assert "3 samples agree" in r.headers["x-pagedlm-route-detail"]
+    assert submits == {"small": 1, "big": 0}  # one weak request of n=3

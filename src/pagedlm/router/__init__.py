@@ -1,12 +1,13 @@
 """Request routing across models: quality policies (heuristic, learned, random) with live share calibration,
 SLA/cost constraints with fallback, spend caps, replica load balancing, and offline training/evaluation
 (RouteLLM's metrics)."""
+from pagedlm.router.answer import EscalationScorer, WeakAnswer
 from pagedlm.router.budget import BudgetExceededError, BudgetLimits, SpendLedger
 from pagedlm.router.calibration import ShareCalibrator, ShareMonitor, population_stability_index
+from pagedlm.router.cascade import CascadePolicy
 from pagedlm.router.policies import (
                                      SLO,
                                      Candidate,
-                                     CascadePolicy,
                                      ClassifierPolicy,
                                      Decision,
                                      HeuristicPolicy,
@@ -25,7 +26,7 @@ from pagedlm.router.policies import (
 from pagedlm.router.router import ModelEntry, Router
 
 __all__ = ["SLO", "BudgetExceededError", "BudgetLimits", "Candidate", "CascadePolicy", "ClassifierPolicy",
-           "Decision", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats", "ModelEntry", "NoCandidateError",
-           "PrefixAffinityPolicy", "RandomPolicy", "RequestFeatures", "RoundRobinPolicy", "Router", "SLAPolicy",
-           "ScorePolicy", "ShareCalibrator", "ShareMonitor", "SpendLedger", "extract_features",
-           "population_stability_index", "threshold_for"]
+           "Decision", "EscalationScorer", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats", "ModelEntry",
+           "NoCandidateError", "PrefixAffinityPolicy", "RandomPolicy", "RequestFeatures", "RoundRobinPolicy", "Router",
+           "SLAPolicy", "ScorePolicy", "ShareCalibrator", "ShareMonitor", "SpendLedger", "WeakAnswer",
+           "extract_features", "population_stability_index", "threshold_for"]

@@ -135,15 +135,17 @@ class ShareStats:
 
 
 class ShareMonitor:
-    """The last `window` served requests: (the policy's tier or None, the tier served, the decision category)."""
+    """The last `window` served requests: (the policy's tier or None, the tier served, the decision category), and
+    with more than two tiers the policy's tier rank and the rank served."""
 
     def __init__(self, window: int = 500) -> None:
-        self._items: deque[tuple[bool | None, bool, str]] = deque(maxlen=window)
+        self._items: deque[tuple[bool | None, bool, str, int | None, int]] = deque(maxlen=window)
         self._lock = threading.Lock()
 
-    def record(self, policy_strong: bool | None, strong: bool, category: str) -> None:
+    def record(self, policy_strong: bool | None, strong: bool, category: str, policy_tier: int | None = None,
+               tier: int | None = None) -> None:
         with self._lock:
-            self._items.append((policy_strong, strong, category))
+            self._items.append((policy_strong, strong, category, policy_tier, int(strong) if tier is None else tier))
 
     def stats(self) -> ShareStats:
         with self._lock:
@@ -151,9 +153,19 @@ class ShareMonitor:
         n = len(items)
         if not n:
             return ShareStats(0, None, None, {c: {"strong": 0.0, "weak": 0.0} for c in FORCING_CATEGORIES})
-        scored = [p for p, _, _ in items if p is not None]
+        scored = [p for p, *_ in items if p is not None]
         forced = {c: {"strong": 0.0, "weak": 0.0} for c in FORCING_CATEGORIES}
-        for p, s, c in items:
+        for p, s, c, *_ in items:
             if c in forced and p is not None and p != s:
                 forced[c]["strong" if s else "weak"] += 1.0 / n
-        return ShareStats(n, sum(s for _, s, _ in items) / n, sum(scored) / len(scored) if scored else None, forced)
+        return ShareStats(n, sum(s for _, s, *_ in items) / n, sum(scored) / len(scored) if scored else None, forced)
+
+    def tier_shares(self) -> dict[int, dict[str, float]]:
+        """Per tier rank: the share of the window served there ("realised") and the share of the requests the
+        policy ranked that it sent there ("policy")."""
+        with self._lock:
+            items = list(self._items)
+        ranked = [pt for *_, pt, _ in items if pt is not None]
+        tiers = sorted({t for *_, t in items} | set(ranked))
+        return {t: {"realised": sum(r == t for *_, r in items) / len(items),
+                    "policy": sum(p == t for p in ranked) / len(ranked) if ranked else 0.0} for t in tiers}

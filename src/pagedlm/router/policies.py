@@ -3,7 +3,9 @@
 Quality policies (heuristic, learned classifier, random) score a request and send it to a strong candidate when
 the score reaches their threshold, else to the cheapest weak one; `calibrate` sets the threshold so that a target
 share of requests goes strong (RouteLLM's calibration), `calibrate_live` keeps moving it so that the share holds on
-live traffic. `CascadePolicy` sends every request to the weak tier first and judges the answer afterwards.
+live traffic. `CascadePolicy` (cascade.py) sends every request to the weak tier first and judges the answer
+afterwards.
+`TieredPolicy` (tiers.py) spreads requests over more than two tiers.
 `SLAPolicy` wraps a quality policy and skips candidates that are down, overloaded, over budget or predicted to
 miss the latency objective. Among replicas of one model, `LeastLoadedPolicy`, `RoundRobinPolicy` and
 `PrefixAffinityPolicy` pick one; none sends a request to a replica whose free KV blocks cannot hold its prompt
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
@@ -34,6 +36,7 @@ class Decision:
     category: str = ""  # short, bounded label of `reason`: weak | strong | sla | load | fallback | budget
     policy_strong: bool | None = None  # the quality policy's own tier choice, before SLA/load/budget rules
     reservation: int | None = None  # the budget's hold on this request's cost (settled with the tokens used)
+    tier: int | None = None  # with more than two tiers: the quality policy's tier choice (0: the cheapest)
 
 
 @dataclass
@@ -58,13 +61,19 @@ class LoadStats:
 
 @dataclass
 class Candidate:
-    """A model (or one replica of it) a request may go to. `strong` is its quality tier."""
+    """A model (or one replica of it) a request may go to. `strong` is its quality tier; `tier` its rank among
+    more than two (default: 1 if strong else 0)."""
 
     name: str
     strong: bool = False
     cost_per_input_token: float = 0.0
     cost_per_output_token: float = 0.0
     stats: LoadStats = field(default_factory=LoadStats)
+    tier: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier is None:
+            self.tier = int(self.strong)
 
     def cost(self, f: "RequestFeatures") -> float:
         return f.prompt_tokens * self.cost_per_input_token + f.max_tokens * self.cost_per_output_token
@@ -78,6 +87,7 @@ class RequestFeatures:
     question_type: str  # "code" | "math" | "reasoning" | "multiple_choice" | "factual" | "open"
     has_code: bool
     has_math: bool
+    choices: int = 0  # multiple-choice lines (`A.`, `B)` ...)
 
 
 _CODE = re.compile(r"```|\bdef |\bclass |\breturn\b|#include|\bfunction\b|=>|;\s*$|\bimport |\bSELECT\b|</?\w+>"
@@ -98,20 +108,21 @@ def count_choices(prompt: str) -> int:
 
 def extract_features(prompt: str, max_tokens: int | None = None, prompt_tokens: int | None = None) -> RequestFeatures:
     has_code, has_math = bool(_CODE.search(prompt)), bool(_MATH.search(prompt))
+    choices = count_choices(prompt)
     if has_code:
         kind = "code"
     elif has_math:
         kind = "math"
     elif _REASONING.search(prompt):
         kind = "reasoning"
-    elif count_choices(prompt) >= 2:
+    elif choices >= 2:
         kind = "multiple_choice"
     elif _FACTUAL.search(prompt):
         kind = "factual"
     else:
         kind = "open"
     return RequestFeatures(prompt, prompt_tokens if prompt_tokens is not None else max(1, len(prompt) // 4),
-                           max_tokens or 256, kind, has_code, has_math)
+                           max_tokens or 256, kind, has_code, has_math, choices)
 
 
 class Policy(Protocol):
@@ -122,7 +133,7 @@ class NoCandidateError(RuntimeError):
     """No model can take the request (all excluded, down or overloaded past every fallback)."""
 
 
-def _cheapest(cands: Sequence[Candidate], f: RequestFeatures) -> Candidate:
+def cheapest(cands: Sequence[Candidate], f: RequestFeatures) -> Candidate:
     return min(cands, key=lambda c: (c.cost(f), c.cost_per_output_token, c.name))
 
 
@@ -165,7 +176,7 @@ class ScorePolicy:
         pool = (strong or weak) if want_strong else (weak or strong)
         tier = "strong" if want_strong else "weak"
         note = "" if pool is (strong if want_strong else weak) else f" (no {tier} model available)"
-        c = _cheapest(pool, features)
+        c = cheapest(pool, features)
         return Decision(c.name, f"{type(self).__name__}: score {s:.3f} {'>=' if want_strong else '<'} "
                                 f"threshold {threshold:.3f} -> {tier}{note}", s, c.stats.replica,
                         "strong" if c.strong else "weak", want_strong)
@@ -184,8 +195,9 @@ def threshold_for(scores: np.ndarray, strong_fraction: float) -> float:
 
 
 class HeuristicPolicy(ScorePolicy):
-    """Complexity in [0, 1] from the prompt length, its question type, code/math markers and the requested
-    max_tokens (long answers are harder)."""
+    """Complexity in [0, 1] from the prompt length, the requested max_tokens and, for a free-form request, its
+    question type and code/math markers. A multiple-choice question is judged by its length alone: on MMLU the
+    markers ranked questions below their length (docs/routing.md; math looks hard, the strong model misses it too)."""
 
     TYPE_WEIGHT = {"code": 0.3, "math": 0.3, "reasoning": 0.2, "multiple_choice": 0.1, "open": 0.1, "factual": 0.0}
 
@@ -195,6 +207,8 @@ class HeuristicPolicy(ScorePolicy):
     def score(self, f: RequestFeatures) -> float:
         length = min(1.0, math.log1p(f.prompt_tokens) / math.log1p(2048))
         answer = min(1.0, math.log1p(f.max_tokens) / math.log1p(4096))
+        if f.choices >= 2:  # characters break ties between equal token counts
+            return 0.35 * length + 0.15 * answer + self.TYPE_WEIGHT["multiple_choice"] + 1e-9 * len(f.prompt)
         s = 0.35 * length + 0.15 * answer + self.TYPE_WEIGHT[f.question_type]
         s += 0.1 * (f.has_code and f.question_type != "code") + 0.1 * (f.has_math and f.question_type != "math")
         return min(1.0, s)
@@ -211,36 +225,6 @@ class ClassifierPolicy(ScorePolicy):
 
     def score(self, f: RequestFeatures) -> float:
         return float(self.classifier.score_texts([f.prompt])[0])
-
-
-class CascadePolicy(ScorePolicy):
-    """Cascade mode. Up front, the cheapest weak model takes the request; once it has answered, the server asks
-    `escalate(mean token logprob of the answer)`: the score is minus that mean (higher: less confident), against
-    the threshold (`--cascade-threshold` as a logprob, or live-calibrated to the strong share), and a request that
-    scores at or above it is re-run on the strong tier."""
-
-    def __init__(self, min_logprob: float = -1.0) -> None:
-        self.threshold = -min_logprob
-
-    def choose(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> Decision:
-        if not candidates:
-            raise NoCandidateError("no candidate models")
-        weak = [c for c in candidates if not c.strong]
-        c = _cheapest(weak or candidates, features)
-        note = "" if weak else " (no weak model available)"
-        return Decision(c.name, f"cascade: {c.name} answers first{note}", None, c.stats.replica,
-                        "strong" if c.strong else "weak")
-
-    def escalate(self, mean_logprob: float) -> tuple[bool, str]:
-        """Whether to re-run on the strong tier, and why (feeds the live calibration)."""
-        score = -mean_logprob if math.isfinite(mean_logprob) else math.inf
-        threshold = self.threshold
-        strong = self.wants_strong(score)
-        if self.calibrator is not None:
-            self.calibrator.observe(score, strong)
-        verdict = "re-run on the strong model" if strong else "weak answer kept"
-        return strong, (f"cascade: weak answer's mean token logprob {mean_logprob:.3f} "
-                        f"{'<=' if strong else '>'} {-threshold:.3f}: {verdict}")
 
 
 class RandomPolicy(ScorePolicy):
@@ -267,9 +251,9 @@ class SLO:
 
 class SLAPolicy:
     """Take `preferred`'s choice unless that model is down, overloaded, over budget or predicted to miss the SLO;
-    then the next candidate that passes (same tier first, then the other, cheapest first). If none passes, the
-    healthy non-overloaded candidate with the lowest predicted TTFT. Predicted TTFT: the recent TTFT times
-    (1 + queue_len / concurrency); predicted TPOT: the recent TPOT."""
+    then the next candidate that passes (same tier first, then the nearest tiers, stronger first; cheapest first).
+    If none passes, the healthy non-overloaded candidate with the lowest predicted TTFT. Predicted TTFT: the recent
+    TTFT times (1 + queue_len / concurrency); predicted TPOT: the recent TPOT."""
 
     def __init__(self, preferred: Policy, slo: SLO, concurrency: float = 1.0) -> None:
         self.preferred, self.slo, self.concurrency = preferred, slo, concurrency
@@ -298,13 +282,13 @@ class SLAPolicy:
         first = self.preferred.choose(features, candidates)
         pref = next(c for c in candidates if c.name == first.model)
         others = sorted((c for c in candidates if c is not pref),
-                        key=lambda c: (c.strong != pref.strong, c.cost(features), c.name))
+                        key=lambda c: (abs(c.tier - pref.tier), c.tier < pref.tier, c.cost(features), c.name))
         skipped, category = [], first.category
         for c in [pref, *others]:
             why = self.problem(c, features)
             if why is None:
                 reason = first.reason if c is pref else f"{first.reason}; skipped {'; '.join(skipped)}"
-                return Decision(c.name, reason, first.score, c.stats.replica, category, first.policy_strong)
+                return replace(first, model=c.name, reason=reason, replica=c.stats.replica, category=category)
             if c is pref:
                 category = "load" if why.startswith(("down", "overloaded")) else "sla"
             skipped.append(f"{c.name}: {why}")
@@ -312,8 +296,8 @@ class SLAPolicy:
         if not usable:
             raise NoCandidateError(f"every model is down or overloaded: {'; '.join(skipped)}")
         c = min(usable, key=lambda c: (self.predict_ttft(c), c.cost(features)))
-        return Decision(c.name, f"no model meets the SLO ({'; '.join(skipped)}); lowest predicted TTFT",
-                        first.score, c.stats.replica, "sla", first.policy_strong)
+        return replace(first, model=c.name, reason=f"no model meets the SLO ({'; '.join(skipped)}); lowest predicted "
+                       "TTFT", replica=c.stats.replica, category="sla")
 
 
 def blocks_short(c: Candidate, features: RequestFeatures | None) -> int:

@@ -15,12 +15,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from pagedlm.router.answer import WeakAnswer
 from pagedlm.router.budget import BudgetExceededError, SpendLedger
 from pagedlm.router.calibration import ShareCalibrator, ShareMonitor
+from pagedlm.router.cascade import CascadePolicy
+from pagedlm.router.tiers import TieredPolicy
 from pagedlm.router.policies import (
     SLO,
     Candidate,
-    CascadePolicy,
     Decision,
     HeuristicPolicy,
     LeastLoadedPolicy,
@@ -35,12 +37,18 @@ from pagedlm.router.policies import (
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A routable model: its name, quality tier and price per token."""
+    """A routable model: its name, quality tier and price per token. `tier`: its rank among more than two tiers
+    (0: the cheapest; default 1 if strong else 0)."""
 
     name: str
     strong: bool = False
     cost_per_input_token: float = 0.0
     cost_per_output_token: float = 0.0
+    tier: int | None = None
+
+    @property
+    def rank(self) -> int:
+        return int(self.strong) if self.tier is None else self.tier
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return prompt_tokens * self.cost_per_input_token + completion_tokens * self.cost_per_output_token
@@ -102,7 +110,8 @@ class Router:
                 continue
             stats = stats_by_model.get(m.name) or LoadStats()
             replicas = [stats] if isinstance(stats, LoadStats) else list(stats)
-            cands = [Candidate(m.name, m.strong, m.cost_per_input_token, m.cost_per_output_token, s) for s in replicas]
+            cands = [Candidate(m.name, m.strong, m.cost_per_input_token, m.cost_per_output_token, s, m.rank)
+                     for s in replicas]
             try:
                 best = self.balancer.choose(features, cands) if len(cands) > 1 else None
             except NoCandidateError:
@@ -118,7 +127,9 @@ class Router:
         if self.budget is not None:
             d = self._within_budget(d, features, candidates, api_key, cost_tokens)
         calibrator = self.calibrator
-        if observe and calibrator is not None and d.score is not None and d.policy_strong is not None:
+        if observe and isinstance(self.policy, TieredPolicy) and d.score is not None and d.tier is not None:
+            self.policy.observe(d.score, d.tier)
+        elif observe and calibrator is not None and d.score is not None and d.policy_strong is not None:
             calibrator.observe(d.score, d.policy_strong)
         return d
 
@@ -147,14 +158,15 @@ class Router:
                                           self.budget.retry_after(api_key, cheapest))
         return replace(d, reservation=self.budget.hold(api_key, cost[d.model]))
 
-    def escalate(self, first: Decision, mean_logprob: float, prompt: str, max_tokens: int | None = None,
+    def escalate(self, first: Decision, answer: WeakAnswer | float, prompt: str, max_tokens: int | None = None,
                  stats_by_model: Mapping[str, Stats] | None = None, api_key: str | None = None,
                  cost_tokens: tuple[int, int] | None = None) -> tuple[Decision | None, str]:
-        """Cascade mode: after `first` (a weak model) answered with this mean token logprob, the strong decision
-        to re-run the request with (None: keep the weak answer), and why. Raises like `route`."""
+        """Cascade mode: after `first` (a weak model) gave this answer (or an answer of this mean token logprob),
+        the strong decision to re-run the request with (None: keep the weak answer), and why. Raises like
+        `route`."""
         if not isinstance(self.policy, CascadePolicy) or self.models[first.model].strong:
             return None, "not a cascade"
-        strong, why = self.policy.escalate(mean_logprob)
+        strong, why = self.policy.escalate(answer)
         if not strong:
             return None, why
         weak = {m.name for m in self.models.values() if not m.strong}
@@ -164,7 +176,8 @@ class Router:
 
     def record_served(self, d: Decision) -> None:
         """Count a request served as `d` decided (for the realised strong share)."""
-        self.served.record(d.policy_strong, self.models[d.model].strong, d.category)
+        m = self.models[d.model]
+        self.served.record(d.policy_strong, m.strong, d.category, d.tier, m.rank)
 
     def settle(self, d: Decision, prompt_tokens: int, completion_tokens: int) -> None:
         """The request routed by `d` used these tokens: its budget hold becomes their cost."""
@@ -185,7 +198,7 @@ class Router:
         d = self.route(prompt, max_tokens, stats_by_model, exclude={failed.model, *tried}, api_key=api_key,
                        cost_tokens=cost_tokens, observe=False)
         return replace(d, reason=f"fallback from {failed.model}: {d.reason}", category="fallback",
-                       policy_strong=failed.policy_strong)
+                       policy_strong=failed.policy_strong, tier=failed.tier)
 
     def report_failure(self, model: str) -> None:
         self._failures[model] = n = self._failures.get(model, 0) + 1

@@ -204,14 +204,29 @@ def build_router(args: argparse.Namespace, names: list[str]):
         policy = ClassifierPolicy(clf, fraction, args.router_threshold)
         reference = clf.train_scores
     elif kind == "cascade":
+        from pagedlm.router import EscalationScorer
+
         fraction, reference = args.strong_fraction, None
-        policy = CascadePolicy(args.cascade_threshold)
+        scorer = {"mean": EscalationScorer.mean_logprob, "answer": EscalationScorer.prior}.get(
+            args.cascade_scorer, lambda: EscalationScorer.load(args.cascade_scorer))()
+        policy = CascadePolicy(args.cascade_threshold, scorer, args.cascade_samples)
     else:
         fraction = args.strong_fraction
         policy = HeuristicPolicy(0.5 if args.router_threshold is None else args.router_threshold)
         reference = None
     if args.calibration_window < 0:
         raise ValueError("--calibration-window must be >= 0.")
+    if args.tier_share:
+        from pagedlm.router.tiers import TieredPolicy, parse_tier_shares, tiered_entries
+
+        if kind == "cascade" or args.strong_fraction is not None or args.router_threshold is not None \
+                or args.strong_model:
+            raise ValueError("--tier-share sets every tier's share: it takes --router heuristic or learned, without "
+                             "--strong-fraction, --router-threshold or --strong-model.")
+        entries, shares = tiered_entries(names, costs, parse_tier_shares(args.tier_share, names))
+        policy, fraction = TieredPolicy(policy, shares, reference), None
+        if args.calibration_window:
+            policy.calibrate_live(window=args.calibration_window, min_samples=min(50, args.calibration_window))
     if fraction is not None and args.router_threshold is None and args.calibration_window:
         policy.calibrate_live(fraction, reference=reference, window=args.calibration_window,
                               min_samples=min(50, args.calibration_window))
@@ -230,7 +245,10 @@ def build_router(args: argparse.Namespace, names: list[str]):
 
 
 def describe_router(router) -> str:
-    models = ", ".join(f"{m.name} ({'strong' if m.strong else 'weak'})" for m in router.models.values())
+    shares = getattr(router.policy, "shares", None)
+    kinds = {m.name: f"tier {m.rank}, {shares[m.rank]:.0%}" if shares else "strong" if m.strong else "weak"
+             for m in router.models.values()}
+    models = ", ".join(f"{name} ({kind})" for name, kind in kinds.items())
     cal = router.calibrator
     live = f", live calibration to {cal.target:.0%} strong over {cal.window} requests" if cal else ""
     budget = f", budget {router.budget.limits}" if router.budget else ""

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from pagedlm.router import BudgetExceededError, CascadePolicy, Decision, NoCandidateError
+from pagedlm.router import BudgetExceededError, CascadePolicy, Decision, NoCandidateError, WeakAnswer
 from pagedlm.server import protocol as P
 from pagedlm.server.metrics import ServerMetrics
 from pagedlm.server.openai_handlers import ModelServer, request_ids
@@ -194,16 +194,17 @@ class Frontend:
         token logprob. A confident answer goes back to the client (as a stream if it asked for one); otherwise
         the request is re-run on the strong model, as the client asked, and nothing of the weak answer is sent."""
         chat = isinstance(req, P.ChatCompletionRequest)
-        inner = req.model_copy(update={"stream": False, "stream_options": None, **(
+        samples = self.route.router.policy.samples
+        inner = req.model_copy(update={"stream": False, "stream_options": None, "n": samples, **(
             {"logprobs": True, "top_logprobs": req.top_logprobs or 0} if chat else {"logprobs": req.logprobs or 0})})
         response, decision = await self._run_on(r, decision, functools.partial(run, req=inner))
+        body, texts = _first_choice(json.loads(response.body), samples, chat)
         if self.route.router.models[decision.model].strong:  # a fallback took it to the strong tier
-            return _kept_answer(json.loads(response.body), req, chat), decision
-        body = json.loads(response.body)
+            return _kept_answer(body, req, chat), decision
         lps = _answer_logprobs(body["choices"][0], chat)
-        mean = sum(lps) / len(lps) if lps else 0.0
+        answer = WeakAnswer.of(lps, texts)
         try:
-            strong, why = await self._decide(self.route.escalate(decision, mean, r.text, r.max_tokens, r.key,
+            strong, why = await self._decide(self.route.escalate(decision, answer, r.text, r.max_tokens, r.key,
                                                                  r.cost_tokens))
         except APIError as e:  # no strong model can take it now (budget, down): the weak answer stands
             strong, why = None, f"cascade: weak answer kept, the strong model is unavailable ({e.message})"
@@ -278,6 +279,22 @@ def _answer_logprobs(choice: dict, chat: bool) -> list[float]:
     if chat:
         return [c["logprob"] for c in lp.get("content") or []]
     return [v for v in lp.get("token_logprobs") or [] if v is not None]
+
+
+def _first_choice(body: dict, samples: int, chat: bool) -> tuple[dict, list[str]]:
+    """The body with only its first choice (the answer kept; its usage counts that choice's tokens alone), and the
+    text of every choice when the weak model drew `samples` > 1 of them (n=k)."""
+    if samples <= 1:
+        return body, []
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    texts = [(c["message"]["content"] or "") if chat else c["text"] for c in choices]
+    first = choices[0]
+    body["choices"] = [first]
+    usage = body.get("usage")
+    if usage:
+        usage["completion_tokens"] = len(_answer_logprobs(first, chat))
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return body, texts
 
 
 def _kept_answer(body: dict, req: P.CompletionRequest | P.ChatCompletionRequest, chat: bool) -> Response:

@@ -133,6 +133,17 @@ class _RouterCollector(Collector):
             for tier, v in tiers.items():
                 forced.add_metric([rule, tier], v)
         yield forced
+        targets = getattr(r.policy, "shares", None)
+        if targets is not None:  # more than two tiers
+            names = {m.rank: m.name for m in r.models.values()}
+            tier = G("pagedlm:router_tier_share", "Share of recent routed requests served by each tier "
+                     "(kind=realised), sent there by the quality policy (kind=policy), and its target.",
+                     labels=["tier", "model", "kind"])
+            seen = r.served.tier_shares()
+            for k, target in enumerate(targets):
+                for kind, v in (("target", target), *((kd, seen[k][kd]) for kd in ("realised", "policy") if k in seen)):
+                    tier.add_metric([str(k), names.get(k, ""), kind], v)
+            yield tier
         threshold = getattr(r.policy, "threshold", None)
         if threshold is not None:
             yield G("pagedlm:router_threshold", "The quality policy's current strong-score threshold.",

@@ -93,6 +93,12 @@ class ServerConfig:
                                 group=ROUTING)
     cascade_threshold: float = option(-1.0, "cascade: re-run when the weak answer's mean token logprob is at or "
                                       "below this (the start point when --strong-fraction is given)", group=ROUTING)
+    cascade_scorer: str = option("mean", "cascade: what judges the weak answer: mean (its mean token logprob), "
+                                 "answer (its per-token logprob quantiles, minimum and length-normalised sum, and the "
+                                 "agreement of --cascade-samples), or a file from `pagedlm router train-cascade`",
+                                 group=ROUTING)
+    cascade_samples: int = option(1, "cascade: samples of the weak answer drawn at once (n=k, sharing the prompt's "
+                                  "KV blocks); their agreement feeds --cascade-scorer answer", group=ROUTING)
     router_name: str = option("auto", "model name that asks the router to choose", group=ROUTING)
     router_classifier: str | None = option(None, "router file from `pagedlm router train` (learned)", group=ROUTING)
     strong_model: list[str] | None = option(None, "a strong-tier model (repeatable; default: the last --model; the "
@@ -106,6 +112,10 @@ class ServerConfig:
                                      "threshold)", group=ROUTING)
     model_cost: list[str] | None = option(None, "price per 1M input and output tokens (cheapest model of a tier "
                                           "wins; repeatable)", metavar="NAME=IN,OUT", group=ROUTING)
+    tier_share: list[str] | None = option(None, "one tier per model, cheapest first (by --model-cost): the share of "
+                                          "requests this model's tier takes, held on live traffic (repeatable, one "
+                                          "per model, summing to 1); harder requests go to pricier tiers",
+                                          metavar="NAME=SHARE", group=ROUTING)
     max_ttft_ms: float | None = option(None, "SLO: predicted time to first token", group=ROUTING)
     max_tpot_ms: float | None = option(None, "SLO: recent time per output token", group=ROUTING)
     max_queue: int | None = option(None, "SLO: waiting requests at which a model is overloaded", group=ROUTING)
