@@ -95,6 +95,24 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a tokenizer's vocabulary and merges: 100k+), in one tight loop."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = struct.Struct(self.order + "Q").unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > end:
+                raise GGUFFormatError("truncated header")
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > end:
+                raise GGUFFormatError("truncated header")
+            append(str(buf[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == _STRING:
             return self.string()
@@ -111,6 +129,8 @@ class _Cursor:
                 values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
                 self.pos = end
                 return values
+            if itype == _STRING:
+                return self.strings(count)
             if depth >= _MAX_NESTING:
                 raise GGUFFormatError(f"arrays nested more than {_MAX_NESTING} deep")
             return [self.value(itype, depth + 1) for _ in range(count)]
