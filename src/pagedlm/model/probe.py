@@ -3,7 +3,9 @@
 Decode streams every weight from memory once per step, so the probe times both paths with cold weights (a buffer
 larger than the last-level cache is read between calls). The answer is cached per CPU, torch version and setting in
 the kernel cache directory, so only the first start on a machine pays for it (about two seconds). It runs in two
-rounds and is cached only when they agree, so a reading disturbed by other work is not kept.
+rounds; where they disagree (a reading disturbed by other work) the larger answer is kept as unsettled and probed
+again at a start a day later at the earliest, so a busy machine does not pay a probe at every start (the answer only
+decides which path runs big steps faster, never what they compute).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # candidates; a kernel that wins at a
 SHAPE = (1024, 3072)  # in, out: a mid-size MLP projection
 HEAD_SHAPE = (768, 16384)  # the int8 embedding table as an LM head: a wide, short product
 REPEATS = 7
-ROUNDS = 2  # the probe is cached only when its rounds agree: a busy machine's reading is taken again next time
+ROUNDS = 2  # rounds that disagree are cached as unsettled: probed again after RETRY_S
+RETRY_S = 24 * 3600
 FLUSH_BYTES = 96 * 2**20
 PROBE_VERSION = 4  # 2: the dense side is the layer's own big-step path (prepacked bf16); 3: shapes; 4: 256 rows
 
@@ -36,9 +39,12 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
                       shape, ROWS, torch.get_num_threads(), _kernel_version(), PROBE_VERSION, copy])
     path = cbuild.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
-        rows = int(json.loads(path.read_text())["kernel_max_rows"])
-        return rows, f"kernel_max_rows {_rows(rows)} (probe cached in {path.name})"
-    except (OSError, ValueError, KeyError):
+        cached = json.loads(path.read_text())
+        rows = int(cached["kernel_max_rows"])
+        if cached.get("settled", True) or time.time() - path.stat().st_mtime < RETRY_S:
+            settled = "" if cached.get("settled", True) else ", unsettled"
+            return rows, f"kernel_max_rows {_rows(rows)} (probe cached in {path.name}{settled})"
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     t0 = time.perf_counter()
     rounds = [_time_paths(method, group_size, dense_dtype, shape, copy) for _ in range(ROUNDS)]
@@ -48,16 +54,16 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
     detail = ", ".join(f"{r}: {k * 1e6:.0f}/{d * 1e6:.0f} us" for r, (k, d) in timings.items())
     logger.info("probe (%.1f s): %s %dx%d kernel / dense %s GEMM by rows: %s -> kernel_max_rows %s%s",
                 time.perf_counter() - t0, method, *shape, str(dense_dtype).removeprefix("torch."), detail, _rows(rows),
-                "" if stable else f" (rounds disagree: {found}; a busy machine? not cached, probed again next start)")
-    if stable:
-        try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"kernel_max_rows": rows, "timings_ms": {r: t for r, t in timings.items()}}))
-            tmp.replace(path)
-        except OSError:
-            pass
-    how = "measured" if stable else f"measured, rounds disagreed {found}, not cached"
+                "" if stable else f" (rounds disagree: {found}; a busy machine? kept, probed again in a day)")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"kernel_max_rows": rows, "settled": stable,
+                                   "timings_ms": {r: t for r, t in timings.items()}}))
+        tmp.replace(path)
+    except OSError:
+        pass
+    how = "measured" if stable else f"measured, rounds disagreed {found}: kept unsettled"
     return rows, f"kernel_max_rows {_rows(rows)} ({how}: kernel/dense {detail})"
 
 
