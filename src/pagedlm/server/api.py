@@ -37,15 +37,17 @@ from pagedlm.server import (
     DEFAULT_STAGE_THREADS,
 )
 from pagedlm.server import protocol as P
+from pagedlm.server.bridge import Bridge
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.limits import KeyLeases, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
+from pagedlm.server.ollama import add_ollama_routes
 from pagedlm.server.openai_handlers import ModelServer
 from pagedlm.server.protocol import APIError, shutting_down
 from pagedlm.server.routing import AutoRoute
 from pagedlm.server.stages import StagePools
-from pagedlm.server.tools import TOOL_PARSERS
+from pagedlm.server.tools import TOOL_PARSERS, tool_support
 from pagedlm.server.wire import error_response, json_response, parse_request
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     "*" allows any.
     prefix_cache_per_key: salt the prefix cache with the API key, so tenants never share cached blocks.
     strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
-    tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: tools are refused).
+    tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: the one matching each
+    model's chat template, see tools.tool_support).
     health_step_timeout: /health is 503 while an engine step has run longer than this, requests waiting (0: off).
     max_requests_per_key: engine requests (prompts) one API key may have open (waiting or running); beyond, 429
     (0: no cap; without keys there is none).
@@ -91,9 +94,13 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     stages = StagePools(stage_threads, stage_queue)
     app = FastAPI(title="pagedlm", version=__version__, on_shutdown=[stages.shutdown])
     metrics = ServerMetrics(engines, router=route.router if route is not None else None, stages=stages)
-    servers = {name: ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key,
-                                 TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None, limits, stages)
-               for name, engine in engines.items()}
+    servers = {}
+    for name, engine in engines.items():
+        tools = tool_support(engine.facade.tokenizer.hf.chat_template, tool_call_parser)
+        logger.info("%s: %s", name, tools.summary)
+        servers[name] = srv = ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
+                                          limits, stages)
+        srv.tool_template = tools.template
     front = Frontend(servers, metrics, route, strict_request_fields, allow_client_priority)
     app.state.server = front
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
@@ -104,22 +111,22 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
                            allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> Response:
-        return error_response(e)
+    async def _api_error(request: Request, e: APIError) -> Response:
+        return error_response(e, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> Response:
-        return error_response(APIError(400, str(e)))
+    async def _validation_error(request: Request, e: RequestValidationError) -> Response:
+        return error_response(APIError(400, str(e)), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
-        return error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return error_response(APIError(e.status_code, str(e.detail), headers=e.headers), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> Response:
         logger.exception("Unhandled error in %s %s", request.method, request.url.path)
         return error_response(APIError(500, f"Internal server error ({type(e).__name__}); see the server log.",
-                                        type="server_error"))
+                                        type="server_error"), request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -172,6 +179,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     async def tokenizer_info(model: str | None = None) -> Response:
         return JSONResponse(front.server(model).tokenizer_info())
 
+    bridge = Bridge(front)
+    add_ollama_routes(app, bridge)
     _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
                            "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest})
     return app

@@ -37,6 +37,8 @@ class ServerConfig:
 
     host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
     port: int = option(8000, "port (0: any free port; the URL is logged)")
+    ollama_port: int | None = option(None, "also serve the same app on this port, for clients that assume "
+                                     "Ollama's (11434); every API answers on both (0: any free port)")
     api_key: list[str] | None = option(None, "require `Authorization: Bearer <key>` (repeatable: one key per tenant; "
                                        f"or set ${API_KEY_ENV}, comma-separated)")
     served_model_name: str | None = option(None, "model name clients use (default: --model; one model)")
@@ -75,8 +77,9 @@ class ServerConfig:
     chat_template: str | None = option(None, "chat template for every model: a Jinja file, or a built-in name "
                                        "(hermes: ChatML with tools, for models whose own template knows none, e.g. "
                                        "SmolLM2)", group=TOOLS)
-    tool_call_parser: str | None = option(None, "parse tool calls from the output in this format (needed for "
-                                          "`tools`)", choices=sorted(TOOL_PARSERS), group=TOOLS)
+    tool_call_parser: str | None = option(None, "parse tool calls from the output in this format (default: the "
+                                          "one matching each model's chat template)", choices=sorted(TOOL_PARSERS),
+                                          group=TOOLS)
     strict_request_fields: bool = option(False, "refuse requests with fields the server does not know (400) instead "
                                          "of naming them in the x-pagedlm-unknown-fields response header",
                                          group=LIMITS)

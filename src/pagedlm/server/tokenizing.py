@@ -18,6 +18,7 @@ class TokenizerEndpoints:
 
     facade: EngineFacade
     limits: RequestLimits
+    tool_template: str | None = None  # the template requests with tools are rendered with (None: the model's)
 
     def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
                     tools: list[dict] | None = None) -> list[int]:
@@ -30,7 +31,8 @@ class TokenizerEndpoints:
         rendered characters before anything tokenizes them."""
         self.limits.check_messages(len(messages))
         try:
-            text = self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools)
+            text = self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools,
+                                           self.tool_template if tools else None)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param=e.param) from None
         self.limits.check_prompt_chars(text, "messages")
