@@ -247,3 +247,49 @@ def test_tool_request_errors(servers):
                                 "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]})
     assert r.status_code == 200  # a history with calls, on a server without a tool parser
+
+
+def test_tool_support_follows_the_template():
+    from conftest import TINY_CHAT_TEMPLATE
+
+    from pagedlm.server.tools import tool_support
+
+    own = tool_support(HERMES_CHAT_TEMPLATE)
+    assert own.template is None and isinstance(own.parser, HermesToolParser)  # it writes <tool_call>: hermes
+    for template in (TINY_CHAT_TEMPLATE, None):
+        plain = tool_support(template)
+        assert plain.template == HERMES_CHAT_TEMPLATE and "knows no tools" in plain.summary
+    assert tool_support("{{ tools }} [TOOL_CALLS]", "hermes").template is None  # a flag wins over the guess
+
+
+def test_tools_work_without_flags_on_a_template_without_tools(tiny_2k_model_dir):
+    """No --tool-call-parser, no --chat-template, a model whose template knows no tools: required and named
+    tool_choice are enforced, a request with tools is rendered with the built-in template (the tools in the system
+    turn), one without with the model's own."""
+    from conftest import TINY_CHAT_TEMPLATE
+
+    from pagedlm.server import protocol as P
+
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=512),
+                            log_interval=0)
+    server = InProcessServer(build_app({"tiny": engine}))
+    try:
+        srv = server.server.config.app.state.server.servers["tiny"]
+        assert srv.tok.hf.chat_template == TINY_CHAT_TEMPLATE
+        msgs = [P.ChatMessage.model_validate(m) for m in MSGS]
+        with_tools = srv.tok.decode(srv.chat_prompt(msgs, True, TOOLS), skip_special_tokens=False)
+        assert "<tools>" in with_tools and '"name": "get_weather"' in with_tools
+        assert srv.tok.decode(srv.chat_prompt(msgs, True), skip_special_tokens=False) == \
+            srv.tok.hf.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+        client = server.client()
+        for choice, names in (("required", set(SCHEMAS)), ({"type": "function", "function": {"name": "get_time"}},
+                                                          {"get_time"})):
+            r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=choice,
+                                               temperature=0, max_tokens=120, parallel_tool_calls=False)
+            assert r.choices[0].finish_reason == "tool_calls"
+            check_calls(r.choices[0].message.tool_calls, names)
+        r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=4)
+        assert r.choices[0].finish_reason == "length"  # auto: answered (the random model writes no call)
+    finally:
+        server.stop()
+        engine.shutdown()
