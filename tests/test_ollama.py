@@ -182,3 +182,10 @@ def test_ollama_port_serves_the_same_app(tiny_model_dir):
         assert e.value.status_code == 401 and "API key" in e.value.error
     finally:
         srv.stop()
+
+
+def test_langchain_chat_ollama(server, client):
+    langchain_ollama = pytest.importorskip("langchain_ollama")
+    llm = langchain_ollama.ChatOllama(model="tiny", base_url=server.url, temperature=0, num_predict=12)
+    answer = llm.invoke(MSGS[0]["content"])
+    assert answer.content == client.chat(model="tiny", messages=MSGS, options=GREEDY).message.content
