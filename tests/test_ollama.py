@@ -18,9 +18,10 @@ from pagedlm.server.openai_handlers import ModelServer
 
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "num_predict": 12}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "unit": {"enum": ["C", "F"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
+# the client keeps of a tool's parameters only type, properties (type, description, enum), required: no maxLength
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "unit": {"type": "string", "enum": ["C", "F"]}},
+           "required": ["city", "unit"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": WEATHER}}]
 
@@ -94,12 +95,16 @@ def test_format_constrains_the_output(server, client):
 @pytest.fixture
 def forced_calls(monkeypatch):
     """A random model never picks a tool by itself: every chat request with tools runs as tool_choice "required"
-    (the grammar of the calls, on the real engine and parser); Ollama's API has no tool_choice to ask for it."""
+    (the grammar of the calls, on the real engine and parser; Ollama's API has no tool_choice to ask for it), with
+    the parameters closed (the client drops additionalProperties, and a random model adds keys for ever)."""
     run = ModelServer.chat_completions
 
     async def required(self, request, req, *args, **kw):
         if req.tools:
-            req = req.model_copy(update={"tool_choice": "required", "parallel_tool_calls": False})
+            tools = [t.model_copy(deep=True) for t in req.tools]
+            for t in tools:
+                t.function.parameters["additionalProperties"] = False
+            req = req.model_copy(update={"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
         return await run(self, request, req, *args, **kw)
 
     monkeypatch.setattr(ModelServer, "chat_completions", required)

@@ -37,6 +37,7 @@ from pagedlm.server import (
     DEFAULT_STAGE_THREADS,
 )
 from pagedlm.server import protocol as P
+from pagedlm.server.anthropic import add_anthropic_routes
 from pagedlm.server.bridge import Bridge
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.limits import KeyLeases, RequestLimits
@@ -181,6 +182,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
 
     bridge = Bridge(front)
     add_ollama_routes(app, bridge)
+    add_anthropic_routes(app, bridge)
     _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
                            "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest})
     return app
