@@ -33,6 +33,8 @@ from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
+    DEFAULT_RESPONSES_STORE_SIZE,
+    DEFAULT_RESPONSES_STORE_TTL,
     DEFAULT_STAGE_QUEUE,
     DEFAULT_STAGE_THREADS,
 )
@@ -46,6 +48,8 @@ from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.ollama import add_ollama_routes
 from pagedlm.server.openai_handlers import ModelServer
 from pagedlm.server.protocol import APIError, shutting_down
+from pagedlm.server.response_store import ResponseStore
+from pagedlm.server.responses import add_responses_routes
 from pagedlm.server.routing import AutoRoute
 from pagedlm.server.stages import StagePools
 from pagedlm.server.tools import TOOL_PARSERS, tool_support
@@ -64,7 +68,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               health_step_timeout: float = DEFAULT_HEALTH_STEP_TIMEOUT,
               max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, allow_client_priority: bool = False,
               limits: RequestLimits = RequestLimits(), stage_threads: int = DEFAULT_STAGE_THREADS,
-              stage_queue: int = DEFAULT_STAGE_QUEUE) -> FastAPI:
+              stage_queue: int = DEFAULT_STAGE_QUEUE, responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
+              responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -82,6 +87,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     allow_client_priority: requests may set `priority`; otherwise a non-zero one is a 400.
     limits: the other per-request bounds (chat messages, prompt characters, ...).
     stage_threads, stage_queue: each pre-engine stage's threads and the jobs that may wait for them (stages.py).
+    responses_store_size, responses_store_ttl: the Responses API's stored responses per key, and for how long.
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
@@ -108,8 +114,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     app.add_middleware(Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts,
                        leases=KeyLeases(max_requests_per_key) if max_requests_per_key else None)
     if allowed_origins:  # outermost: preflight requests carry no key
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
@@ -183,6 +189,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     bridge = Bridge(front)
     add_ollama_routes(app, bridge)
     add_anthropic_routes(app, bridge)
+    add_responses_routes(app, bridge, ResponseStore(responses_store_size, responses_store_ttl))
     _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
                            "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest})
     return app

@@ -89,7 +89,9 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         max_requests_per_key=args.max_requests_per_key,
                         allow_client_priority=args.allow_client_priority,
                         limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars),
-                        stage_threads=args.stage_threads, stage_queue=args.stage_queue)
+                        stage_threads=args.stage_threads, stage_queue=args.stage_queue,
+                        responses_store_size=args.responses_store_size,
+                        responses_store_ttl=args.responses_store_ttl)
         url = _url(sock)
         served = ", ".join([*engines, *([route.name] if route else [])])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", served, url, url,

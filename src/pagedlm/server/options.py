@@ -14,6 +14,8 @@ from pagedlm.server import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_REQUEST_READ_TIMEOUT,
+    DEFAULT_RESPONSES_STORE_SIZE,
+    DEFAULT_RESPONSES_STORE_TTL,
     DEFAULT_STAGE_QUEUE,
     DEFAULT_STAGE_THREADS,
 )
@@ -74,6 +76,11 @@ class ServerConfig:
                                          "without it a non-zero priority is a 400", group=LIMITS)
     prefix_cache_per_key: bool = option(False, "separate prefix caches per API key (tenants never share cached "
                                         "blocks)", group=LIMITS)
+    responses_store_size: int = option(DEFAULT_RESPONSES_STORE_SIZE, "Responses API: responses kept per API key "
+                                       "for previous_response_id and GET /v1/responses/{id}, in memory (a restart "
+                                       "clears them; 0: none kept)", group=LIMITS)
+    responses_store_ttl: float = option(DEFAULT_RESPONSES_STORE_TTL, "Responses API: seconds a stored response is "
+                                        "kept", group=LIMITS)
     chat_template: str | None = option(None, "chat template for every model: a Jinja file, or a built-in name "
                                        "(hermes: ChatML with tools, for models whose own template knows none, e.g. "
                                        "SmolLM2)", group=TOOLS)
@@ -142,6 +149,8 @@ class ServerConfig:
             raise ValueError("--stream-stall-timeout, --shutdown-timeout, --health-step-timeout, "
                              "--request-read-timeout, --max-connections, --max-requests-per-key and --stage-queue "
                              "must be >= 0.")
+        if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
+            raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0.")
         if self.data_parallel_size < 1 or (self.threads_per_replica is not None and self.threads_per_replica < 1):
             raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
 
