@@ -38,7 +38,10 @@ from pagedlm.server import (
     DEFAULT_STAGE_QUEUE,
     DEFAULT_STAGE_THREADS,
 )
+from pagedlm.server import anthropic_protocol as A
+from pagedlm.server import ollama_protocol as O
 from pagedlm.server import protocol as P
+from pagedlm.server import responses_protocol as R
 from pagedlm.server.anthropic import add_anthropic_routes
 from pagedlm.server.bridge import Bridge
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
@@ -191,7 +194,10 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     add_anthropic_routes(app, bridge)
     add_responses_routes(app, bridge, ResponseStore(responses_store_size, responses_store_ttl))
     _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
-                           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest})
+                           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
+                           "/api/chat": O.ChatRequest, "/api/generate": O.GenerateRequest, "/api/show": O.ShowRequest,
+                           "/v1/messages": A.MessagesRequest, "/v1/messages/count_tokens": A.CountTokensRequest,
+                           "/v1/responses": R.ResponsesRequest})
     return app
 
 
