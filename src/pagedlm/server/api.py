@@ -29,6 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from pagedlm import __version__
 from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.embedding_engine import EmbeddingEngine
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -44,6 +45,7 @@ from pagedlm.server import protocol as P
 from pagedlm.server import responses_protocol as R
 from pagedlm.server.anthropic import add_anthropic_routes
 from pagedlm.server.bridge import Bridge
+from pagedlm.server.embeddings import EmbeddingRequest, add_embedding_routes
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.limits import KeyLeases, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -72,7 +74,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, allow_client_priority: bool = False,
               limits: RequestLimits = RequestLimits(), stage_threads: int = DEFAULT_STAGE_THREADS,
               stage_queue: int = DEFAULT_STAGE_QUEUE, responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
-              responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL) -> FastAPI:
+              responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL,
+              embedders: Mapping[str, EmbeddingEngine] | None = None) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -91,6 +94,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     limits: the other per-request bounds (chat messages, prompt characters, ...).
     stage_threads, stage_queue: each pre-engine stage's threads and the jobs that may wait for them (stages.py).
     responses_store_size, responses_store_ttl: the Responses API's stored responses per key, and for how long.
+    embedders: the embedding models, by name (/v1/embeddings, /api/embed; names distinct from `engines`').
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
@@ -99,6 +103,9 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
         raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
         raise ValueError("build_app needs at least one engine")
+    embedders = dict(embedders or {})
+    if set(embedders) & set(engines):
+        raise ValueError(f"Embedding and generation models share names: {sorted(set(embedders) & set(engines))}")
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
     stages = StagePools(stage_threads, stage_queue)
@@ -161,11 +168,12 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response(P.ModelList(data=front.model_cards()))
+        return json_response(P.ModelList(data=front.model_cards() + embeddings.cards()))
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        return json_response(front.model_card(model))
+        card = next((c for c in embeddings.cards() if c.id == model), None)
+        return json_response(card or front.model_card(model))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -193,11 +201,13 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     add_ollama_routes(app, bridge)
     add_anthropic_routes(app, bridge)
     add_responses_routes(app, bridge, ResponseStore(responses_store_size, responses_store_ttl))
+    embeddings = add_embedding_routes(app, bridge, embedders)
     _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
                            "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
                            "/api/chat": O.ChatRequest, "/api/generate": O.GenerateRequest, "/api/show": O.ShowRequest,
                            "/v1/messages": A.MessagesRequest, "/v1/messages/count_tokens": A.CountTokensRequest,
-                           "/v1/responses": R.ResponsesRequest})
+                           "/v1/responses": R.ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
+                           "/api/embed": O.EmbedRequest, "/api/embeddings": O.EmbeddingsRequest})
     return app
 
 

@@ -54,8 +54,16 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
     second = ollama_socket(args.host, args.ollama_port)
     engines: dict[str, AsyncLLMEngine] = {}
+    embedders: dict = {}
     route = None
     try:
+        for spec in args.embedding_model or []:
+            from pagedlm.engine.embedding_engine import EmbeddingEngine
+
+            name, sep, target = spec.partition("=")
+            name, target = (name, target) if sep and name and "/" not in name else (spec, spec)
+            logger.info("Loading the embedding model %s (%s)", name, target)
+            embedders[name] = EmbeddingEngine(target, max_waiting=args.max_waiting)
         for name, target in models:
             kwargs = engine_kwargs_fn(argparse.Namespace(**{**vars(args), "model": target}))
             logger.info("Loading %s (%s)", name, target)
@@ -91,9 +99,9 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars),
                         stage_threads=args.stage_threads, stage_queue=args.stage_queue,
                         responses_store_size=args.responses_store_size,
-                        responses_store_ttl=args.responses_store_ttl)
+                        responses_store_ttl=args.responses_store_ttl, embedders=embedders)
         url = _url(sock)
-        served = ", ".join([*engines, *([route.name] if route else [])])
+        served = ", ".join([*engines, *([route.name] if route else []), *embedders])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", served, url, url,
                     ", API key required" if api_keys else "")
         if second is not None:
@@ -111,6 +119,8 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
             route.shutdown()
         for engine in reversed(engines.values()):  # the first replica set stops a Ray it started: last
             engine.shutdown()
+        for embedder in embedders.values():
+            embedder.shutdown()
         sock.close()
         if second is not None:
             second.close()

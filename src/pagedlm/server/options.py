@@ -44,6 +44,9 @@ class ServerConfig:
     api_key: list[str] | None = option(None, "require `Authorization: Bearer <key>` (repeatable: one key per tenant; "
                                        f"or set ${API_KEY_ENV}, comma-separated)")
     served_model_name: str | None = option(None, "model name clients use (default: --model; one model)")
+    embedding_model: list[str] | None = option(None, "also serve this embedding model for /v1/embeddings and "
+                                               "/api/embed (repeatable; NAME=MODEL names it; all-minilm-l6-v2 or a "
+                                               "sentence-transformers BERT directory)", metavar="[NAME=]MODEL")
     max_waiting: int = option(512, "requests allowed to wait for a slot; beyond it requests get 503 + Retry-After")
     max_body_bytes: int = option(8 * 2**20, "largest request body, e.g. 8MiB (larger: 413)", parse=_size)
     log_interval: float = option(10.0, "seconds between throughput lines (0: off)")
