@@ -17,8 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from pagedlm.server import anthropic_protocol as A
 from pagedlm.server import protocol as P
 from pagedlm.server.api_errors import anthropic_error
-from pagedlm.server.bridge import Bridge, StreamFailed, answer, chat_request, chunks, reply, restream, streaming
+from pagedlm.server.bridge import Bridge, answer, chat_request, reply, restream, streaming
 from pagedlm.server.protocol import APIError
+from pagedlm.server.sse import StreamFailed, chunks
 
 
 def add_anthropic_routes(app: FastAPI, bridge: Bridge) -> None:

@@ -23,15 +23,6 @@ T = TypeVar("T", bound=BaseModel)
 _HEADERS = ("x-pagedlm-", "retry-after")  # response headers an answer keeps through translation
 
 
-class StreamFailed(Exception):
-    """The engine failed a request after its stream began (the OpenAI stream's error event)."""
-
-    def __init__(self, error: dict) -> None:
-        super().__init__(error.get("message", "The request failed."))
-        self.message = str(self)
-        self.type = error.get("type") or "server_error"
-
-
 class Bridge:
     """What a translating API needs of the app: its `Frontend` (models, routing, stages, strictness)."""
 
@@ -67,31 +58,6 @@ def chat_request(body: dict[str, Any], model: type[T]) -> T:
 def answer(response: Response) -> dict[str, Any]:
     """The JSON body of a complete (not streamed) OpenAI answer."""
     return json.loads(response.body)
-
-
-async def chunks(inner: AsyncIterator[str | bytes]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of an OpenAI SSE answer's body (its `body_iterator`, taken before `restream` replaces
-    it), until `[DONE]`; its error event raises StreamFailed. Closing this iterator closes the body (which aborts
-    the answer's engine requests)."""
-    buffer = ""
-    try:
-        async for piece in inner:
-            buffer += piece if isinstance(piece, str) else piece.decode()
-            while "\n\n" in buffer:
-                block, buffer = buffer.split("\n\n", 1)
-                data = "".join(line[5:].strip() for line in block.splitlines() if line.startswith("data:"))
-                if not data:
-                    continue
-                if data == "[DONE]":
-                    return
-                obj = json.loads(data)
-                if "error" in obj and "choices" not in obj:
-                    raise StreamFailed(obj["error"] or {})
-                yield obj
-    finally:
-        aclose = getattr(inner, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def restream(response: StreamingResponse, body: AsyncIterator[str], media_type: str,

@@ -18,9 +18,10 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedlm import __version__
 from pagedlm.server import ollama_protocol as O
-from pagedlm.server.bridge import Bridge, StreamFailed, answer, chunks, reply, restream, streaming
+from pagedlm.server.bridge import Bridge, answer, reply, restream, streaming
 from pagedlm.server.openai_handlers import ModelServer
 from pagedlm.server.protocol import APIError
+from pagedlm.server.sse import StreamFailed, chunks
 
 NDJSON = "application/x-ndjson"
 _EPOCH_FAR = "2318-01-01T00:00:00Z"  # /api/ps: models never unload

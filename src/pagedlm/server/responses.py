@@ -14,9 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedlm.server import responses_protocol as R
-from pagedlm.server.bridge import Bridge, StreamFailed, answer, chunks, reply, restream, streaming
+from pagedlm.server.bridge import Bridge, answer, reply, restream, streaming
 from pagedlm.server.protocol import APIError
 from pagedlm.server.response_store import ResponseStore, StoredResponse
+from pagedlm.server.sse import StreamFailed, chunks
 
 
 def add_responses_routes(app: FastAPI, bridge: Bridge, store: ResponseStore) -> None:
