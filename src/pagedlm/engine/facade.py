@@ -107,12 +107,14 @@ class EngineFacade:
 
     # --- checks ---
     def render_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, chat_template: str | None = None) -> str:
+                    tools: list[dict] | None = None, chat_template: str | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text of a conversation (OpenAI-shaped messages: role, content, and optionally name,
         tool_call_id, tool_calls). Assistant tool calls are rendered by the template where it knows them (its
         `tool_calls`), else as Hermes-style text in the turn's content. `chat_template` replaces the model's
-        own for this call. Raises ChatTemplateError."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template)
+        own for this call; `template_kwargs` are more template variables (e.g. enable_thinking). Raises
+        ChatTemplateError."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template, template_kwargs)
 
     def check_admission(self, prompt_lens: Iterable[int], params: SamplingParams) -> None:
         """Raise AdmissionError (param, code) unless each prompt could run to its end alone (admission.py)."""
@@ -125,13 +127,14 @@ class EngineFacade:
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None, chat_template: str | None = None) -> str:
+                tools: list[dict] | None = None, chat_template: str | None = None,
+                template_kwargs: Mapping[str, Any] | None = None) -> str:
     """`EngineFacade.render_chat` for a bare tokenizer (the one place the chat template is applied)."""
     knows_calls = "tool_calls" in (chat_template or tokenizer.hf.chat_template or "")
     msgs = [_template_message(m, knows_calls) for m in messages]
     try:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             chat_template=chat_template)
+                                             chat_template=chat_template, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - no template, or the template rejected the messages
         raise ChatTemplateError(f"Cannot apply the chat template: {e}") from None
 

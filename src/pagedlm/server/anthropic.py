@@ -40,6 +40,8 @@ class AnthropicAPI:
         if req.output_config is not None and req.output_config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": req.output_config.format.schema_}}
+        if req.thinking is not None:  # templates take enable_thinking; budget_tokens is not enforced
+            body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
         if req.stream:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         response = await self.bridge.chat(request, {k: v for k, v in body.items() if v is not None}, arrival)
@@ -49,7 +51,8 @@ class AnthropicAPI:
         out = answer(response)
         choice = out["choices"][0]
         message = choice["message"]
-        content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+        content = [_thinking(message["reasoning_content"])] if message.get("reasoning_content") else []
+        content += [{"type": "text", "text": message["content"]}] if message.get("content") else []
         content += [_tool_use(c) for c in message.get("tool_calls") or []]
         reason, sequence = A.stop_reason(choice["finish_reason"], choice.get("stop_reason"), req.stop_sequences)
         return reply(response, {**_message(mid, req.model, content), "stop_reason": reason,
@@ -78,16 +81,26 @@ class AnthropicAPI:
                 for c in chunk.get("choices", []):
                     delta = c.get("delta", {})
                     text, calls = delta.get("content"), delta.get("tool_calls")
+                    thinking = delta.get("reasoning_content")
                     finish = c.get("finish_reason") or finish
                     matched = c.get("stop_reason") if c.get("finish_reason") else matched
-                    if not (text or calls or finish):
+                    if not (text or calls or thinking or finish):
                         continue
                     if not started:
                         started = True
                         yield _event("message_start", {"message": {
                             **_message(mid, req.model, []), "stop_reason": None, "stop_sequence": None,
                             "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": 0}}})
+                    if thinking:
+                        if block is None:
+                            block = "thinking"
+                            yield _event("content_block_start", {"index": index, "content_block": _thinking("")})
+                        yield _event("content_block_delta", {"index": index, "delta": {
+                            "type": "thinking_delta", "thinking": thinking}})
                     if text:
+                        if block == "thinking":
+                            yield _event("content_block_stop", {"index": index})
+                            index, block = index + 1, None
                         if block is None:
                             block = "text"
                             yield _event("content_block_start", {"index": index,
@@ -121,6 +134,10 @@ class AnthropicAPI:
 
 def _message(mid: str, model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content}
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.ollama import add_ollama_routes
 from pagedlm.server.openai_handlers import ModelServer
 from pagedlm.server.protocol import APIError, shutting_down
+from pagedlm.server.reasoning import REASONING_PARSERS
 from pagedlm.server.response_store import ResponseStore
 from pagedlm.server.responses import add_responses_routes
 from pagedlm.server.routing import AutoRoute
@@ -75,7 +76,8 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               limits: RequestLimits = RequestLimits(), stage_threads: int = DEFAULT_STAGE_THREADS,
               stage_queue: int = DEFAULT_STAGE_QUEUE, responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
               responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL,
-              embedders: Mapping[str, EmbeddingEngine] | None = None) -> FastAPI:
+              embedders: Mapping[str, EmbeddingEngine] | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -95,10 +97,13 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     stage_threads, stage_queue: each pre-engine stage's threads and the jobs that may wait for them (stages.py).
     responses_store_size, responses_store_ttl: the Responses API's stored responses per key, and for how long.
     embedders: the embedding models, by name (/v1/embeddings, /api/embed; names distinct from `engines`').
+    reasoning_parser: split `<think>` reasoning out of chat answers (reasoning.REASONING_PARSERS; None: not).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
         raise ValueError("An API key is empty: give non-empty keys (or none to serve without one).")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"Unknown reasoning parser {reasoning_parser!r}; known: {sorted(REASONING_PARSERS)}.")
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
@@ -120,6 +125,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
         srv.tool_template = tools.template
     front = Frontend(servers, metrics, route, strict_request_fields, allow_client_priority)
     app.state.server = front
+    front.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     app.add_middleware(Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts,
                        leases=KeyLeases(max_requests_per_key) if max_requests_per_key else None)

@@ -99,7 +99,8 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars),
                         stage_threads=args.stage_threads, stage_queue=args.stage_queue,
                         responses_store_size=args.responses_store_size,
-                        responses_store_ttl=args.responses_store_ttl, embedders=embedders)
+                        responses_store_ttl=args.responses_store_ttl, embedders=embedders,
+                        reasoning_parser=args.reasoning_parser)
         url = _url(sock)
         served = ", ".join([*engines, *([route.name] if route else []), *embedders])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", served, url, url,

@@ -22,6 +22,7 @@ from pagedlm.server import protocol as P
 from pagedlm.server.metrics import ServerMetrics
 from pagedlm.server.openai_handlers import ModelServer, request_ids
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable, shutting_down
+from pagedlm.server.reasoning import ThinkParser, split_reasoning
 from pagedlm.server.routing import AutoRoute
 from pagedlm.server.streaming import DONE, event
 from pagedlm.server.wire import parse_request
@@ -43,6 +44,7 @@ class Frontend:
         self.default = next(iter(servers.values()))
         self.created = int(time.time())
         self.draining = False  # set by a graceful shutdown: new generation requests get 503
+        self.reasoning: ThinkParser | None = None  # --reasoning-parser: chat answers get reasoning_content
 
     def begin_shutdown(self) -> None:
         self.draining = True
@@ -125,7 +127,7 @@ class Frontend:
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
-            return await srv.chat_completions(request, req, arrival)
+            return self._reasoned(await srv.chat_completions(request, req, arrival))
         req.check_supported()
         users = [m.text() for m in req.messages if m.role == "user"]
         text = users[-1] if users else "\n".join(m.text() for m in req.messages)
@@ -134,7 +136,10 @@ class Frontend:
                        (max_tokens or self.route.max_model_len) * _width(req))
         r = _RoutedRequest(request, text, max_tokens, cost_tokens, 1, "chatcmpl")
         run = functools.partial(ModelServer.chat_completions, request=request, arrival=arrival, routed=True)
-        return await self._routed(r, req, run, cascade=True)
+        return self._reasoned(await self._routed(r, req, run, cascade=True))
+
+    def _reasoned(self, response: Response) -> Response:
+        return response if self.reasoning is None else split_reasoning(response, self.reasoning)
 
     def _admit(self, request: Request, req: P.SamplingRequest, num_prompts: int) -> None:
         """400 for a client-set priority unless allowed; the request's prompts taken from its key's cap (429

@@ -82,6 +82,7 @@ class OllamaAPI:
             return _loaded(req.model, "response")
         common = self._common(req, name)
         if req.raw:
+            common.pop("chat_template_kwargs", None)
             body = {"model": name, "prompt": req.prompt, "max_tokens": common.pop("max_tokens", None), **common}
             response = await self.bridge.complete(request, body, arrival)
         else:
@@ -95,6 +96,8 @@ class OllamaAPI:
                 "stream": req.stream}
         if req.stream:
             body["stream_options"] = {"include_usage": True}
+        if req.think is not None:  # a level ("low", ...) means on: templates take enable_thinking
+            body["chat_template_kwargs"] = {"enable_thinking": bool(req.think)}
         return body
 
     def _answer(self, response: Response, model: str, key: str, t0: int, unknown: list[str]) -> Response:
@@ -103,11 +106,13 @@ class OllamaAPI:
             return restream(response, self._lines(response.body_iterator, model, key, t0), NDJSON, unknown)
         body = answer(response)
         choice = body["choices"][0]
+        message = choice.get("message", {})
+        thinking = message.get("reasoning_content")
         if key == "message":
-            message = choice["message"]
-            out = {"message": _message(message.get("content") or "", message.get("tool_calls"))}
+            out = {"message": _message(message.get("content") or "", message.get("tool_calls"), thinking)}
         else:
-            out = {"response": choice.get("text", choice.get("message", {}).get("content")) or ""}
+            out = {"response": choice.get("text", message.get("content")) or "",
+                   **({"thinking": thinking} if thinking else {})}
         return reply(response, {**_head(model), **out, **_done(choice["finish_reason"], body["usage"], t0)},
                      unknown)
 
@@ -119,10 +124,13 @@ class OllamaAPI:
                 for c in chunk.get("choices", []):
                     delta = c.get("delta", {})
                     text = c.get("text", delta.get("content")) or ""
-                    calls = delta.get("tool_calls")
-                    if text or calls:
-                        part = _message(text, calls) if key == "message" else text
-                        yield _line({**_head(model), key: part, "done": False})
+                    calls, thinking = delta.get("tool_calls"), delta.get("reasoning_content")
+                    if text or calls or thinking:
+                        if key == "message":
+                            part = {"message": _message(text, calls, thinking)}
+                        else:
+                            part = {"response": text, **({"thinking": thinking} if thinking else {})}
+                        yield _line({**_head(model), **part, "done": False})
                     finish = c.get("finish_reason") or finish
         except StreamFailed as e:
             yield _line({"error": e.message})
@@ -209,8 +217,8 @@ def _head(model: str) -> dict[str, Any]:
     return {"model": model, "created_at": _iso(time.time())}
 
 
-def _message(content: str, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": content}
+def _message(content: str, calls: list[dict[str, Any]] | None, thinking: str | None = None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": content, **({"thinking": thinking} if thinking else {})}
     converted = O.tool_calls(calls)
     if converted:
         msg["tool_calls"] = converted

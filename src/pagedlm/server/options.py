@@ -19,6 +19,7 @@ from pagedlm.server import (
     DEFAULT_STAGE_QUEUE,
     DEFAULT_STAGE_THREADS,
 )
+from pagedlm.server.reasoning import REASONING_PARSERS
 from pagedlm.server.tools import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLM_API_KEY"
@@ -84,6 +85,9 @@ class ServerConfig:
                                        "clears them; 0: none kept)", group=LIMITS)
     responses_store_ttl: float = option(DEFAULT_RESPONSES_STORE_TTL, "Responses API: seconds a stored response is "
                                         "kept", group=LIMITS)
+    reasoning_parser: str | None = option(None, "answer what the model thinks in <think>...</think> apart, as "
+                                          "reasoning_content (deepseek_r1: the template opens the thought; qwen3: "
+                                          "the output does)", choices=sorted(REASONING_PARSERS))
     chat_template: str | None = option(None, "chat template for every model: a Jinja file, or a built-in name "
                                        "(hermes: ChatML with tools, for models whose own template knows none, e.g. "
                                        "SmolLM2)", group=TOOLS)

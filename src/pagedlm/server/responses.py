@@ -55,7 +55,9 @@ class ResponsesAPI:
         out = answer(response)
         choice = out["choices"][0]
         message = choice["message"]
-        output = [R.message_item(R.item_id("msg"), message["content"])] if message.get("content") else []
+        output = [R.reasoning_item(R.item_id("rs"), message["reasoning_content"])] \
+            if message.get("reasoning_content") else []
+        output += [R.message_item(R.item_id("msg"), message["content"])] if message.get("content") else []
         output += [R.call_item(R.item_id("fc"), c) for c in message.get("tool_calls") or []]
         return reply(response, turn.finish(output, choice["finish_reason"], out["usage"]), unknown)
 
@@ -107,12 +109,29 @@ class Turn:
         yield seq.event("response.in_progress", response=self.object("in_progress", []))
         output: list[dict[str, Any]] = []
         text, text_item, text_index, finish, usage = "", None, 0, None, {}
+        thinking, thought, thought_index = "", None, 0
         try:
             async for chunk in chunks(body):
                 usage = chunk.get("usage") or usage
                 for c in chunk.get("choices", []):
                     delta = c.get("delta", {})
                     finish = c.get("finish_reason") or finish
+                    if delta.get("reasoning_content"):
+                        if thought is None:
+                            thought = R.reasoning_item(R.item_id("rs"), "", "in_progress")
+                            thought_index = len(output)
+                            output.append(thought)
+                            yield seq.event("response.output_item.added", output_index=thought_index,
+                                            item=dict(thought))
+                        thinking += delta["reasoning_content"]
+                        yield seq.event("response.reasoning_text.delta", item_id=thought["id"],
+                                        output_index=thought_index, content_index=0, delta=delta["reasoning_content"])
+                    if thought is not None and thought["status"] != "completed" and (
+                            delta.get("content") or delta.get("tool_calls") or c.get("finish_reason")):
+                        thought.update(R.reasoning_item(thought["id"], thinking))
+                        yield seq.event("response.reasoning_text.done", item_id=thought["id"],
+                                        output_index=thought_index, content_index=0, text=thinking)
+                        yield seq.event("response.output_item.done", output_index=thought_index, item=thought)
                     if delta.get("content"):
                         if text_item is None:
                             text_item = R.message_item(R.item_id("msg"), "", "in_progress")

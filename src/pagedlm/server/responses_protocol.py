@@ -42,6 +42,7 @@ class ResponsesRequest(Request):
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: none or minimal turns a template's thinking off
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -122,6 +123,8 @@ def chat_fields(req: ResponsesRequest) -> dict[str, Any]:
                            param="tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     out["tool_choice"] = choice
+    if req.reasoning is not None:
+        out["chat_template_kwargs"] = {"enable_thinking": req.reasoning.get("effort") not in ("none", "minimal")}
     fmt = req.text.format if req.text else None
     if fmt is not None and fmt.type == "json_object":
         out["response_format"] = {"type": "json_object"}
@@ -140,6 +143,11 @@ def item_id(prefix: str) -> str:
 def message_item(iid: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": iid, "status": status, "role": "assistant",
             "content": [output_text(text)] if status == "completed" else []}
+
+
+def reasoning_item(iid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": iid, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
 
 
 def output_text(text: str) -> dict[str, Any]:
