@@ -133,9 +133,10 @@ def _text(value: str | list[dict[str, Any]], where: str) -> str:
     if isinstance(value, str):
         return value
     parts = []
-    for block in value:
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise APIError(400, f"{where}: only text blocks are supported here, got {block.get('type')!r}.",
+    for block in value if isinstance(value, list) else [value]:
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise APIError(400, f"{where}: only text blocks are supported here, got {kind!r}.",
                            param=where.split("[")[0])
         parts.append(block["text"])
     return "\n".join(parts)

@@ -60,8 +60,8 @@ class EmbeddingsAPI:
                                 "with --embedding-model); pooling a generation model's hidden states is not "
                                 "supported.", param="model")
         served = ", ".join(self.embedders) or "none: start the server with --embedding-model"
-        raise APIError(404, f"The embedding model `{model}` does not exist (served: {served}).", param="model",
-                       code="model_not_found")
+        what = f"The embedding model `{model}` does not exist" if model else "No embedding model is served"
+        raise APIError(404, f"{what} (served: {served}).", param="model", code="model_not_found")
 
     async def openai(self, request: Request) -> Response:
         req, unknown = await self.bridge.parse(request, EmbeddingRequest)

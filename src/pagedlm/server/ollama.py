@@ -149,6 +149,8 @@ class OllamaAPI:
 
     async def show(self, request: Request) -> Response:
         req, _ = await self.bridge.parse(request, O.ShowRequest)
+        if not (req.model or req.name):
+            raise APIError(400, "model is required", param="model")
         name = self.resolve(req.model or req.name)
         if self.front.is_routed(name):
             raise APIError(400, f"`{name}` is the router: it chooses one of {sorted(self.front.servers)}.",

@@ -43,6 +43,8 @@ class ResponsesAPI:
                                     "responses live in this server's memory, for a limited time).",
                                param="previous_response_id", code="previous_response_not_found")
         new = R.input_messages(req.input)
+        if not new:
+            raise APIError(400, "The input is empty.", param="input")
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         body = {"model": req.model, "messages": [*system, *history, *new], **R.chat_fields(req),
                 "stream": req.stream, "user": req.user}
