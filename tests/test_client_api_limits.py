@@ -108,3 +108,21 @@ def test_per_key_cap_holds_across_apis(server, api):
         time.sleep(0.05)  # the server sees the closed stream asynchronously
     assert r.status_code == 200, r.text
     assert server.wait_idle()["pagedlm:kv_blocks_used"] == 0
+
+
+def test_routed_model_through_each_api(tiny_model_dir):
+    """`model: "auto"` is routed for Ollama's, Anthropic's and the Responses API as for chat completions: the
+    answer names the model the router chose."""
+    from server_utils import routed_server
+
+    from pagedlm.router import HeuristicPolicy, ModelEntry, Router
+
+    router = Router([ModelEntry("small"), ModelEntry("big", strong=True)], HeuristicPolicy())
+    with routed_server(tiny_model_dir, router) as (srv, _, _):
+        bodies = {"/api/chat": {**ollama_body([USER]), "model": "auto"},
+                  "/v1/messages": {**anthropic_body([USER]), "model": "auto"},
+                  "/v1/responses": {**responses_body([USER]), "model": "auto"}}
+        for path, body in bodies.items():
+            r = srv.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pagedlm-routed-model"] in ("small", "big"), path
