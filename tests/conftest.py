@@ -108,3 +108,20 @@ def gemma3_path() -> Path:
     from pagedlm.hub.registry import resolve_model
 
     return resolve_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def tiny_2k_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaMA with a 2048-token context (the built-in tool template's instructions alone take ~750
+    tiny tokens) and untied embeddings (with tied ones a random model's greedy answer repeats the prompt's last
+    token: every chat would answer newlines), with the tiny tokenizer and its ChatML template (which knows no
+    tools)."""
+    path = tmp_path_factory.mktemp("tiny_llama_2k")
+    tok = build_tiny_tokenizer()
+    tok.model_max_length = 2048
+    config = LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=None,
+                         **{**TINY_LLAMA, "max_position_embeddings": 2048, "tie_word_embeddings": False})
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path

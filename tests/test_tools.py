@@ -88,12 +88,16 @@ def test_hermes_parser_is_linear_and_unchanged():
 
 def test_deep_tool_call_output_is_content_and_oversized_call_grammar_is_400(tiny_model_dir):
     """Model output of a `<tool_call>` with JSON nested past Python's recursion limit is content, not a call (nor a
-    RecursionError); tools whose required-call grammar is over the grammar limit are a 400 (the tiny template
-    does not render tools, so the prompt stays short), and the server goes on."""
+    RecursionError); tools whose required-call grammar is over the grammar limit are a 400 (the tiny template,
+    marked as knowing tools so that the built-in one is not used, does not render them: the prompt stays short), and
+    the server goes on."""
+    from conftest import TINY_CHAT_TEMPLATE
+
     deep = "<tool_call>" + "[" * 10_000
     assert HermesToolParser().parse(deep) == (deep, [])
-    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
-                            log_interval=0)
+    eng = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    eng.tokenizer.hf.chat_template = TINY_CHAT_TEMPLATE + "{# tools are not rendered #}"
+    engine = AsyncLLMEngine(eng, log_interval=0)
     srv = InProcessServer(build_app({"tiny": engine}, tool_call_parser="hermes"))
     try:
         big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
@@ -227,8 +231,8 @@ def test_round_trip_renders_the_history(servers):
 def test_tool_request_errors(servers):
     tools, plain = servers
     body = {"model": "tiny", "messages": MSGS, "tools": TOOLS}
-    r = plain.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+    r = plain.post("/v1/chat/completions", json={**body, "max_tokens": 120, "tool_choice": "required"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"], r.text  # no flag needed
     assert plain.post("/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 2}).status_code == 200
     bad = [{"tool_choice": {"type": "function", "function": {"name": "nope"}}},
            {"tool_choice": "required", "response_format": {"type": "json_object"}},
@@ -243,3 +247,49 @@ def test_tool_request_errors(servers):
                                 "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]})
     assert r.status_code == 200  # a history with calls, on a server without a tool parser
+
+
+def test_tool_support_follows_the_template():
+    from conftest import TINY_CHAT_TEMPLATE
+
+    from pagedlm.server.tools import tool_support
+
+    own = tool_support(HERMES_CHAT_TEMPLATE)
+    assert own.template is None and isinstance(own.parser, HermesToolParser)  # it writes <tool_call>: hermes
+    for template in (TINY_CHAT_TEMPLATE, None):
+        plain = tool_support(template)
+        assert plain.template == HERMES_CHAT_TEMPLATE and "knows no tools" in plain.summary
+    assert tool_support("{{ tools }} [TOOL_CALLS]", "hermes").template is None  # a flag wins over the guess
+
+
+def test_tools_work_without_flags_on_a_template_without_tools(tiny_2k_model_dir):
+    """No --tool-call-parser, no --chat-template, a model whose template knows no tools: required and named
+    tool_choice are enforced, a request with tools is rendered with the built-in template (the tools in the system
+    turn), one without with the model's own."""
+    from conftest import TINY_CHAT_TEMPLATE
+
+    from pagedlm.server import protocol as P
+
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=512),
+                            log_interval=0)
+    server = InProcessServer(build_app({"tiny": engine}))
+    try:
+        srv = server.server.config.app.state.server.servers["tiny"]
+        assert srv.tok.hf.chat_template == TINY_CHAT_TEMPLATE
+        msgs = [P.ChatMessage.model_validate(m) for m in MSGS]
+        with_tools = srv.tok.decode(srv.chat_prompt(msgs, True, TOOLS), skip_special_tokens=False)
+        assert "<tools>" in with_tools and '"name": "get_weather"' in with_tools
+        assert srv.tok.decode(srv.chat_prompt(msgs, True), skip_special_tokens=False) == \
+            srv.tok.hf.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+        client = server.client()
+        for choice, names in (("required", set(SCHEMAS)), ({"type": "function", "function": {"name": "get_time"}},
+                                                          {"get_time"})):
+            r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=choice,
+                                               temperature=0, max_tokens=120, parallel_tool_calls=False)
+            assert r.choices[0].finish_reason == "tool_calls"
+            check_calls(r.choices[0].message.tool_calls, names)
+        r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=4)
+        assert r.choices[0].finish_reason == "length"  # auto: answered (the random model writes no call)
+    finally:
+        server.stop()
+        engine.shutdown()

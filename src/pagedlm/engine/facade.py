@@ -47,16 +47,21 @@ class EngineInfo:
     vocab_size: int  # the model's (logits) vocabulary
     kv: KVCacheShape
     prefix_caching: bool
+    family: str = ""  # the model's architecture (HF model_type)
+    num_parameters: int = 0  # of the checkpoint
+    weights: str = ""  # the served weights' format: int4, int8, bf16, or the dtype of dense ones
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
-        cfg, bm = engine.config, engine.block_manager
+        cfg, bm, mc = engine.config, engine.block_manager, engine.model_config
         return cls(model=cfg.model, model_path=Path(engine.model_path), max_model_len=engine.max_model_len,
                    max_num_seqs=cfg.max_num_seqs, max_logprobs=cfg.max_logprobs,
                    max_stop_sequences=cfg.max_stop_sequences, max_stop_length=cfg.max_stop_length,
-                   eos_token_ids=frozenset(engine.eos_token_ids), vocab_size=engine.model_config.vocab_size,
+                   eos_token_ids=frozenset(engine.eos_token_ids), vocab_size=mc.vocab_size,
                    kv=KVCacheShape.of(bm, cfg.max_num_batched_tokens),
-                   prefix_caching=bm.enable_prefix_caching)
+                   prefix_caching=bm.enable_prefix_caching, family=mc.model_type,
+                   num_parameters=mc.num_parameters(),
+                   weights=engine.plan.quantization or str(engine.plan.dtype).removeprefix("torch."))
 
     @property
     def admission(self) -> AdmissionLimits:
@@ -102,11 +107,14 @@ class EngineFacade:
 
     # --- checks ---
     def render_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+                    tools: list[dict] | None = None, chat_template: str | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text of a conversation (OpenAI-shaped messages: role, content, and optionally name,
         tool_call_id, tool_calls). Assistant tool calls are rendered by the template where it knows them (its
-        `tool_calls`), else as Hermes-style text in the turn's content. Raises ChatTemplateError."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
+        `tool_calls`), else as Hermes-style text in the turn's content. `chat_template` replaces the model's
+        own for this call; `template_kwargs` are more template variables (e.g. enable_thinking). Raises
+        ChatTemplateError."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template, template_kwargs)
 
     def check_admission(self, prompt_lens: Iterable[int], params: SamplingParams) -> None:
         """Raise AdmissionError (param, code) unless each prompt could run to its end alone (admission.py)."""
@@ -119,12 +127,14 @@ class EngineFacade:
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> str:
+                tools: list[dict] | None = None, chat_template: str | None = None,
+                template_kwargs: Mapping[str, Any] | None = None) -> str:
     """`EngineFacade.render_chat` for a bare tokenizer (the one place the chat template is applied)."""
-    knows_calls = "tool_calls" in (tokenizer.hf.chat_template or "")
+    knows_calls = "tool_calls" in (chat_template or tokenizer.hf.chat_template or "")
     msgs = [_template_message(m, knows_calls) for m in messages]
     try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             chat_template=chat_template, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - no template, or the template rejected the messages
         raise ChatTemplateError(f"Cannot apply the chat template: {e}") from None
 

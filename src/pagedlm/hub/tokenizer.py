@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -56,16 +57,23 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, chat_template: str | None = None,
+                            **template_vars: Any) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) to a prompt string (not tokenized); `tools`
-        (OpenAI's function definitions) are the template's `tools` variable."""
+        (OpenAI's function definitions) are the template's `tools` variable; `chat_template` replaces the
+        tokenizer's own for this call; `template_vars` are more variables of the template."""
+        if tools:
+            template_vars["tools"] = tools
+        if chat_template is not None:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template, **template_vars)
         if not self.has_chat_template:
             raise ValueError(
                 f"this model's tokenizer ({self.hf.name_or_path}) has no chat template; "
                 "send a plain text prompt instead of chat messages"
             )
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **({"tools": tools} if tools else {}))
+                                           **template_vars)
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

@@ -11,3 +11,5 @@ DEFAULT_MAX_CONNECTIONS = 1000  # open HTTP connections (see server/http.py)
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request's line, headers and body to arrive
 DEFAULT_STAGE_THREADS = 4  # worker threads of each pre-engine stage (parse, chat, tokenize, grammar)
 DEFAULT_STAGE_QUEUE = 256  # jobs of one stage that may wait for its threads; beyond: 503 server_busy
+DEFAULT_RESPONSES_STORE_SIZE = 100  # Responses API: stored responses per API key (previous_response_id)
+DEFAULT_RESPONSES_STORE_TTL = 3600.0  # seconds a stored response is kept

@@ -29,23 +29,36 @@ from starlette.middleware.cors import CORSMiddleware
 
 from pagedlm import __version__
 from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.embedding_engine import EmbeddingEngine
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
+    DEFAULT_RESPONSES_STORE_SIZE,
+    DEFAULT_RESPONSES_STORE_TTL,
     DEFAULT_STAGE_QUEUE,
     DEFAULT_STAGE_THREADS,
 )
+from pagedlm.server import anthropic_protocol as A
+from pagedlm.server import ollama_protocol as O
 from pagedlm.server import protocol as P
+from pagedlm.server import responses_protocol as R
+from pagedlm.server.anthropic import add_anthropic_routes
+from pagedlm.server.bridge import Bridge
+from pagedlm.server.embeddings import EmbeddingRequest, add_embedding_routes
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.limits import KeyLeases, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
+from pagedlm.server.ollama import add_ollama_routes
 from pagedlm.server.openai_handlers import ModelServer
 from pagedlm.server.protocol import APIError, shutting_down
+from pagedlm.server.reasoning import REASONING_PARSERS
+from pagedlm.server.response_store import ResponseStore
+from pagedlm.server.responses import add_responses_routes
 from pagedlm.server.routing import AutoRoute
 from pagedlm.server.stages import StagePools
-from pagedlm.server.tools import TOOL_PARSERS
+from pagedlm.server.tools import TOOL_PARSERS, tool_support
 from pagedlm.server.wire import error_response, json_response, parse_request
 
 logger = logging.getLogger(__name__)
@@ -61,7 +74,10 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
               health_step_timeout: float = DEFAULT_HEALTH_STEP_TIMEOUT,
               max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, allow_client_priority: bool = False,
               limits: RequestLimits = RequestLimits(), stage_threads: int = DEFAULT_STAGE_THREADS,
-              stage_queue: int = DEFAULT_STAGE_QUEUE) -> FastAPI:
+              stage_queue: int = DEFAULT_STAGE_QUEUE, responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
+              responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL,
+              embedders: Mapping[str, EmbeddingEngine] | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -71,55 +87,69 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     "*" allows any.
     prefix_cache_per_key: salt the prefix cache with the API key, so tenants never share cached blocks.
     strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
-    tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: tools are refused).
+    tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: the one matching each
+    model's chat template, see tools.tool_support).
     health_step_timeout: /health is 503 while an engine step has run longer than this, requests waiting (0: off).
     max_requests_per_key: engine requests (prompts) one API key may have open (waiting or running); beyond, 429
     (0: no cap; without keys there is none).
     allow_client_priority: requests may set `priority`; otherwise a non-zero one is a 400.
     limits: the other per-request bounds (chat messages, prompt characters, ...).
     stage_threads, stage_queue: each pre-engine stage's threads and the jobs that may wait for them (stages.py).
+    responses_store_size, responses_store_ttl: the Responses API's stored responses per key, and for how long.
+    embedders: the embedding models, by name (/v1/embeddings, /api/embed; names distinct from `engines`').
+    reasoning_parser: split `<think>` reasoning out of chat answers (reasoning.REASONING_PARSERS; None: not).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
         raise ValueError("An API key is empty: give non-empty keys (or none to serve without one).")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"Unknown reasoning parser {reasoning_parser!r}; known: {sorted(REASONING_PARSERS)}.")
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
         raise ValueError("build_app needs at least one engine")
+    embedders = dict(embedders or {})
+    if set(embedders) & set(engines):
+        raise ValueError(f"Embedding and generation models share names: {sorted(set(embedders) & set(engines))}")
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
     stages = StagePools(stage_threads, stage_queue)
     app = FastAPI(title="pagedlm", version=__version__, on_shutdown=[stages.shutdown])
     metrics = ServerMetrics(engines, router=route.router if route is not None else None, stages=stages)
-    servers = {name: ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key,
-                                 TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None, limits, stages)
-               for name, engine in engines.items()}
+    servers = {}
+    for name, engine in engines.items():
+        tools = tool_support(engine.facade.tokenizer.hf.chat_template, tool_call_parser)
+        logger.info("%s: %s", name, tools.summary)
+        servers[name] = srv = ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
+                                          limits, stages)
+        srv.tool_template = tools.template
     front = Frontend(servers, metrics, route, strict_request_fields, allow_client_priority)
     app.state.server = front
+    front.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     app.add_middleware(Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts,
                        leases=KeyLeases(max_requests_per_key) if max_requests_per_key else None)
     if allowed_origins:  # outermost: preflight requests carry no key
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> Response:
-        return error_response(e)
+    async def _api_error(request: Request, e: APIError) -> Response:
+        return error_response(e, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> Response:
-        return error_response(APIError(400, str(e)))
+    async def _validation_error(request: Request, e: RequestValidationError) -> Response:
+        return error_response(APIError(400, str(e)), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
-        return error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return error_response(APIError(e.status_code, str(e.detail), headers=e.headers), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> Response:
         logger.exception("Unhandled error in %s %s", request.method, request.url.path)
         return error_response(APIError(500, f"Internal server error ({type(e).__name__}); see the server log.",
-                                        type="server_error"))
+                                        type="server_error"), request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -144,11 +174,12 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response(P.ModelList(data=front.model_cards()))
+        return json_response(P.ModelList(data=front.model_cards() + embeddings.cards()))
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        return json_response(front.model_card(model))
+        card = next((c for c in embeddings.cards() if c.id == model), None)
+        return json_response(card or front.model_card(model))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -172,8 +203,17 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     async def tokenizer_info(model: str | None = None) -> Response:
         return JSONResponse(front.server(model).tokenizer_info())
 
+    bridge = Bridge(front)
+    add_ollama_routes(app, bridge)
+    add_anthropic_routes(app, bridge)
+    add_responses_routes(app, bridge, ResponseStore(responses_store_size, responses_store_ttl))
+    embeddings = add_embedding_routes(app, bridge, embedders)
     _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
-                           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest})
+                           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
+                           "/api/chat": O.ChatRequest, "/api/generate": O.GenerateRequest, "/api/show": O.ShowRequest,
+                           "/v1/messages": A.MessagesRequest, "/v1/messages/count_tokens": A.CountTokensRequest,
+                           "/v1/responses": R.ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
+                           "/api/embed": O.EmbedRequest, "/api/embeddings": O.EmbeddingsRequest})
     return app
 
 

@@ -52,9 +52,18 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     template = chat_template(args.chat_template)
     api_keys = resolve_api_keys(args)
     sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
+    second = ollama_socket(args.host, args.ollama_port)
     engines: dict[str, AsyncLLMEngine] = {}
+    embedders: dict = {}
     route = None
     try:
+        for spec in args.embedding_model or []:
+            from pagedlm.engine.embedding_engine import EmbeddingEngine
+
+            name, sep, target = spec.partition("=")
+            name, target = (name, target) if sep and name and "/" not in name else (spec, spec)
+            logger.info("Loading the embedding model %s (%s)", name, target)
+            embedders[name] = EmbeddingEngine(target, max_waiting=args.max_waiting)
         for name, target in models:
             kwargs = engine_kwargs_fn(argparse.Namespace(**{**vars(args), "model": target}))
             logger.info("Loading %s (%s)", name, target)
@@ -88,26 +97,45 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                         max_requests_per_key=args.max_requests_per_key,
                         allow_client_priority=args.allow_client_priority,
                         limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars),
-                        stage_threads=args.stage_threads, stage_queue=args.stage_queue)
-        host, port = sock.getsockname()[:2]
-        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        served = ", ".join([*engines, *([route.name] if route else [])])
+                        stage_threads=args.stage_threads, stage_queue=args.stage_queue,
+                        responses_store_size=args.responses_store_size,
+                        responses_store_ttl=args.responses_store_ttl, embedders=embedders,
+                        reasoning_parser=args.reasoning_parser)
+        url = _url(sock)
+        served = ", ".join([*engines, *([route.name] if route else []), *embedders])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", served, url, url,
                     ", API key required" if api_keys else "")
+        if second is not None:
+            logger.info("Ollama's port: the same API at %s", _url(second))
         if route is not None:
             logger.info("Routing `%s` with %s", route.name, describe_router(router))
         config = uvicorn_config(app, max_connections=args.max_connections,
                                 request_read_timeout=args.request_read_timeout,
                                 access_log=not args.disable_access_log, shutdown_timeout=args.shutdown_timeout)
         ensure_open_files(args.max_connections)
-        GracefulServer(config, app.state.server, args.shutdown_timeout).run(sockets=[sock])
+        GracefulServer(config, app.state.server, args.shutdown_timeout).run(
+            sockets=[sock] if second is None else [sock, second])
     finally:
         if route is not None:
             route.shutdown()
         for engine in reversed(engines.values()):  # the first replica set stops a Ray it started: last
             engine.shutdown()
+        for embedder in embedders.values():
+            embedder.shutdown()
         sock.close()
+        if second is not None:
+            second.close()
     return 0
+
+
+def ollama_socket(host: str, port: int | None) -> socket.socket | None:
+    """The second listening socket of --ollama-port (None: not asked for)."""
+    return None if port is None else _bind(host, port)
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def resolve_api_keys(args: argparse.Namespace) -> list[str]:

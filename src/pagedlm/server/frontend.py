@@ -22,6 +22,7 @@ from pagedlm.server import protocol as P
 from pagedlm.server.metrics import ServerMetrics
 from pagedlm.server.openai_handlers import ModelServer, request_ids
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable, shutting_down
+from pagedlm.server.reasoning import ThinkParser, split_reasoning
 from pagedlm.server.routing import AutoRoute
 from pagedlm.server.streaming import DONE, event
 from pagedlm.server.wire import parse_request
@@ -43,6 +44,7 @@ class Frontend:
         self.default = next(iter(servers.values()))
         self.created = int(time.time())
         self.draining = False  # set by a graceful shutdown: new generation requests get 503
+        self.reasoning: ThinkParser | None = None  # --reasoning-parser: chat answers get reasoning_content
 
     def begin_shutdown(self) -> None:
         self.draining = True
@@ -85,12 +87,19 @@ class Frontend:
         if self.draining:
             raise shutting_down()
         req = await parse_request(request, P.CompletionRequest, self.stages)
-        unknown = self._unknown_fields(req)
+        unknown = self.unknown_fields(req)
+        return flag_unknown(await self.complete(request, req, arrival), unknown)
+
+    async def complete(self, request: Request, req: P.CompletionRequest, arrival: float) -> Response:
+        """A parsed completion request (from /v1/completions or translated from Ollama's raw /api/generate), as
+        `chat` runs a chat request."""
+        if self.draining:
+            raise shutting_down()
         self._admit(request, req, _num_prompts(req.prompt))
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
-            return _flag_unknown(await srv.completions(request, req, arrival), unknown)
+            return await srv.completions(request, req, arrival)
         req.check_supported()
         text = _routing_text(req.prompt)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
@@ -98,20 +107,27 @@ class Frontend:
                        (req.max_tokens or self.route.max_model_len) * _width(req) * len(prompts))
         r = _RoutedRequest(request, text, req.max_tokens, cost_tokens, len(prompts), "cmpl")
         run = functools.partial(ModelServer.completions, request=request, arrival=arrival, routed=True)
-        return _flag_unknown(await self._routed(r, req, run, cascade=len(prompts) == 1 and not req.echo),
-                             unknown)
+        return await self._routed(r, req, run, cascade=len(prompts) == 1 and not req.echo)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         if self.draining:
             raise shutting_down()
         req = await parse_request(request, P.ChatCompletionRequest, self.stages)
-        unknown = self._unknown_fields(req)
+        unknown = self.unknown_fields(req)
+        return flag_unknown(await self.chat(request, req, arrival), unknown)
+
+    async def chat(self, request: Request, req: P.ChatCompletionRequest, arrival: float) -> Response:
+        """A parsed chat request, from /v1/chat/completions or translated from another API (Ollama, Anthropic,
+        Responses): the key's cap, the checks, then its model's `chat_completions` (routed for the route name).
+        Its answer is OpenAI's chat response or SSE stream."""
+        if self.draining:
+            raise shutting_down()
         self._admit(request, req, 1)
         if not self.is_routed(req.model):
             srv = self.server(req.model)
             req.check_supported()
-            return _flag_unknown(await srv.chat_completions(request, req, arrival), unknown)
+            return self._reasoned(await srv.chat_completions(request, req, arrival))
         req.check_supported()
         users = [m.text() for m in req.messages if m.role == "user"]
         text = users[-1] if users else "\n".join(m.text() for m in req.messages)
@@ -120,7 +136,10 @@ class Frontend:
                        (max_tokens or self.route.max_model_len) * _width(req))
         r = _RoutedRequest(request, text, max_tokens, cost_tokens, 1, "chatcmpl")
         run = functools.partial(ModelServer.chat_completions, request=request, arrival=arrival, routed=True)
-        return _flag_unknown(await self._routed(r, req, run, cascade=True), unknown)
+        return self._reasoned(await self._routed(r, req, run, cascade=True))
+
+    def _reasoned(self, response: Response) -> Response:
+        return response if self.reasoning is None else split_reasoning(response, self.reasoning)
 
     def _admit(self, request: Request, req: P.SamplingRequest, num_prompts: int) -> None:
         """400 for a client-set priority unless allowed; the request's prompts taken from its key's cap (429
@@ -132,7 +151,7 @@ class Frontend:
         if lease is not None:
             lease.take(num_prompts)
 
-    def _unknown_fields(self, req: BaseModel) -> list[str]:
+    def unknown_fields(self, req: BaseModel) -> list[str]:
         """The request's fields this server does not know; with --strict-request-fields they are a 400."""
         unknown = _extra_fields(req)
         if unknown and self.strict_request_fields:
@@ -239,7 +258,7 @@ def _extra_fields(model: BaseModel, prefix: str = "") -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _flag_unknown(response: Response, unknown: list[str]) -> Response:
+def flag_unknown(response: Response, unknown: list[str]) -> Response:
     if unknown:
         response.headers[UNKNOWN_FIELDS_HEADER] = _header_text(",".join(unknown), limit=1024)
     return response

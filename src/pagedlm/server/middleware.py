@@ -1,4 +1,4 @@
-"""ASGI middleware that runs before any parsing: Host header, bearer token, JSON Content-Type, body size."""
+"""ASGI middleware that runs before any parsing: Host header, API key, JSON Content-Type, body size."""
 from __future__ import annotations
 
 import hmac
@@ -9,14 +9,15 @@ from pagedlm.server.limits import KeyLeases
 from pagedlm.server.protocol import APIError
 from pagedlm.server.wire import error_response
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/api/version"})
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class Guard:
-    """ASGI middleware, before any parsing: Host header (400, DNS rebinding), bearer token (401), JSON
-    Content-Type (415: no "simple" cross-site form posts) and request-body size (413). A request with a key gets
-    a `key_lease` in its state (see limits.KeyLeases), given back when the app has answered."""
+    """ASGI middleware, before any parsing: Host header (400, DNS rebinding), API key (401: a bearer token, or
+    Anthropic's `x-api-key` header), JSON Content-Type (415: no "simple" cross-site form posts) and request-body
+    size (413); errors in the shape of the API the path belongs to (api_errors.py). A request with a key gets a
+    `key_lease` in its state (see limits.KeyLeases), given back when the app has answered."""
 
     def __init__(self, app: Any, api_keys: list[str], max_body_bytes: int,
                  allowed_hosts: frozenset[str] | None = None, leases: KeyLeases | None = None) -> None:
@@ -27,29 +28,32 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
+
+        def error(e: APIError) -> Any:
+            return error_response(e, path)(scope, receive, send)
+
         if self.allowed_hosts is not None and not host_allowed(headers.get("host", ""), self.allowed_hosts):
-            return await error_response(APIError(400, "Invalid Host header (see --allowed-hosts).",
-                                                  code="invalid_host"))(scope, receive, send)
+            return await error(APIError(400, "Invalid Host header (see --allowed-hosts).", code="invalid_host"))
         lease = None
         if self.api_keys and scope["path"] not in PUBLIC_PATHS:
-            key = self._key(headers.get("authorization", ""))
+            key = self._key(headers.get("authorization", ""), headers.get("x-api-key"))
             if key is None:
-                return await error_response(APIError(401, "Invalid or missing API key (send `Authorization: "
-                                                           "Bearer <key>`).", code="invalid_api_key",
-                                                      headers={"WWW-Authenticate": "Bearer"}))(scope, receive, send)
+                return await error(APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>` "
+                                                 "or `x-api-key: <key>`).", code="invalid_api_key",
+                                            headers={"WWW-Authenticate": "Bearer"}))
             scope.setdefault("state", {})["api_key"] = key
             if self.leases is not None:
                 scope["state"]["key_lease"] = lease = self.leases.lease(key)
         if scope["method"] == "POST":
             media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media != "application/json":
-                return await error_response(APIError(415, "The request body must be JSON (Content-Type: "
-                                                           "application/json).", code="unsupported_media_type"))(
-                    scope, receive, send)
+                return await error(APIError(415, "The request body must be JSON (Content-Type: application/json).",
+                                            code="unsupported_media_type"))
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
-                return await error_response(APIError(400, "Invalid Content-Length."))(scope, receive, send)
+                return await error(APIError(400, "Invalid Content-Length."))
             if int(length) > self.max_body_bytes:
                 return await self._too_large(scope, receive, send)
         seen, rejected = 0, False
@@ -78,9 +82,12 @@ class Guard:
             if lease is not None:
                 lease.release()
 
-    def _key(self, authorization: str) -> str | None:
-        """The configured key the header carries (scheme `Bearer`, any case), else None."""
+    def _key(self, authorization: str, x_api_key: str | None = None) -> str | None:
+        """The configured key the request carries, else None: `Authorization` (scheme `Bearer`, any case), or
+        without that header `x-api-key` (Anthropic's clients)."""
         scheme, _, token = authorization.strip().partition(" ")
+        if not authorization.strip() and x_api_key is not None:
+            scheme, token = "bearer", x_api_key
         token = token.strip().encode()
         found = None
         for key in self.api_keys:  # compare with every key: the time taken does not tell which matched
@@ -90,7 +97,7 @@ class Guard:
 
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
         await error_response(APIError(413, f"The request body exceeds {self.max_body_bytes} bytes.",
-                                       code="request_too_large"))(scope, receive, send)
+                                       code="request_too_large"), scope["path"])(scope, receive, send)
 
 
 def host_allowed(host: str, allowed: frozenset[str]) -> bool:

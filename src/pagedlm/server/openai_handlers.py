@@ -208,7 +208,7 @@ class ModelServer(TokenizerEndpoints):
             raise APIError(400, "This server does not parse tool calls (start it with --tool-call-parser).",
                            param="tools")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools_active else None
-        ids = await self.stages.run("chat", self.chat_prompt, req.messages, req.add_generation_prompt, tools)
+        ids = await self.stages.run("chat", self.chat_request_prompt, req, tools)
         self._check_prompt(ids)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=k,

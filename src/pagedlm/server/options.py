@@ -14,9 +14,12 @@ from pagedlm.server import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_REQUEST_READ_TIMEOUT,
+    DEFAULT_RESPONSES_STORE_SIZE,
+    DEFAULT_RESPONSES_STORE_TTL,
     DEFAULT_STAGE_QUEUE,
     DEFAULT_STAGE_THREADS,
 )
+from pagedlm.server.reasoning import REASONING_PARSERS
 from pagedlm.server.tools import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLM_API_KEY"
@@ -37,9 +40,14 @@ class ServerConfig:
 
     host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
     port: int = option(8000, "port (0: any free port; the URL is logged)")
+    ollama_port: int | None = option(None, "also serve the same app on this port, for clients that assume "
+                                     "Ollama's (11434); every API answers on both (0: any free port)")
     api_key: list[str] | None = option(None, "require `Authorization: Bearer <key>` (repeatable: one key per tenant; "
                                        f"or set ${API_KEY_ENV}, comma-separated)")
     served_model_name: str | None = option(None, "model name clients use (default: --model; one model)")
+    embedding_model: list[str] | None = option(None, "also serve this embedding model for /v1/embeddings and "
+                                               "/api/embed (repeatable; NAME=MODEL names it; all-minilm-l6-v2 or a "
+                                               "sentence-transformers BERT directory)", metavar="[NAME=]MODEL")
     max_waiting: int = option(512, "requests allowed to wait for a slot; beyond it requests get 503 + Retry-After")
     max_body_bytes: int = option(8 * 2**20, "largest request body, e.g. 8MiB (larger: 413)", parse=_size)
     log_interval: float = option(10.0, "seconds between throughput lines (0: off)")
@@ -72,11 +80,20 @@ class ServerConfig:
                                          "without it a non-zero priority is a 400", group=LIMITS)
     prefix_cache_per_key: bool = option(False, "separate prefix caches per API key (tenants never share cached "
                                         "blocks)", group=LIMITS)
+    responses_store_size: int = option(DEFAULT_RESPONSES_STORE_SIZE, "Responses API: responses kept per API key "
+                                       "for previous_response_id and GET /v1/responses/{id}, in memory (a restart "
+                                       "clears them; 0: none kept)", group=LIMITS)
+    responses_store_ttl: float = option(DEFAULT_RESPONSES_STORE_TTL, "Responses API: seconds a stored response is "
+                                        "kept", group=LIMITS)
+    reasoning_parser: str | None = option(None, "answer what the model thinks in <think>...</think> apart, as "
+                                          "reasoning_content (deepseek_r1: the template opens the thought; qwen3: "
+                                          "the output does)", choices=sorted(REASONING_PARSERS))
     chat_template: str | None = option(None, "chat template for every model: a Jinja file, or a built-in name "
                                        "(hermes: ChatML with tools, for models whose own template knows none, e.g. "
                                        "SmolLM2)", group=TOOLS)
-    tool_call_parser: str | None = option(None, "parse tool calls from the output in this format (needed for "
-                                          "`tools`)", choices=sorted(TOOL_PARSERS), group=TOOLS)
+    tool_call_parser: str | None = option(None, "parse tool calls from the output in this format (default: the "
+                                          "one matching each model's chat template)", choices=sorted(TOOL_PARSERS),
+                                          group=TOOLS)
     strict_request_fields: bool = option(False, "refuse requests with fields the server does not know (400) instead "
                                          "of naming them in the x-pagedlm-unknown-fields response header",
                                          group=LIMITS)
@@ -149,6 +166,8 @@ class ServerConfig:
             raise ValueError("--stream-stall-timeout, --shutdown-timeout, --health-step-timeout, "
                              "--request-read-timeout, --max-connections, --max-requests-per-key and --stage-queue "
                              "must be >= 0.")
+        if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
+            raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0.")
         if self.data_parallel_size < 1 or (self.threads_per_replica is not None and self.threads_per_replica < 1):
             raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1.")
 

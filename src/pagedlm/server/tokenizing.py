@@ -12,25 +12,40 @@ from pagedlm.server.limits import RequestLimits
 from pagedlm.server.protocol import APIError
 from pagedlm.server.wire import json_response
 
+TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})  # template variables a request sets
+
 
 class TokenizerEndpoints:
     """Part of `ModelServer`: needs its `facade`, `tok` (the facade's tokenizer) and `limits`."""
 
     facade: EngineFacade
     limits: RequestLimits
+    tool_template: str | None = None  # the template requests with tools are rendered with (None: the model's)
 
     def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """The prompt's token ids, as the engine's chat template renders the messages (EngineFacade.render_chat)."""
-        return self.tok.encode(self._render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        text = self._render_chat(messages, add_generation_prompt, tools, template_kwargs)
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def chat_request_prompt(self, req: P.ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+        """A chat request's prompt: its messages, tools and chat_template_kwargs (only TEMPLATE_KWARGS: 400 for
+        others, which could change how the template is applied rather than what it writes)."""
+        kwargs = req.chat_template_kwargs or {}
+        bad = sorted(set(kwargs) - TEMPLATE_KWARGS)
+        if bad:
+            raise APIError(400, f"chat_template_kwargs may set {', '.join(sorted(TEMPLATE_KWARGS))}, not "
+                                f"{', '.join(bad)}.", param="chat_template_kwargs")
+        return self.chat_prompt(req.messages, req.add_generation_prompt, tools, kwargs)
 
     def _render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict] | None = None) -> str:
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """400 beyond the bounds of `limits` (RequestLimits): the message count before the template runs, the
         rendered characters before anything tokenizes them."""
         self.limits.check_messages(len(messages))
         try:
-            text = self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools)
+            text = self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools,
+                                           self.tool_template if tools else None, template_kwargs)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param=e.param) from None
         self.limits.check_prompt_chars(text, "messages")

@@ -9,6 +9,7 @@ Hermes format (Qwen 2.5, Hermes, and the built-in template): the model writes ea
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -113,3 +114,28 @@ def _call(body: str) -> ParsedToolCall | None:
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser}
+_KNOWS_TOOLS = re.compile(r"\btools\b")
+
+
+@dataclass
+class ToolSupport:
+    """How a model serves `tools`: the parser of its calls, and the template requests with tools are rendered
+    with (None: the model's own)."""
+
+    parser: HermesToolParser
+    template: str | None
+    summary: str  # for the start-up log
+
+
+def tool_support(chat_template: str | None, parser: str | None = None) -> ToolSupport:
+    """Tools for a model whose chat template is `chat_template`. `parser` (--tool-call-parser) or, if None, the one
+    whose call markers the template writes (Hermes if none matches). A template that knows no `tools` gets the
+    built-in Hermes template for requests with tools, so that `tools` work on every model without flags
+    (tool_choice "required" and named functions are enforced by the parser's call grammar whatever the model)."""
+    template = chat_template or ""
+    name = parser or next((n for n, cls in TOOL_PARSERS.items() if cls.start in template), "hermes")
+    if _KNOWS_TOOLS.search(template):
+        return ToolSupport(TOOL_PARSERS[name](), None, f"tool calls parsed as {name}")
+    return ToolSupport(TOOL_PARSERS[name](), HERMES_CHAT_TEMPLATE,
+                       f"its chat template knows no tools: requests with tools use the built-in hermes template, "
+                       f"tool calls parsed as {name}")

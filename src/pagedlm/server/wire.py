@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from pagedlm.server.api_errors import error_body
 from pagedlm.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -35,5 +36,6 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type="application/json")
 
 
-def error_response(e: APIError) -> Response:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: APIError, path: str = "") -> Response:
+    """`e` as a response in the shape of the API serving `path` (api_errors.py; default OpenAI's)."""
+    return JSONResponse(error_body(e, path), status_code=e.status, headers=e.headers)

@@ -1,0 +1,33 @@
+"""Each API's error shape: an `APIError` as the body its clients expect, chosen by the request's path. OpenAI's
+(`{"error": {"message", "type", "param", "code"}}`) is the default; Ollama's routes (/api/...) answer
+`{"error": "<message>"}` and Anthropic's (/v1/messages...) `{"type": "error", "error": {"type", "message"}}`.
+The status code is the same in every shape."""
+from __future__ import annotations
+
+from pagedlm.server.protocol import APIError
+
+OLLAMA_PREFIX = "/api/"
+ANTHROPIC_PREFIX = "/v1/messages"
+
+# Anthropic's error types by status (its API reference, *Errors*)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(e: APIError) -> dict:
+    kind = _ANTHROPIC_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def ollama_error(e: APIError) -> dict:
+    return {"error": e.message}
+
+
+def error_body(e: APIError, path: str = "") -> dict:
+    """`e` in the shape of the API that serves `path`."""
+    if path.startswith(OLLAMA_PREFIX):
+        return ollama_error(e)
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return anthropic_error(e)
+    return e.body()

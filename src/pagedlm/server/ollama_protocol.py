@@ -1,0 +1,182 @@
+"""Ollama's native API requests (/api/chat, /api/generate, /api/show, /api/embed, /api/embeddings) as pydantic
+models, and their translation into the OpenAI request the chat path runs (options to sampling fields, `format` to
+a structured-output constraint, tool calls in the history to OpenAI's shape).
+
+Parsed as the OpenAI requests are (strict types, unknown fields named in a response header or refused with
+--strict-request-fields). Options that only tune Ollama's runtime (threads, GPU layers, memory mapping) are
+accepted and ignored; sampling options this server does not have (mirostat, typical_p, tfs_z, ...) are unknown
+fields. Ollama's own defaults for unset options (temperature 0.8, top_k 40, ...) are not applied: unset options
+take the server's defaults, as on /v1/chat/completions.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import Field
+
+from pagedlm.server.protocol import APIError, Request
+
+RUNTIME_OPTIONS = ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
+                   "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep", "repeat_last_n")
+
+
+class Options(Request):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None  # -1: no bound, -2: fill the context (both: until the context is full)
+    stop: list[str] | str | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    num_ctx: int | None = Field(None, ge=1)  # at most the model's context; a smaller one does not shrink it
+    # Ollama's runtime knobs: accepted, no effect here
+    numa: bool | None = None
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+    num_thread: int | None = None
+    num_keep: int | None = None
+    repeat_last_n: int | None = None
+
+
+class FunctionCall(Request):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+    index: int | None = None
+
+
+class ToolCall(Request):
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall
+
+
+class Message(Request):
+    role: str
+    content: str | None = ""
+    images: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+KeepAlive = str | int | float | None
+Format = Literal["", "json"] | dict[str, Any] | None
+
+
+class _Generating(Request):
+    model: str = Field(min_length=1)
+    format: Format = None
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None  # accepted, ignored: models stay loaded while the server runs
+    think: bool | Literal["low", "medium", "high"] | None = None
+
+
+class ChatRequest(_Generating):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(_Generating):
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+
+
+class ShowRequest(Request):
+    model: str | None = None
+    name: str | None = None  # the older field
+    verbose: bool = False
+
+
+class EmbedRequest(Request):
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = None
+    options: Options | None = None
+    keep_alive: KeepAlive = None
+
+
+class EmbeddingsRequest(Request):
+    model: str = Field(min_length=1)
+    prompt: str
+    options: Options | None = None
+    keep_alive: KeepAlive = None
+
+
+NO_IMAGES = "This server's models take no images (`images` is not supported)."
+
+
+def sampling_fields(options: Options | None, max_model_len: int) -> dict[str, Any]:
+    """The OpenAI request fields of Ollama `options`; 400 for a num_ctx beyond the model's context."""
+    if options is None:
+        return {}
+    if options.num_ctx is not None and options.num_ctx > max_model_len:
+        raise APIError(400, f"num_ctx {options.num_ctx} exceeds this model's context length ({max_model_len} "
+                            "tokens).", param="options.num_ctx")
+    out = {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k,
+           "min_p": options.min_p, "seed": options.seed, "stop": options.stop,
+           "repetition_penalty": options.repeat_penalty, "presence_penalty": options.presence_penalty,
+           "frequency_penalty": options.frequency_penalty}
+    if options.num_predict is not None and options.num_predict >= 0:
+        out["max_tokens"] = options.num_predict
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def format_fields(fmt: Format) -> dict[str, Any]:
+    """`format` as OpenAI's response_format: "json" any JSON object, a JSON schema that schema."""
+    if not fmt:
+        return {}
+    if fmt == "json":
+        return {"response_format": {"type": "json_object"}}
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}}
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Ollama messages as OpenAI's: tool calls with their arguments, tool results naming their tool."""
+    out = []
+    for m in messages:
+        if m.images:
+            raise APIError(400, NO_IMAGES, param="messages")
+        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id or f"call_{i}", "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for i, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and m.tool_name:
+            msg["name"] = m.tool_name
+        out.append(msg)
+    return out
+
+
+def tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """OpenAI tool calls (arguments as JSON text) as Ollama's (arguments as an object)."""
+    if not calls:
+        return None
+    out = []
+    for i, c in enumerate(calls):
+        fn = c["function"]
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            args = {}
+        out.append({"id": c.get("id"), "function": {"index": i, "name": fn["name"],
+                                                    "arguments": args if isinstance(args, dict) else {}}})
+    return out

@@ -1,0 +1,196 @@
+"""Ollama's native API through the official `ollama` Python client, on a tiny random model served in process:
+chat and generate (streamed and not) give the greedy answer /v1/chat/completions gives, `format` constrains the
+output, tools and tool calls, the model endpoints, and errors in Ollama's shape."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import ollama
+import pytest
+from server_utils import InProcessServer
+
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.server.api import build_app
+from pagedlm.server.openai_handlers import ModelServer
+
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+# the client keeps of a tool's parameters only type, properties (type, description, enum), required: no maxLength
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "unit": {"type": "string", "enum": ["C", "F"]}},
+           "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_2k_model_dir):
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=512),
+                            log_interval=0)
+    srv = InProcessServer(build_app({"tiny": engine}))
+    yield srv
+    srv.stop()
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    return ollama.Client(host=server.url)
+
+
+def openai_chat(server, messages, **kw) -> str:
+    return server.client().chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                                   **kw).choices[0].message.content
+
+
+def test_chat_and_generate_give_the_chat_completions_answer(server, client):
+    expected = openai_chat(server, MSGS)
+    r = client.chat(model="tiny", messages=MSGS, options=GREEDY)
+    assert r.message.role == "assistant" and r.message.content == expected
+    assert r.done and r.done_reason == "length" and r.eval_count == 12 and r.prompt_eval_count > 0
+    parts = list(client.chat(model="tiny:latest", messages=MSGS, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == expected
+    assert [p.done for p in parts].count(True) == 1 and parts[-1].done and parts[-1].eval_count == 12
+    system = [{"role": "system", "content": "Be brief."}]
+    g = client.generate(model="tiny", prompt=MSGS[0]["content"], system="Be brief.", options=GREEDY)
+    assert g.response == openai_chat(server, [*system, *MSGS]) and g.done
+    streamed = "".join(p.response for p in client.generate(model="tiny", prompt=MSGS[0]["content"],
+                                                            system="Be brief.", options=GREEDY, stream=True))
+    assert streamed == g.response
+    raw = client.generate(model="tiny", prompt="Once upon a time", raw=True, options=GREEDY)
+    completion = server.client().completions.create(model="tiny", prompt="Once upon a time", temperature=0,
+                                                    max_tokens=12)
+    assert raw.response == completion.choices[0].text
+
+
+def test_options_are_mapped(server, client):
+    stop = openai_chat(server, MSGS)[2:4]
+    r = client.chat(model="tiny", messages=MSGS, options={**GREEDY, "stop": [stop]})
+    assert r.message.content == openai_chat(server, MSGS, stop=[stop]) and stop not in r.message.content
+    a, b = (client.chat(model="tiny", messages=MSGS, options={"temperature": 1.0, "seed": 7, "top_k": 20,
+                                                             "top_p": 0.9, "min_p": 0.01, "repeat_penalty": 1.1,
+                                                             "num_predict": 10, "num_thread": 2}, keep_alive="5m")
+            for _ in range(2))
+    assert a.message.content == b.message.content and a.eval_count == 10  # seeded: the same answer
+
+
+def test_format_constrains_the_output(server, client):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["Paris", "Rome"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    for seed in range(3):
+        r = client.chat(model="tiny", messages=MSGS, format=schema,
+                        options={"temperature": 1.0, "seed": seed, "num_predict": 60})
+        jsonschema.validate(json.loads(r.message.content), schema)
+    r = client.generate(model="tiny", prompt="Hi", format="json", options={"temperature": 0, "num_predict": 30})
+    expected = server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                       temperature=0, max_tokens=30,
+                                                       response_format={"type": "json_object"})
+    assert r.response.startswith("{") and r.response == expected.choices[0].message.content
+
+
+@pytest.fixture
+def forced_calls(monkeypatch):
+    """A random model never picks a tool by itself: every chat request with tools runs as tool_choice "required"
+    (the grammar of the calls, on the real engine and parser; Ollama's API has no tool_choice to ask for it), with
+    the parameters closed (the client drops additionalProperties, and a random model adds keys for ever)."""
+    run = ModelServer.chat_completions
+
+    async def required(self, request, req, *args, **kw):
+        if req.tools:
+            tools = [t.model_copy(deep=True) for t in req.tools]
+            for t in tools:
+                t.function.parameters["additionalProperties"] = False
+            req = req.model_copy(update={"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+        return await run(self, request, req, *args, **kw)
+
+    monkeypatch.setattr(ModelServer, "chat_completions", required)
+
+
+def test_tool_calls_and_round_trip(server, client, forced_calls):
+    r = client.chat(model="tiny", messages=MSGS, tools=TOOLS, options={"temperature": 0, "num_predict": 120})
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(dict(call.function.arguments), WEATHER)
+    parts = list(client.chat(model="tiny", messages=MSGS, tools=TOOLS, stream=True,
+                             options={"temperature": 0, "num_predict": 120}))
+    calls = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather",
+                                                                               dict(call.function.arguments))]
+    history = [*MSGS, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": dict(call.function.arguments)}}]},
+        {"role": "tool", "content": "18 degrees", "tool_name": "get_weather"}]
+    final = client.chat(model="tiny", messages=history, options=GREEDY)  # no tools: free text after the result
+    expected = server.client().chat.completions.create(model="tiny", temperature=0, max_tokens=12, messages=[
+        *MSGS, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_0", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(dict(call.function.arguments))}}]},
+        {"role": "tool", "content": "18 degrees", "name": "get_weather"}]).choices[0].message.content
+    assert final.message.content == expected
+
+
+def test_model_endpoints(server, client):
+    (m,) = client.list().models
+    assert m.model == "tiny" and m.size > 0 and m.details.family == "llama" and m.details.format == "safetensors"
+    show = client.show("tiny")
+    assert show.modelinfo["llama.context_length"] == 2048 and show.modelinfo["general.parameter_count"] > 0
+    assert show.details.parameter_size.endswith("K") and show.details.quantization_level == "FLOAT32"
+    assert "<|im_start|>" in show.template and "tools" in show.capabilities
+    (p,) = client.ps().models
+    assert p.model == "tiny" and p.context_length == 2048
+    assert httpx.get(f"{server.url}/api/version").json()["version"]
+    loaded = client.chat(model="tiny", messages=[])
+    assert loaded.done and loaded.done_reason == "load"
+
+
+def test_errors_in_ollamas_shape(server, client):
+    cases = [("/api/chat", {"model": "nope", "messages": MSGS}, 404, "not found"),
+             ("/api/chat", {"model": "tiny", "messages": [{**MSGS[0], "images": ["aGk="]}]}, 400, "images"),
+             ("/api/generate", {"model": "tiny", "prompt": "x", "images": ["aGk="]}, 400, "images"),
+             ("/api/generate", {"model": "tiny", "prompt": "x", "context": [1, 2]}, 400, "context"),
+             ("/api/chat", {"model": "tiny", "messages": MSGS, "options": {"num_ctx": 4096}}, 400, "num_ctx"),
+             ("/api/chat", {"model": "tiny", "messages": MSGS, "options": {"temperature": -1}}, 400, "temperature"),
+             ("/api/chat", {"model": "tiny", "messages": "hi"}, 400, "messages"),
+             ("/api/show", {"model": "nope"}, 404, "not found")]
+    for path, body, status, word in cases:
+        r = server.post(path, json=body)
+        assert r.status_code == status and set(r.json()) == {"error"} and word in r.json()["error"], (body, r.text)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="nope", messages=MSGS)
+    assert e.value.status_code == 404
+    r = server.post("/api/nothing", json={})
+    assert r.status_code == 404 and set(r.json()) == {"error"}
+
+
+def test_ollama_port_serves_the_same_app(tiny_model_dir):
+    """`pagedlm serve --ollama-port` answers every API on a second port too, with the same key, from the same
+    engine; the start-up log names it and says how tools are served."""
+    import re
+
+    from server_utils import ServerProcess
+
+    srv = ServerProcess("--model", str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
+                        "--num-kv-blocks", "64", "--ollama-port", "0", api_key="k").wait_ready()
+    try:
+        second = re.search(r"Ollama's port: the same API at (http://127\.0\.0\.1:\d+)", srv.log()).group(1)
+        assert second != srv.url and "built-in hermes template" in srv.log()
+        client = ollama.Client(host=second, headers={"Authorization": "Bearer k"})
+        a = client.chat(model="tiny", messages=MSGS, options=GREEDY)
+        b = ollama.Client(host=srv.url, headers={"Authorization": "Bearer k"}).chat(model="tiny", messages=MSGS,
+                                                                                 options=GREEDY)
+        assert a.message.content == b.message.content and a.eval_count == 12
+        with pytest.raises(ollama.ResponseError) as e:
+            ollama.Client(host=second).list()
+        assert e.value.status_code == 401 and "API key" in e.value.error
+    finally:
+        srv.stop()
+
+
+def test_langchain_chat_ollama(server, client):
+    langchain_ollama = pytest.importorskip("langchain_ollama")
+    llm = langchain_ollama.ChatOllama(model="tiny", base_url=server.url, temperature=0, num_predict=12)
+    answer = llm.invoke(MSGS[0]["content"])
+    assert answer.content == client.chat(model="tiny", messages=MSGS, options=GREEDY).message.content
