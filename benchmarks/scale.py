@@ -72,12 +72,26 @@ def read_bandwidth() -> float:
     return buf.numel() * 4 / min(times)
 
 
-def ensure_model(directory: Path, shape: str, quant: str) -> Path:
+def ensure_model(directory: Path, shape: str, quant: str, ctx: int = 0) -> Path:
+    """The model file (written once); with `ctx`, a copy whose llama.context_length says `ctx` (the generated files
+    say 8,192; random weights have no trained context to exceed), for decode deep in longer contexts."""
     path = directory / f"random-{shape}-{quant}.gguf"
     if not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, str(MAKE_MODEL), shape, quant, str(path)], check=True)
-    return path
+    if not ctx:
+        return path
+    longer = directory / f"random-{shape}-{quant}-ctx{ctx}.gguf"
+    if not longer.exists():
+        data = bytearray(path.read_bytes())
+        key = b"llama.context_length"
+        at = data.index(len(key).to_bytes(8, "little") + key) + 8 + len(key)
+        assert int.from_bytes(data[at:at + 4], "little") == 4  # GGUF value type uint32
+        data[at + 4:at + 8] = ctx.to_bytes(4, "little")
+        tmp = longer.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(longer)
+    return longer
 
 
 def main() -> None:
@@ -88,6 +102,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--context", type=int, default=32, help="prompt tokens before the timed decode (long contexts)")
+    ap.add_argument("--ctx-len", type=int, default=0, help="a copy of the file saying this context length (16k+)")
     ap.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "pagedlm" / "scale")
     ap.add_argument("--child", nargs=3, metavar=("BACKEND", "PATH", "SEED"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -101,7 +116,7 @@ def main() -> None:
     print("| model | file | engine | load s | peak RSS GB | decode tok/s | of limit | prefill tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for shape in a.shapes.split(","):
-        path = ensure_model(a.dir, shape, a.quant)
+        path = ensure_model(a.dir, shape, a.quant, a.ctx_len)
         size = path.stat().st_size
         limit = bw / size
         runs: dict[str, list[dict]] = {b: [] for b in a.backends.split(",")}
