@@ -103,6 +103,38 @@ def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir
     assert diverged <= (2 if family == "gemma3" and quantized_acts else 1), "more sequences met a near-tie"
 
 
+def test_fused_decode_runs_gguf_blocks_as_the_torch_layers(tiny_model_dir, tmp_path, count_runs):
+    """The default plan on a GGUF mixing kinds (Q4_0 / Q4_1 int4 layers, Q5_0 gate/up, a q/k/v of Q4_0 q/k beside a
+    Q8_0 v run part by part): the fused stack takes its steps with those layers and gives the torch layers' tokens
+    and logprobs (the same kernels per layer; only the stack's own sums differ in order, before Q8 activations)."""
+    from test_quantization import _tiny_gguf
+
+    types = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q5_0",
+             "up_proj": "Q5_0", "down_proj": "Q4_1"}
+    path = _tiny_gguf(tiny_model_dir, tmp_path / "tiny-mixed.gguf", types)
+    kw = dict(num_kv_blocks=64, block_size=8, max_num_batched_tokens=MAX_TOKENS, kernel_max_rows=MAX_TOKENS)
+    fused_llm = LLM(str(path), **kw)
+    layer = fused_llm.engine.runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, quant.ConcatLinear) and isinstance(layer.mlp.gate_up_proj,
+                                                                                     quant.GGUFLinear)
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
+    fused = _generate(fused_llm, prompts)
+    assert count_runs and len(set(count_runs)) > 2
+    torch_llm = LLM(str(path), **kw)
+    torch_llm.engine.runner.model._decode_kernel = None  # layer by layer
+    count_runs.clear()
+    plain = _generate(torch_llm, prompts)
+    assert not count_runs
+    tol, diverged = 1e-2, 0  # Q8 activations turn a last-bit difference into the odd other int8 step
+    for f, p in zip(fused, plain):
+        n = _agreeing_prefix(f, p, tol)
+        diverged += n < len(p.token_ids)
+        for lf, lp in zip(f.logprobs[:n], p.logprobs[:n]):
+            for tok in set(lf) & set(lp):
+                assert lf[tok].logprob == pytest.approx(lp[tok].logprob, abs=tol)
+    assert diverged <= 1
+
+
 def _agreeing_prefix(f, p, tol: float) -> int:
     """How many greedy tokens the two runs share. They may part only at a near-tie: where both runs' top two
     tokens are within `tol` of each other (a last-bit difference of the two paths' sums picks either), after which

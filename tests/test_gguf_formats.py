@@ -173,3 +173,23 @@ def test_gguf_layer_needs_one_kind_and_whole_tiles():
     assert quant.GGUFLinear.supports(RawBlocks.from_gguf(random_blocks("Q6_K", 48, 256, 2), "Q6_K", 256))
     with pytest.raises(ValueError, match="no x16 layout"):
         quant.GGUFLinear(mixed)
+
+
+def test_a_fused_weight_mixing_kinds_runs_part_by_part():
+    """Q4_K_M's q/k/v: Q4_K q and k beside a Q6_K v. Each run of one kind keeps its own layer (q and k together),
+    so the weight is exactly the file's, and its product is the parts' side by side."""
+    _kernel_or_skip()
+    kinds, rows, cols = ("Q4_K", "Q4_K", "Q6_K"), (64, 16, 16), 512
+    raws = [random_blocks(k, r, cols, seed) for seed, (k, r) in enumerate(zip(kinds, rows))]
+    fused = RawBlocks.cat([RawBlocks.from_gguf(r, k, cols) for r, k in zip(raws, kinds)])
+    layer = quant.ConcatLinear.from_blocks(fused)
+    assert [type(p) for p in layer.parts] == [quant.Int4Linear, quant.GGUFLinear]
+    assert [p.out_features for p in layer.parts] == [80, 16] and layer.out_features == 96
+    want = torch.cat([reference(r, k, n, cols) for r, k, n in zip(raws, kinds, rows)])
+    assert torch.equal(layer.dequantize(), want)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(4))
+    ref = F.linear(quant.quantize_activations_q8(x).double(), want.double())
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
+    bad = RawBlocks.cat([RawBlocks.from_gguf(raws[0], "Q4_K", cols),
+                         RawBlocks.from_gguf(random_blocks("Q6_K", 8, cols, 9), "Q6_K", cols)])
+    assert quant.ConcatLinear.from_blocks(bad) is None  # 8 rows of Q6_K: no whole tile, no native layer

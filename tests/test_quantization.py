@@ -409,12 +409,10 @@ def test_default_runs_the_checkpoints_int4_blocks(tiny_q4_gguf, monkeypatch):
             == [o.outputs[0].token_ids for o in requantized.generate(prompts, params, use_tqdm=False)])
 
 
-def test_default_on_a_mixed_gguf_keeps_each_kinds_blocks_and_makes_mixed_fused_weights_int8(tiny_model_dir,
-                                                                                            tmp_path):
+def test_default_on_a_mixed_gguf_keeps_every_kinds_blocks(tiny_model_dir, tmp_path):
     """A GGUF mixing formats as Q4_K_M files do (here Q4_0 / Q4_1 beside Q5_0 and Q8_0; a fused q/k/v with Q4_0 q/k
-    and a Q8_0 v): `dtype="auto"` keeps every layer stored in one kind as the file's blocks exactly (int4 and Q5_0
-    alike), requantizes the fused weight that mixes kinds to int8 per channel from the checkpoint's values, says so,
-    and runs decode steps through the fused stack."""
+    and a Q8_0 v): `dtype="auto"` keeps every weight as the file's blocks exactly (int4 and Q5_0 alike; the q/k/v
+    part by part), says so, and runs decode steps through the fused stack."""
     from pagedlm.hub.loader import iter_weights
     from pagedlm.model.llama_decode import LlamaDecodeKernel
 
@@ -426,7 +424,7 @@ def test_default_on_a_mixed_gguf_keeps_each_kinds_blocks_and_makes_mixed_fused_w
     assert (plan.quantization, plan.fallback, plan.dtype) == ("int4", "int8", torch.float32)
     described = plan.describe()
     assert "Q4_0/Q4_1/Q5_0/Q8_0 blocks run as stored" in described, described
-    assert "fused weights mixing Q4_0/Q8_0 are requantized to int8" in described, described
+    assert "fused q/k/v or gate/up weights mixing Q4_0/Q8_0 run part by part" in described, described
     ref = dict(iter_weights(path, torch.float32))
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -435,9 +433,9 @@ def test_default_on_a_mixed_gguf_keeps_each_kinds_blocks_and_makes_mixed_fused_w
             assert torch.equal(m.dequantize(), ref[f"model.layers.{i}.{name}.weight"])
         gate_up = torch.cat([ref[f"model.layers.{i}.mlp.{p}.weight"] for p in ("gate_proj", "up_proj")])
         assert isinstance(mlp.gate_up_proj, quant.GGUFLinear) and torch.equal(mlp.gate_up_proj.dequantize(), gate_up)
-        q, scale = quant.quantize_int8(torch.cat([ref[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]))
-        assert isinstance(attn.qkv_proj, quant.Int8Linear)
-        assert torch.equal(attn.qkv_proj.row_layout(), q) and torch.equal(attn.qkv_proj.scale, scale)
+        qkv = torch.cat([ref[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert isinstance(attn.qkv_proj, quant.ConcatLinear) and torch.equal(attn.qkv_proj.dequantize(), qkv)
+        assert [type(p) for p in attn.qkv_proj.parts] == [quant.Int4Linear, quant.GGUFLinear]  # q + k, then v
     assert isinstance(model.decode_kernel(), LlamaDecodeKernel)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                        use_tqdm=False)

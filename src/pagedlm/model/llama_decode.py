@@ -22,11 +22,11 @@ from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.kvcache.format import KV_BF16, KV_F32, KV_INT8, kv_kind
 from pagedlm.model.layers import Linear
-from pagedlm.model.quant import GGUF_KINDS, Bf16Linear, GGUFLinear, Int4Linear, Int8Linear, QuantLinear
+from pagedlm.model.quant import GGUF_KINDS, Bf16Linear, ConcatLinear, GGUFLinear, Int4Linear, Int8Linear, QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 (LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16, LIN_BF16_X16, LIN_INT4_X16_K,
- LIN_GGUF_X16) = range(9)
+ LIN_GGUF_X16, LIN_CONCAT) = range(10)
 INT4_KINDS = {"rows": LIN_INT4, "x16": LIN_INT4_X16, "x16_k": LIN_INT4_X16_K}  # by Int4Linear.layout
 FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_INT8)  # the caches the stack writes (not fp8)
 # Steps with more tokens over fp32 weights run layer by layer: torch's sgemm beats the stack's simple fp32 product
@@ -121,6 +121,15 @@ def _describe(linear: nn.Module) -> _Linear | None:
         if not linear.x16:
             return None
         return _Linear(LIN_BF16_X16, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(), None, None)
+    if isinstance(linear, ConcatLinear):
+        parts = [_describe(p) for p in linear.parts]
+        if any(p is None or p.kind == LIN_CONCAT for p in parts):
+            return None
+        array = (_Linear * len(parts))(*parts)
+        lin = _Linear(LIN_CONCAT, linear.in_features, linear.out_features, len(parts), ctypes.addressof(array), None,
+                      None, None)
+        lin.parts = array  # kept alive with the description (LlamaDecodeKernel holds it)
+        return lin
     if isinstance(linear, GGUFLinear):
         codes, planes, scale, aux = linear._pointers()
         return _Linear(LIN_GGUF_X16, linear.in_features, linear.out_features, GGUF_KINDS[linear.kind], codes, scale,

@@ -8,9 +8,10 @@ The default (`dtype="auto"`, no `quantization`) on a CPU:
   decode reads about the file's bytes), with fp32 activations, so decode steps take the fused C++ decoder stack, and
   a bf16 KV cache (unless `kv_cache_dtype` says otherwise): half the bytes of fp32, so twice the tokens fit
   (perplexity +0.17% against the fp32 path; the attention kernel's speed is the same for both);
-- a weight that has no such kernel (another block type, or a fused q/k/v or gate/up whose parts mix kinds, as
-  Gemma 3's q/k Q5_0 beside v Q8_0) is requantized to int8 per channel (8 bits: at least as many as any of those
-  formats holds), said at start-up;
+- a fused q/k/v or gate/up whose parts mix kinds (Q4_K_M's Q6_K v beside Q4_K q and k; Gemma 3's Q8_0 v beside
+  Q5_0 q and k) runs part by part, each in its own kernel (`ConcatLinear`); a weight that has no such kernel (another
+  block type) is requantized to int8 per channel (8 bits: at least as many as any of those formats holds), said at
+  start-up;
 - an HF checkpoint on a CPU with AVX512-BF16 keeps its weights in bf16 (a bf16 checkpoint's as stored; others
   rounded) and runs fp32 activations through the bf16 kernels of model/quant/ (`Bf16Linear`: activations rounded
   to bf16 at each product, as a bf16 GEMM does, but the residual stream, norms and attention in fp32), so decode
@@ -92,8 +93,8 @@ def gguf_linear_types(path: Path) -> set[str]:
 
 
 def mixed_fused_types(path: Path) -> set[str]:
-    """The GGUF block types of the q/k/v or gate/up groups whose parts differ in type (they fuse into one weight,
-    which no native kernel holds), unless all of them are int4 kinds (one int4 layout holds those)."""
+    """The GGUF block types of the q/k/v or gate/up groups whose parts differ in type (they fuse into one weight
+    that runs part by part), unless one int4 layout holds them all (Q4_0 with Q4_1)."""
     from pagedlm.hub.loader import open_gguf
 
     groups: dict[tuple[str, str], set[str]] = {}
@@ -103,7 +104,7 @@ def mixed_fused_types(path: Path) -> set[str]:
             fused = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
             if parts[2] in fused:
                 groups.setdefault((parts[1], fused[parts[2]]), set()).add(t.tensor_type.name)
-    return {k for g in groups.values() if len(g) > 1 and not g <= set(NATIVE_INT4_TYPES) for k in g}
+    return {k for g in groups.values() if len(g) > 1 and not g <= {"Q4_0", "Q4_1"} for k in g}
 
 
 def machine_memory() -> int:
@@ -158,7 +159,7 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
                            "own")
             fallback = "int8" if types - set(NATIVE_INT4_TYPES) else None
             if mixed := mixed_fused_types(path):
-                reasons.append(f"fused weights mixing {'/'.join(sorted(mixed))} are requantized to int8 per channel")
+                reasons.append(f"fused q/k/v or gate/up weights mixing {'/'.join(sorted(mixed))} run part by part")
         elif other - set(UNQUANTIZED_TYPES):
             quantization = "int8"
         if quantization and other:

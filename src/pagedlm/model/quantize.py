@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pagedlm.config import KERNEL_MAX_ROWS
-from pagedlm.hub.blocks import INT4_KINDS, Int4Blocks, LazyRows, RawBlocks
+from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawBlocks
 from pagedlm.model.quant import (
     METHODS,
     Bf16Linear,
@@ -18,6 +18,7 @@ from pagedlm.model.quant import (
     WithBias,
     make_quant_linear,
 )
+from pagedlm.model.quant.concat import ConcatLinear, one_int4_layout
 
 
 class LinearQuantizer:
@@ -34,16 +35,17 @@ class LinearQuantizer:
     def __call__(self, name: str, child: nn.Module) -> nn.Module:
         """The quantized replacement of the loaded Linear `child` (module name `name`), or of the embedding table:
         an int8 (bf16 for "bf16") table, which a tied LM head then shares (`finish`). GGUF blocks come as stored:
-        int4 kinds to Int4Linear, Q5 / Q6_K / Q8_0 to GGUFLinear where it holds them, others to `fallback`."""
+        int4 kinds to Int4Linear, Q5 / Q6_K / Q8_0 to GGUFLinear, a fused weight whose parts mix kinds to a
+        ConcatLinear of those, where the kernels run them; anything else to `fallback`."""
         w = getattr(self.model, "native_weights", {}).pop(f"{name}.weight", None)
         if isinstance(child, nn.Embedding):
             w = child.weight.data if w is None else w
             table = Bf16Linear(_dense(w)) if self.method == "bf16" else Int8Linear(w)
             return TableEmbedding(table, child.weight.dtype)
         method = self.method
-        if isinstance(w, RawBlocks) and not w.kinds <= set(INT4_KINDS):
-            if GGUFLinear.supports(w):
-                quantized = GGUFLinear(w)
+        if isinstance(w, RawBlocks) and not one_int4_layout(w):  # a 5- to 8-bit kind, or parts of several
+            quantized = GGUFLinear(w) if GGUFLinear.supports(w) else ConcatLinear.from_blocks(w)
+            if quantized is not None:
                 return quantized if child.bias is None else WithBias(quantized, child.bias)
             w = w.dequantize()
         if not isinstance(w, (Int4Blocks, RawBlocks)):

@@ -15,12 +15,13 @@ namespace {
 
 enum LinearKind {
   LIN_F32T = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_INT8_PACKED = 3, LIN_INT4_X16 = 4, LIN_INT8_X16 = 5, LIN_BF16_X16 = 6,
-  LIN_INT4_X16_K = 7, LIN_GGUF_X16 = 8
+  LIN_INT4_X16_K = 7, LIN_GGUF_X16 = 8, LIN_CONCAT = 9
 };
 
 // A linear layer y = x @ W^T: fp32 stored transposed ([K, N], as layers.Linear keeps it on CPUs), or the
 // int8 / int4 / bf16 layouts of quant_linear.cpp, or a GGUF x16 layout (gguf_x16.h: G is its GgufKind, w its codes,
-// scale its scales, mins its aux bytes, planes its high bits).
+// scale its scales, mins its aux bytes, planes its high bits), or parts side by side (LIN_CONCAT: w points at G
+// Linears, whose outputs fill y's columns in turn).
 struct Linear {
   int kind, K, N, G;
   const void *w, *scale, *mins, *planes;
@@ -96,8 +97,26 @@ void linear_f32t(const float* x, const float* w, float* y, int M, int K, int N, 
   });
 }
 
+int linear(const Linear& l, const float* x, float* y, int M, int nthreads);
+
+// A LIN_CONCAT layer: each part into a scratch buffer, then into its columns of y.
+int linear_concat(const Linear& l, const float* x, float* y, int M, int nthreads) {
+  thread_local std::vector<float> part_out;
+  const Linear* parts = static_cast<const Linear*>(l.w);
+  for (int p = 0, col = 0; p < l.G; col += parts[p].N, ++p) {
+    const Linear& q = parts[p];
+    if (q.K != l.K || col + q.N > l.N || q.kind == LIN_CONCAT) return 2;
+    part_out.resize(size_t(M) * q.N);
+    float* out = part_out.data();
+    if (const int rc = linear(q, x, out, M, nthreads)) return rc;
+    for (int m = 0; m < M; ++m) std::memcpy(y + int64_t(m) * l.N + col, out + int64_t(m) * q.N, sizeof(float) * q.N);
+  }
+  return 0;
+}
+
 int linear(const Linear& l, const float* x, float* y, int M, int nthreads) {
   switch (l.kind) {
+    case LIN_CONCAT: return linear_concat(l, x, y, M, nthreads);
     case LIN_F32T: linear_f32t(x, static_cast<const float*>(l.w), y, M, l.K, l.N, nthreads); return 0;
     case LIN_INT8:
     case LIN_INT8_PACKED:

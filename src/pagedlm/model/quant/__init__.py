@@ -19,9 +19,11 @@ GGUF checkpoints' own blocks run as the file stores them (int4.py: Q4_0 / Q4_1 /
 Q6_K), each kind with its own scales, so decode reads about the file's bytes and no weight is rounded twice.
 
 Layout of this package: kernel.py (the C++ library), formats.py (formats as tensors), linear.py (the layers),
-int4.py (int4 and GGUF Q4 blocks), gguf.py (GGUF's 5- to 8-bit blocks).
+int4.py (int4 and GGUF Q4 blocks), gguf.py (GGUF's 5- to 8-bit blocks), concat.py (fused weights whose parts
+mix kinds).
 """
 from pagedlm.model.quant import kernel
+from pagedlm.model.quant.concat import ConcatLinear
 from pagedlm.model.quant.formats import (
                                          X16,
                                          bf16_from_x16,
@@ -61,7 +63,7 @@ from pagedlm.model.quant.linear import (
                                          make_quant_linear,
 )
 
-__all__ = ["GGUF_KINDS", "KERNEL", "METHODS", "SOURCE", "X16", "Bf16Linear", "GGUFLinear", "Int4Linear",
+__all__ = ["GGUF_KINDS", "KERNEL", "METHODS", "SOURCE", "X16", "Bf16Linear", "ConcatLinear", "GGUFLinear", "Int4Linear",
            "Int8Linear", "QuantLinear", "TableEmbedding", "WithBias", "bf16_from_x16", "bf16_to_x16",
            "bf16_x16_native", "can_pack_int8", "dequantize_int4", "dequantize_int8", "from_x16", "int8_from_x16",
            "int8_to_x16", "kernel", "kernel_variant", "load_quant_kernel", "make_quant_linear", "pack_int8",

@@ -56,12 +56,12 @@ class GGUFLinear(QuantLinear):
     @staticmethod
     def supports(weight: RawBlocks) -> bool:
         """One kind of GGUF_KINDS (a fused weight of several kinds has no single layout), whole tiles of 16 rows, and
-        the kernel built."""
+        the kernel built with SIMD code for x16 layouts (its portable build would be slower than int8)."""
         n, k = weight.shape
         if len(weight.kinds) != 1 or not weight.kinds <= GGUF_KINDS.keys():
             return False
         (kind,) = weight.kinds
-        return n % X16 == 0 and k % (256 if kind in _SUPER else 32) == 0 and kernel.load_quant_kernel() is not None
+        return n % X16 == 0 and k % (256 if kind in _SUPER else 32) == 0 and kernel.x16_native(4)
 
     def _pointers(self) -> tuple[int | None, ...]:
         return tuple(t.data_ptr() if t.numel() else None for t in (self.qweight, self.planes, self.scale, self.aux))
