@@ -35,7 +35,8 @@ class ModelRunner:
         self.dtype = dtype = plan.dtype
         self.model, self.model_config = load_model(model_path, dtype, self.device, plan.quantization, plan.group_size,
                                                    plan.dense_dtype, plan.kernel_max_rows,
-                                                   plan.head_kernel_max_rows, plan.fallback, plan.dense_copy)
+                                                   plan.head_kernel_max_rows, plan.fallback, plan.dense_copy,
+                                                   bool(plan.native_types))
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
         self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, plan.kv_cache_dtype)

@@ -157,6 +157,11 @@ class LazyRows:
             out = np.array(out, dtype=np.float32)
         return torch.from_numpy(out)
 
+    def blocks(self) -> RawBlocks:
+        """The matrix as the file stores it (for a layer that runs its blocks; its pages released once converted)."""
+        return RawBlocks.from_gguf(self.tensor.data, self.tensor.tensor_type.name, self.shape[1],
+                                   lambda: self.reader.release(self.tensor))
+
     def release(self, start: int, stop: int) -> None:
         """Rows start .. stop have been read: unmap their pages."""
         row_bytes = self.tensor.data.nbytes // self.shape[0]

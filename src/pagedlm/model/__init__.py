@@ -16,12 +16,14 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
                group_size: int = 32, dense_dtype: torch.dtype | None = None,
                kernel_max_rows: int = KERNEL_MAX_ROWS,
                head_kernel_max_rows: int | None = None,
-               fallback: str | None = None, dense_copy: bool = True) -> tuple[CausalLM, ModelConfig]:
+               fallback: str | None = None, dense_copy: bool = True,
+               native: bool = False) -> tuple[CausalLM, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
     rows through a dense copy in `dense_dtype` (per call without `dense_copy`), see model/quant/ and plan.py;
     `head_kernel_max_rows` for the int8 embedding table as LM head, None: the same; `fallback`: the method for the
-    linear weights a GGUF holds no native blocks for, None: `quantization`). Weights stream from the checkpoint into
+    linear weights a GGUF holds no native blocks for, None: `quantization`; `native`: keep every GGUF block kind a
+    kernel runs as stored, the plan's default for a GGUF). Weights stream from the checkpoint into
     their final format one tensor at a time: the model is built without weights (`layers.deferred_weights`) and
     each Linear is quantized as soon as it is loaded, so loading never holds more than the result plus one tensor's
     temporaries."""
@@ -41,10 +43,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
             model = model_cls(cfg)
     finally:
         torch.set_default_dtype(prev)
-    # the GGUF blocks kept as stored: every kind a kernel runs under the default plan (its int8 fallback), the int4
-    # kinds under an explicit int4
-    native = () if quantization != "int4" or group_size != 32 else NATIVE_TYPES if fallback else NATIVE_INT4_TYPES
-    quantizer = LinearQuantizer(model, quantization, group_size, fallback) if quantization else None
+    # the GGUF blocks kept as stored: every kind a kernel runs under the default plan (`native`, the vocabulary
+    # tables included), the int4 kinds under an explicit int4
+    native = () if quantization != "int4" or group_size != 32 else NATIVE_TYPES if native else NATIVE_INT4_TYPES
+    quantizer = LinearQuantizer(model, quantization, group_size, fallback, native) if quantization else None
     # the vocabulary matrices become int8 (bf16) tables: read them by rows, never whole in fp32
     lazy = ("model.embed_tokens.weight", "lm_head.weight") if quantization and device.type == "cpu" else ()
     model.load_weights(iter_weights(path, dtype, native, lazy), quantizer, device)

@@ -9,6 +9,7 @@ from torch import nn
 from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawBlocks
 from pagedlm.model.quant import (
+    GGUF_KINDS,
     METHODS,
     Bf16Linear,
     GGUFLinear,
@@ -27,10 +28,12 @@ class LinearQuantizer:
     `model.native_weights`, as they are; other weights with `fallback`, None: `method`), so that the model never
     exists in full precision; `finish` then does the embedding table and the dense copies."""
 
-    def __init__(self, model: nn.Module, method: str, group_size: int = 32, fallback: str | None = None) -> None:
+    def __init__(self, model: nn.Module, method: str, group_size: int = 32, fallback: str | None = None,
+                 native: tuple[str, ...] = ()) -> None:
         if method not in METHODS or fallback not in (None, *METHODS):
             raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r} / {fallback!r}")
         self.model, self.method, self.group_size, self.fallback = model, method, group_size, fallback
+        self.native = native  # GGUF kinds kept as stored: the vocabulary tables' too (lazy rows until then)
 
     def __call__(self, name: str, child: nn.Module) -> nn.Module:
         """The quantized replacement of the loaded Linear `child` (module name `name`), or of the embedding table:
@@ -38,9 +41,13 @@ class LinearQuantizer:
         int4 kinds to Int4Linear, Q5 / Q6_K / Q8_0 to GGUFLinear, a fused weight whose parts mix kinds to a
         ConcatLinear of those, where the kernels run them; anything else to `fallback`."""
         w = getattr(self.model, "native_weights", {}).pop(f"{name}.weight", None)
+        if isinstance(w, LazyRows) and w.tensor.tensor_type.name in set(self.native) & GGUF_KINDS.keys():
+            raw = w.blocks()  # a vocabulary table (or untied LM head) of a kind a kernel runs: as stored
+            w = raw if GGUFLinear.supports(raw) else w
         if isinstance(child, nn.Embedding):
             w = child.weight.data if w is None else w
-            table = Bf16Linear(_dense(w)) if self.method == "bf16" else Int8Linear(w)
+            table = (Bf16Linear(_dense(w)) if self.method == "bf16" else GGUFLinear(w) if isinstance(w, RawBlocks)
+                     else Int8Linear(w))
             return TableEmbedding(table, child.weight.dtype)
         method = self.method
         if isinstance(w, RawBlocks) and not one_int4_layout(w):  # a 5- to 8-bit kind, or parts of several

@@ -1551,6 +1551,25 @@ int pagedlm_dequant_gguf_x16(int kind, const uint8_t* codes, const uint8_t* plan
   return 0;
 }
 
+// Rows ids[0 .. n) of a GGUF x16 weight dequantized to out [n, K] (an embedding table's lookups). Returns 2 for
+// an id outside 0 .. N.
+int pagedlm_gguf_x16_rows(int kind, const uint8_t* codes, const uint8_t* planes, const uint16_t* scales,
+                          const uint8_t* aux, int K, int N, const int64_t* ids, int n, float* out, int nthreads) {
+  if (!gguf_shape_ok(kind, K, N)) return 1;
+  for (int r = 0; r < n; ++r)
+    if (ids[r] < 0 || ids[r] >= N) return 2;
+  const GgufX16 g{kind, K / 32, codes, planes, scales, aux};
+  parallel_for(n, n * int64_t(K) >= 65536 ? nthreads : 1, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const GgufX16 w = g.tile(int(ids[r] / X16));
+      const int j = int(ids[r] % X16);
+      for (int b = 0; b < g.nblk; ++b)
+        for (int v = 0; v < 32; ++v) out[r * K + b * 32 + v] = w.weight(b, j, v);
+    }
+  });
+  return 0;
+}
+
 int pagedlm_dequant_gguf_x16_bf16(int kind, const uint8_t* codes, const uint8_t* planes, const uint16_t* scales,
                                   const uint8_t* aux, uint16_t* w, int K, int N, int nthreads) {
   if (!gguf_shape_ok(kind, K, N)) return 1;

@@ -69,6 +69,18 @@ class GGUFLinear(QuantLinear):
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
         return quantize_activations_q8(x)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized to fp32 (the table of a `TableEmbedding`)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+        codes, planes, scale, aux = self._pointers()
+        rc = kernel.load_quant_kernel().pagedlm_gguf_x16_rows(GGUF_KINDS[self.kind], codes, planes, scale, aux,
+                                                             self.in_features, self.out_features, flat.data_ptr(),
+                                                             flat.numel(), out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"GGUF {self.kind} rows failed (code {rc}): ids outside 0..{self.out_features - 1}")
+        return out.view(*ids.shape, self.in_features)
+
     def dequantize(self) -> torch.Tensor:
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         self._dequant(kernel.load_quant_kernel().pagedlm_dequant_gguf_x16, w)

@@ -31,13 +31,14 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_linear_gguf.argtypes = [p, i, p, p, p, p, p, i, i, i, i]
     lib.pagedlm_dequant_gguf_x16.argtypes = [i, p, p, p, p, p, i, i, i]
     lib.pagedlm_dequant_gguf_x16_bf16.argtypes = [i, p, p, p, p, p, i, i, i]
+    lib.pagedlm_gguf_x16_rows.argtypes = [i, p, p, p, p, i, i, p, i, p, i]
     lib.pagedlm_gguf_q8_0_to_int8.argtypes = [p, i, i, p, p, i]
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
                lib.pagedlm_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
                lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16, lib.pagedlm_dequant_int4_x16,
                lib.pagedlm_gguf_q4_to_x16, lib.pagedlm_gguf_q4_k_to_x16, lib.pagedlm_gguf_q8_0_to_int8,
                lib.pagedlm_gguf_to_x16, lib.pagedlm_linear_gguf, lib.pagedlm_dequant_gguf_x16,
-               lib.pagedlm_dequant_gguf_x16_bf16):
+               lib.pagedlm_dequant_gguf_x16_bf16, lib.pagedlm_gguf_x16_rows):
         fn.restype = ctypes.c_int
 
 

@@ -235,10 +235,11 @@ class Bf16Linear(QuantLinear):
 
 
 class TableEmbedding(nn.Module):
-    """An embedding table kept as an Int8Linear or a Bf16Linear ([vocab, hidden] rows): `forward(ids)` looks rows up
-    (`embed`) in `dtype`; a tied LM head is that same layer, so one copy serves both."""
+    """An embedding table kept as a quantized layer with rows to look up (`embed`: Int8Linear, Bf16Linear, or a GGUF
+    table as stored, GGUFLinear) ([vocab, hidden] rows): `forward(ids)` looks rows up in `dtype`; a tied LM head is
+    that same layer, so one copy serves both."""
 
-    def __init__(self, table: Int8Linear | Bf16Linear, dtype: torch.dtype) -> None:
+    def __init__(self, table: QuantLinear, dtype: torch.dtype) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype
 
