@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from pagedlm.config import DEFAULT_MODEL, EngineConfig, parse_bytes
+from pagedlm.config import DEFAULT_MODEL, EngineConfig
 from pagedlm.engine.admission import AdmissionLimits, KVCacheShape, check_admission
 from pagedlm.engine.model_runner import Chunk, ModelRunner
 from pagedlm.engine.output_processor import OutputProcessor
@@ -21,8 +21,8 @@ from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
 from pagedlm.kvcache.block_manager import BlockManager
-from pagedlm.kvcache.memory import MemoryReport
-from pagedlm.kvcache.sizing import AvailableMemory, KVSizing, available_memory, check_peak, plan_kv_budget
+from pagedlm.kvcache.plan import plan_kv_cache
+from pagedlm.kvcache.sizing import AvailableMemory, available_memory
 from pagedlm.model.plan import plan_execution
 from pagedlm.outputs import PositionLogprobs, RequestOutput
 from pagedlm.sampling.beam_search import BeamSearch
@@ -109,35 +109,19 @@ class LLMEngine:
         spec = self.runner.kv_spec
 
         device = self.runner.device
-        sizing = KVSizing.for_config(config, spec, self.model_config.context_length, self.runner.weight_bytes(),
-                                     device.type)
         memory = (AvailableMemory(torch.cuda.mem_get_info(device)[0], "CUDA free") if device.type == "cuda"
                   else host_memory)
-        self.kv_budget = plan_kv_budget(sizing, memory)  # ValueError here for what cannot fit: nothing allocated
-        num_blocks = self.kv_budget.num_blocks
-        if num_blocks < 1:
-            raise ValueError("The KV cache budget holds no block; raise kv_cache_memory or num_kv_blocks.")
-        check_peak(self.kv_budget)
-        num_cpu_blocks = spec.num_blocks_for(parse_bytes(config.swap_space)) if config.preemption_mode == "swap" else 0
+        kv = plan_kv_cache(config, self.model_config, spec, self.runner.weight_bytes(), memory, device.type)
+        self.kv_budget, self.memory_report = kv.budget, kv.report  # ValueError above: nothing allocated
+        num_blocks, num_cpu_blocks = kv.num_blocks, kv.num_cpu_blocks
         self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
                                           config.enable_prefix_caching, spec.sliding_windows)
         self.scheduler = Scheduler(config, self.block_manager)
-
-        max_len = config.max_model_len or self.model_config.context_length
-        if max_len > self.model_config.context_length:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
-                             f"{self.model_config.context_length}.")
-        capacity = self.block_manager.max_tokens_per_seq(config.max_num_batched_tokens)
-        if max_len > capacity:
-            logger.warning("max_model_len %d exceeds the KV cache capacity (%d tokens); capping it.", max_len, capacity)
-            max_len = capacity
-        self.max_model_len = max_len
+        self.max_model_len = max_len = kv.max_model_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
-        self.memory_report = MemoryReport.build(self.model_config, spec, num_blocks, num_cpu_blocks, max_len,
-                                                weight_bytes=sizing.weight_bytes, budget=self.kv_budget)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._requests: dict[str, Request] = {}
