@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 import torch
+from engine_utils import Steps
 
 from pagedlm.cli import MEMORY_FIELDS, build_parser, engine_kwargs, main
 from pagedlm.config import DEFAULT_MODEL, EngineConfig, flag_name
@@ -236,10 +237,8 @@ def _sample(tiny_model_dir, seed, params):
     eng = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, seed=seed)
     for i, p in enumerate(params):
         eng.add_request(str(i), [1, 2, 3, 4], p)
-    done = {}
-    while eng.has_unfinished_requests():
-        done.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
-    return [done[str(i)] for i in range(len(params))]
+    done = Steps(eng).run()
+    return [done[str(i)].outputs[0].token_ids for i in range(len(params))]
 
 
 def test_engine_seed_makes_unseeded_requests_reproducible(tiny_model_dir):

@@ -113,8 +113,8 @@ def env(inproc, monkeypatch):
 def refuse(monkeypatch, engine: AsyncLLMEngine) -> None:
     """Every request to `engine` meets a full waiting queue."""
 
-    def submit(request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None):
-        stream = RequestStream(engine, request_id, asyncio.get_running_loop())
+    def submit(request):
+        stream = RequestStream(engine, request.request_id, asyncio.get_running_loop())
         stream._accept(QueueFullError("The waiting queue is full; retry later."))
         return stream
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -23,7 +24,7 @@ READ_TIMEOUT = 1.0
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     eng = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=128,
-                                             max_num_seqs=8), log_interval=0)
+                                             max_num_seqs=8), LoopConfig.offline(log_interval=0))
     yield eng
     eng.shutdown()
 
@@ -201,7 +202,7 @@ def test_chat_messages_and_prompt_characters_are_bounded(engine, monkeypatch):
     chat, overhead included) nothing is tokenized: 400s naming the field."""
     srv = InProcessServer(build_app({"tiny": engine}, limits=RequestLimits(max_chat_messages=4, max_prompt_chars=300)))
     rendered, encoded = [], []
-    facade = engine.facade
+    facade = engine.input_processor
     real_render, real_encode = facade.render_chat, facade.tokenizer.encode
     monkeypatch.setattr(type(facade), "render_chat",
                         lambda self, *a, **kw: rendered.append(1) or real_render(*a, **kw))

@@ -10,12 +10,13 @@ from pagedlm.config.engine import (
 )
 from pagedlm.config.flags import add_arguments, check_choices, flag_name, from_args, option
 from pagedlm.config.hf import LLAMA_STYLE_TYPES, SUPPORTED_ARCHITECTURES
+from pagedlm.config.loop import LoopConfig
 from pagedlm.config.model import ModelConfig
 from pagedlm.config.units import DTYPE_NAMES, DTYPES, byte_size, default_dtype, parse_bytes, parse_dtype
 
 __all__ = [
     "DEFAULT_KV_CACHE_MEMORY_FRACTION", "DEFAULT_MODEL", "DTYPES", "DTYPE_NAMES", "KERNEL_MAX_ROWS", "KV_CACHE_DTYPES",
-    "LLAMA_STYLE_TYPES", "QUANTIZATION_METHODS", "SUPPORTED_ARCHITECTURES", "EngineConfig", "ModelConfig",
+    "LLAMA_STYLE_TYPES", "QUANTIZATION_METHODS", "SUPPORTED_ARCHITECTURES", "EngineConfig", "LoopConfig", "ModelConfig",
     "add_arguments", "byte_size", "check_choices", "default_dtype", "flag_name", "from_args", "option", "parse_bytes",
     "parse_dtype",
 ]

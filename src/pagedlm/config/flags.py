@@ -41,9 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, only: Sequence[str
                   exclude: Sequence[str] = (), overrides: dict[str, dict[str, Any]] | None = None) -> None:
     """Add one flag per `option` field of the dataclass `cls` (`only` / `exclude` by field name): default the field
     default, bool fields as --flag / --no-flag, `list[...] | None` fields repeatable. `overrides[name]` replaces
-    add_argument keywords of one flag. Fields with a `group` go into an argument group of that title."""
+    add_argument keywords of one flag. Fields with a `group` go into the argument group of that title."""
     hints = typing.get_type_hints(cls)
-    groups: dict[str, Any] = {}
+    groups: dict[str, Any] = {g.title: g for g in parser._action_groups}  # one group per title, across classes
     for f in fields(cls):
         if (only is not None and f.name not in only) or f.name in exclude or "help" not in f.metadata:
             continue

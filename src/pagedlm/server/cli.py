@@ -35,7 +35,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
 
 def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespace], dict],
           parser: argparse.ArgumentParser | None = None) -> int:
+    from pagedlm.config import LoopConfig
     from pagedlm.engine.async_engine import AsyncLLMEngine
+    from pagedlm.engine.client import EngineClient
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
     from pagedlm.server.http import ensure_open_files, uvicorn_config
@@ -46,13 +48,14 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     if args.config:
         apply_config(args, parser, args.config)
     ServerConfig.from_args(args)  # bad server options fail here
+    loop = LoopConfig(args.max_waiting, args.log_interval, args.stream_stall_timeout)
     replicated = args.data_parallel_size > 1 or args.ray_address is not None
     models = model_specs(args)
     router = build_router(args, [name for name, _ in models])
     template = chat_template(args.chat_template)
     api_keys = resolve_api_keys(args)
     sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
-    engines: dict[str, AsyncLLMEngine] = {}
+    engines: dict[str, EngineClient] = {}
     route = None
     try:
         for name, target in models:
@@ -65,15 +68,12 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
                 EngineConfig(**kwargs)  # bad flags fail here, not in every actor
                 engines[name] = ReplicaSet.launch(
                     kwargs, args.data_parallel_size, ray_address=args.ray_address, policy=args.replica_policy,
-                    num_threads=args.threads_per_replica, max_waiting=args.max_waiting,
-                    stall_timeout=args.stream_stall_timeout, log_interval=args.log_interval,
-                    health_timeout=args.replica_health_timeout)
+                    num_threads=args.threads_per_replica, loop=loop, health_timeout=args.replica_health_timeout)
                 continue
             engine = LLMEngine.from_args(**kwargs)  # logs the KV memory report
             if template is not None:
                 engine.tokenizer.hf.chat_template = template
-            engines[name] = AsyncLLMEngine(engine, max_waiting=args.max_waiting, log_interval=args.log_interval,
-                                           stall_timeout=args.stream_stall_timeout)
+            engines[name] = AsyncLLMEngine(engine, loop)
         if router is not None:
             route = AutoRoute(router, engines, args.router_name)
             route.warm_up()
