@@ -10,7 +10,7 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from pagedlm.config import DEFAULT_MODEL, LoopConfig
+from pagedlm.config import DEFAULT_MODEL, EngineConfig, LoopConfig, ParallelConfig
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.protocol import OutputAccumulator
 from pagedlm.outputs import RequestOutput
@@ -29,14 +29,12 @@ class LLM:
                  ray_address: str | None = None, replica_policy: str = "prefix", **engine_args: Any) -> None:
         self._ids = itertools.count()
         self.replicas = None
-        if data_parallel_size > 1 or ray_address:
-            from pagedlm.config import EngineConfig
+        parallel = ParallelConfig(data_parallel_size, ray_address, replica_policy)
+        if parallel.replicated:
             from pagedlm.router.replicas import ReplicaSet
 
-            EngineConfig(model=model, dtype=dtype, **engine_args)  # bad arguments fail here, not in an actor
-            self.replicas = ReplicaSet.launch(dict(model=model, dtype=dtype, **engine_args), data_parallel_size,
-                                              ray_address=ray_address, policy=replica_policy,
-                                              loop=LoopConfig.offline(log_interval=0))
+            config = EngineConfig(model=model, dtype=dtype, **engine_args)  # bad arguments fail here, not in an actor
+            self.replicas = ReplicaSet.launch(config, parallel, LoopConfig.offline(log_interval=0))
             self.engine = self.replicas
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="pagedlm-llm", daemon=True).start()

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlm.config import LoopConfig
+from pagedlm.config import EngineConfig, LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.client import EngineClient, RequestStream, StepRecord, deliver
 from pagedlm.engine.errors import EngineDeadError, WireError, as_engine_error, stalled_error
@@ -80,7 +80,7 @@ class EngineReplica:
 
     MAX_EVENTS = 1 << 16  # undrained KV events beyond this: the next poll sends a snapshot instead
 
-    def __init__(self, engine_kwargs: dict[str, Any], num_threads: int | None = None, cpus: list[int] | None = None,
+    def __init__(self, config: EngineConfig, num_threads: int | None = None, cpus: list[int] | None = None,
                  loop: LoopConfig | None = None) -> None:
         import torch
 
@@ -90,7 +90,7 @@ class EngineReplica:
             os.sched_setaffinity(0, cpus)
         if num_threads:
             torch.set_num_threads(num_threads)
-        engine = LLMEngine.from_args(**engine_kwargs)
+        engine = LLMEngine(config)
         self.engine = AsyncLLMEngine(engine, loop or LoopConfig.offline())
         self._streams: dict[str, RequestStream] = {}
         self._ready: dict[str, list[EngineOutput] | WireError] = {}
@@ -504,7 +504,7 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None, **init_
     return RayCluster(started, total, cpus)
 
 
-def launch_replicas(cluster: RayCluster, engine_kwargs: dict[str, Any], num_replicas: int, *,
+def launch_replicas(cluster: RayCluster, config: EngineConfig, num_replicas: int, *,
                     num_threads: int | None = None, loop: LoopConfig | None = None,
                     max_restarts: int = -1) -> list[Any]:
     """Start `num_replicas` `EngineReplica` actors, each reserving `num_threads` CPUs (default: its share of
@@ -524,5 +524,5 @@ def launch_replicas(cluster: RayCluster, engine_kwargs: dict[str, Any], num_repl
             cores = cluster.cpus[i * threads:(i + 1) * threads]
         actors.append(actor_cls.options(
             num_cpus=min(threads, share), max_restarts=max_restarts, max_task_retries=0, max_concurrency=10_000,
-        ).remote(engine_kwargs, threads, cores, loop))
+        ).remote(config, threads, cores, loop))
     return actors

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pagedlm.config import LoopConfig
+from pagedlm.config import EngineConfig, LoopConfig, ParallelConfig
 from pagedlm.engine.client import EngineClient, StepRecord
 from pagedlm.engine.errors import EngineDeadError, QueueFullError
 from pagedlm.engine.llm_engine import EngineStats
@@ -138,22 +138,23 @@ class ReplicaSet(EngineClient):
             self._on_shutdown()
 
     @classmethod
-    def launch(cls, engine_kwargs: dict, num_replicas: int, *, ray_address: str | None = None,
-               policy: Policy | str = "prefix", num_threads: int | None = None, loop: LoopConfig | None = None,
-               health_timeout: float = 10.0, ray_init_kwargs: dict | None = None) -> "ReplicaSet":
-        """Start (or join, with `ray_address`) Ray, `num_replicas` engine actors and their clients."""
+    def launch(cls, engine: EngineConfig, parallel: ParallelConfig, loop: LoopConfig | None = None,
+               ray_init_kwargs: dict | None = None) -> "ReplicaSet":
+        """Start (or join, with `parallel.ray_address`) Ray, `parallel.data_parallel_size` actors of `engine`
+        and their clients."""
         import ray
 
         from pagedlm.engine.replica import connect_ray, launch_replicas
 
-        cluster = connect_ray(ray_address, **(ray_init_kwargs or {}))
+        cluster = connect_ray(parallel.ray_address, **(ray_init_kwargs or {}))
         actors = []
         try:
-            actors = launch_replicas(cluster, engine_kwargs, num_replicas, num_threads=num_threads, loop=loop)
+            actors = launch_replicas(cluster, engine, parallel.data_parallel_size,
+                                     num_threads=parallel.threads_per_replica, loop=loop)
             clients: list[ReplicaClient] = []
             for i, actor in enumerate(actors):
                 clients.append(ReplicaClient(actor, f"{i}", clients[0].tokenizer if clients else None, loop=loop,
-                                             health_timeout=health_timeout))
+                                             health_timeout=parallel.replica_health_timeout))
                 logger.info("Replica %d: pid %d on node %s, %d threads", i, clients[-1].pid,
                             clients[-1].info.node[:12], clients[-1].info.num_threads)
         except BaseException:
@@ -170,7 +171,7 @@ class ReplicaSet(EngineClient):
                     pass
             cluster.stop()
 
-        return cls(clients, policy, on_shutdown=stop)
+        return cls(clients, parallel.replica_policy, on_shutdown=stop)
 
     # --- placement -----------------------------------------------------------------------------------
     @property
