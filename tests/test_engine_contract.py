@@ -159,3 +159,22 @@ def test_a_request_is_checked_once(tiny_model_dir, monkeypatch):
         eng.shutdown()
     assert len(out.outputs[0].token_ids) == 3
     assert calls == ["check_prompt", "check_params", "prepare_params"]
+
+
+def test_a_stream_behind_keeps_its_outputs_merged():
+    """Outputs nobody took yet merge: a consumer far behind takes them as one, and a stream nobody reads holds a
+    bounded number of outputs (not one per step)."""
+    from pagedlm.engine.client import MAX_PENDING, RequestStream
+
+    async def main():
+        stream = RequestStream(None, "r", asyncio.get_running_loop())
+        for i in range(200):
+            stream._put(EngineOutput("r", [CompletionDelta(0, [i], f"{i},")], finished=i == 199))
+            assert len(stream._pending) < MAX_PENDING
+        out = await stream.__anext__()
+        assert stream.finished and stream.unread_since is None
+        return out
+
+    out = asyncio.run(main())
+    assert out.finished and out.outputs[0].token_ids == list(range(200))
+    assert out.outputs[0].text == "".join(f"{i}," for i in range(200))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pagedlm.engine.llm_engine import EngineStats
 
 logger = logging.getLogger(__name__)
+MAX_PENDING = 64  # outputs a stream keeps apart before merging them
 
 
 @dataclass
@@ -145,6 +146,8 @@ class RequestStream:
             self._error, self._pending = item, []
         else:
             self._pending.append(item)
+            if len(self._pending) >= MAX_PENDING:  # a consumer far behind: one output, not one per step
+                self._pending = [merge_outputs(self._pending)]
         if self.unread_since is None:
             self.unread_since = time.monotonic()
         self._ready.set()

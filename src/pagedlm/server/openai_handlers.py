@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from pagedlm.engine.client import EngineClient, RequestStream
 from pagedlm.engine.errors import EngineError
-from pagedlm.engine.protocol import CompletionDelta, EngineRequest
+from pagedlm.engine.protocol import CompletionDelta, EngineOutput, EngineRequest
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
@@ -135,8 +135,10 @@ class ModelServer(TokenizerEndpoints):
         return prompt.text if prompt.text is not None else self.tok.decode(prompt.token_ids, skip_special_tokens=False)
 
     def _completion_choice(self, index: int, req: P.CompletionRequest, params: SamplingParams, prompt: _Prompt,
-                           out: RequestOutput, o: CompletionOutput, state: ChoiceState) -> P.CompletionChoice:
-        """The choice for `o`: the whole sample, or (streaming) what its latest output adds; echo first."""
+                           out: RequestOutput | EngineOutput, o: CompletionOutput | CompletionDelta,
+                           state: ChoiceState) -> P.CompletionChoice:
+        """The choice for `o`: a whole sample (of a RequestOutput), or what a streamed delta adds; echo first (the
+        prompt logprobs come with the request's first output)."""
         state.done = o.finish_reason is not None
         text = o.text
         echo, state.echoed = req.echo and not state.echoed, True
