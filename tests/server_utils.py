@@ -98,13 +98,14 @@ def routed_server(model_dir: Path, router, names: tuple[str, ...] = ("small", "b
     """Tiny engines named `names` (default "small" and "big"; float32, 64 KV blocks, 8 waiting at most), behind
     `router` as the `model: "auto"` route, served in process: yields (server, engines, route) and shuts them all
     down after."""
+    from pagedlm.config import LoopConfig
     from pagedlm.engine.async_engine import AsyncLLMEngine
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
     from pagedlm.server.routing import AutoRoute
 
     engines = {name: AsyncLLMEngine(LLMEngine.from_args(str(model_dir), dtype="float32", num_kv_blocks=64),
-                                    max_waiting=8, log_interval=0) for name in names}
+                                    LoopConfig.offline(max_waiting=8, log_interval=0)) for name in names}
     route = AutoRoute(router, engines)
     server = InProcessServer(build_app(engines, route=route, **app_kwargs))
     try:

@@ -25,6 +25,13 @@ ALLOWED = {
     "llm": {"engine", "router", "sampling", "config", "outputs"},
 }
 TOOLS = {"bench", "cli"}  # the command line and benchmarks sit on top and may use anything
+# The engine's contract with the layers above (protocol.py: requests in, output deltas out; errors.py) stands on its
+# own, so the server and the replicas speak it without the engine's machinery; the server uses only that contract,
+# the engine client and input processor it is given, and (to start engines) the engine loop classes and the
+# embedding engine (an encoder on a thread of its own, outside the generation contract).
+CONTRACT = {"engine/errors.py": set(), "engine/protocol.py": {"engine.errors", "outputs", "sampling.params"}}
+SERVER_ENGINE_API = {"engine.client", "engine.protocol", "engine.errors", "engine.input_processor",
+                     "engine.async_engine", "engine.llm_engine", "engine.embedding_engine"}
 
 
 def _unit(path: Path) -> str:
@@ -32,8 +39,9 @@ def _unit(path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def _imports(path: Path) -> set[str]:
-    """The pagedlm packages / top-level modules a file imports (relative imports are not used in this code)."""
+def _imports(path: Path, depth: int = 1) -> set[str]:
+    """The pagedlm packages / top-level modules a file imports (relative imports are not used in this code); with
+    `depth` 2, the modules inside the packages too (`engine.client`)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -41,12 +49,12 @@ def _imports(path: Path) -> set[str]:
             if parts[0] != "pagedlm":
                 continue
             if len(parts) > 1:
-                found.add(parts[1])
+                found.add(".".join(parts[1:1 + depth]))
             else:  # from pagedlm import X: X is a package or a name defined in pagedlm/__init__.py
                 found.update(a.name if (SRC / a.name).exists() or (SRC / f"{a.name}.py").exists() else "__init__"
                              for a in node.names)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names
+            found.update(".".join(a.name.split(".")[1:1 + depth]) for a in node.names
                          if a.name.startswith("pagedlm.") and len(a.name.split(".")) > 1)
     return found
 
@@ -69,8 +77,20 @@ def test_imports_point_down(path: Path):
     assert not bad, f"{path.relative_to(SRC)} ({unit}) imports {sorted(bad)}; allowed: {sorted(allowed - {unit})}"
 
 
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_the_engine_contract_imports_no_engine_internals(name: str):
+    bad = _imports(SRC / name, depth=2) - CONTRACT[name] - {"__init__"}
+    assert not bad, f"{name} imports {sorted(bad)}; allowed: {sorted(CONTRACT[name])}"
+
+
+def test_the_server_uses_only_the_engine_contract():
+    for path in sorted((SRC / "server").rglob("*.py")):
+        engine = {m for m in _imports(path, depth=2) if m.split(".")[0] == "engine"}
+        assert engine <= SERVER_ENGINE_API, f"{path.relative_to(SRC)} imports {sorted(engine - SERVER_ENGINE_API)}"
+
+
 def test_the_check_sees_a_violation(tmp_path):
     """The scanner finds imports inside functions too (so the test above is not vacuous)."""
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from pagedlm.server.api import build_app\n    import pagedlm.router.policies\n")
-    assert _imports(f) == {"server", "router"}
+    assert _imports(f) == {"server", "router"} and _imports(f, depth=2) == {"server.api", "router.policies"}

@@ -7,14 +7,15 @@ from dataclasses import fields
 
 import pytest
 import torch
+from engine_utils import Steps
 
 from pagedlm.cli import MEMORY_FIELDS, build_parser, engine_kwargs, main
-from pagedlm.config import DEFAULT_MODEL, EngineConfig, flag_name
+from pagedlm.config import DEFAULT_MODEL, EngineConfig, LoopConfig, flag_name
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow
 from pagedlm.server.api import build_app
-from pagedlm.server.cli import ServerConfig, apply_config
+from pagedlm.server.cli import ServeConfig, ServerConfig, apply_config
 
 LLAMA_70B = {
     "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
@@ -158,16 +159,22 @@ def test_memory_takes_the_engine_flags_it_uses():
 
 def test_every_server_option_is_a_flag_with_the_field_default():
     actions = {a.dest: a for a in _engine_parsers()["serve"]._actions}
-    for f in fields(ServerConfig):
-        assert flag_name(f.name) in actions[f.name].option_strings and actions[f.name].default == f.default, f.name
+    for cls in ServeConfig.OPTIONS:  # the server's, the engine loops', the router's and the replicas' settings
+        for f in fields(cls):
+            assert flag_name(f.name) in actions[f.name].option_strings and actions[f.name].default == f.default, \
+                f.name
     assert "-dp" in actions["data_parallel_size"].option_strings
     args = _engine_parsers()["serve"].parse_args(["--max-body-bytes", "1MiB", "-dp", "2", "--api-key", "a",
-                                                  "--api-key", "b", "--prefix-cache-per-key"])
-    cfg = ServerConfig.from_args(args)
-    assert (cfg.max_body_bytes, cfg.data_parallel_size, cfg.api_key, cfg.prefix_cache_per_key) == (
-        2**20, 2, ["a", "b"], True)
-    with pytest.raises(ValueError, match="--max-waiting"):
-        ServerConfig(max_waiting=0)
+                                                  "--api-key", "b", "--prefix-cache-per-key", "--max-waiting", "7",
+                                                  "--max-num-seqs", "3", "--router-name", "pick"])
+    cfg = ServeConfig.from_args(args, engine_kwargs)
+    assert (cfg.server.max_body_bytes, cfg.parallel.data_parallel_size, cfg.server.api_key,
+            cfg.server.prefix_cache_per_key) == (2**20, 2, ["a", "b"], True)
+    assert (cfg.loop.max_waiting, cfg.engine.max_num_seqs, cfg.router.router_name) == (7, 3, "pick")
+    with pytest.raises(ValueError, match="max_waiting must be >= 1"):
+        LoopConfig(max_waiting=0)
+    with pytest.raises(ValueError, match="--max-body-bytes"):
+        ServerConfig(max_body_bytes=0)
 
 
 @pytest.mark.parametrize("flags, env", [(["--api-key", ""], None), (["--api-key", "k1", "--api-key", " "], None),
@@ -215,7 +222,7 @@ def test_yaml_config_sets_engine_fields_and_flags_win(tmp_path):
     assert (kwargs["max_num_seqs"], kwargs["enable_prefix_caching"], kwargs["kv_cache_memory"]) == (4, False, "1GiB")
     assert kwargs["scheduling_policy"] == "priority" and args.model == ["small=smollm2-135m"]
     assert args.api_key == ["k1"]  # a repeatable option takes one value too
-    assert ServerConfig.from_args(args).max_body_bytes == 2**20  # parsed as the flag parses it
+    assert ServeConfig.from_args(args, engine_kwargs).server.max_body_bytes == 2**20  # parsed as the flag parses it
     path.write_text("no-such-option: 1\n")
     with pytest.raises(ValueError, match="unknown option"):
         apply_config(parser.parse_args([]), parser, str(path))
@@ -236,10 +243,8 @@ def _sample(tiny_model_dir, seed, params):
     eng = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, seed=seed)
     for i, p in enumerate(params):
         eng.add_request(str(i), [1, 2, 3, 4], p)
-    done = {}
-    while eng.has_unfinished_requests():
-        done.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
-    return [done[str(i)] for i in range(len(params))]
+    done = Steps(eng).run()
+    return [done[str(i)].outputs[0].token_ids for i in range(len(params))]
 
 
 def test_engine_seed_makes_unseeded_requests_reproducible(tiny_model_dir):

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -51,7 +52,7 @@ def message_of(api: str, body: dict) -> str:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
-                            log_interval=0)
+                            LoopConfig.offline(log_interval=0))
     app = build_app({"tiny": engine}, api_key=KEY, max_body_bytes=4000, max_requests_per_key=1,
                     strict_request_fields=True, limits=RequestLimits(max_chat_messages=3, max_prompt_chars=300))
     srv = InProcessServer(app)

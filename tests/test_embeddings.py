@@ -14,6 +14,7 @@ import pytest
 import torch
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.embedding_engine import EmbeddingEngine
 from pagedlm.engine.llm_engine import LLMEngine
@@ -42,7 +43,7 @@ def reference(embedder):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, embedder):
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
-                            log_interval=0)
+                            LoopConfig.offline(log_interval=0))
     srv = InProcessServer(build_app({"tiny": engine}, embedders={"minilm": embedder}, max_prompts_per_request=8))
     yield srv
     srv.stop()

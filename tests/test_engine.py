@@ -5,6 +5,7 @@ Every optimized configuration is compared with an unoptimized reference run on t
 from __future__ import annotations
 
 import pytest
+from engine_utils import Steps
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.llm_engine import LLMEngine
@@ -63,11 +64,10 @@ def test_max_num_seqs_limits_concurrency(tiny_model_dir, reference):
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=2)
     for i, p in enumerate(prompts):
         llm.engine.add_request(str(i), p, GREEDY)
-    done = {}
+    done, steps = {}, Steps(llm.engine)
     while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+        for out in steps.step():
+            done[out.request_id] = out.outputs[0].token_ids
         assert llm.engine.get_stats().num_running <= 2
     assert [done[str(i)] for i in range(len(prompts))] == expected
 
@@ -78,14 +78,11 @@ def test_abort_frees_blocks(tiny_model_dir, reference):
                               max_num_batched_tokens=16)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, GREEDY)
+    steps = Steps(eng)
     for _ in range(5):
-        eng.step()
+        assert steps.step() == []
     eng.abort_request(["0", "3", "5"])
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    done = {rid: out.outputs[0].token_ids for rid, out in steps.run().items()}
     assert set(done) == {str(i) for i in range(len(prompts))} - {"0", "3", "5"}
     for rid, toks in done.items():
         assert toks == expected[int(rid)]
@@ -121,16 +118,14 @@ def test_n_samples_share_prompt_blocks_and_match_separate_seeds(tiny_model_dir):
     params = SamplingParams(n=3, temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
     eng = llm.engine
     eng.add_request("n", prompt, params)
-    eng.step()  # prefill once, fork into 3 sequences sharing the prompt blocks
+    steps = Steps(eng)
+    steps.step()  # prefill once, fork into 3 sequences sharing the prompt blocks
     req = eng.scheduler.running[0]
     assert len(req.seqs) == 3
     tables = [eng.block_manager.get_block_table(s) for s in req.seqs]
     assert tables[0] == tables[1] == tables[2]
     assert eng.block_manager.num_total_blocks - eng.block_manager.num_free_blocks == len(tables[0])
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                together = [o.token_ids for o in out.outputs]
+    together = [o.token_ids for o in steps.run()["n"].outputs]
     separate = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=123 + i, max_tokens=12, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
     assert together == separate
@@ -216,15 +211,12 @@ def test_abort_swapped_request_frees_host_blocks(tiny_model_dir, reference):
                               preemption_mode="swap", swap_space=2**20, max_num_batched_tokens=64)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, GREEDY)
+    steps = Steps(eng)
     while not eng.scheduler.swapped:
-        eng.step()
+        steps.step()
     victim = eng.scheduler.swapped[0].request_id
     eng.abort_request(victim)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    done = {rid: out.outputs[0].token_ids for rid, out in steps.run().items()}
     assert set(done) == {str(i) for i in range(len(prompts))} - {victim}
     assert all(toks == expected[int(rid)] for rid, toks in done.items())
     bm = eng.block_manager

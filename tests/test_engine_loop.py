@@ -10,6 +10,7 @@ import httpx
 import pytest
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import SamplingParams
@@ -17,7 +18,8 @@ from pagedlm.server.api import build_app
 
 
 def make_engine(path) -> AsyncLLMEngine:
-    return AsyncLLMEngine(LLMEngine.from_args(str(path), dtype="float32", num_kv_blocks=64), log_interval=0)
+    return AsyncLLMEngine(LLMEngine.from_args(str(path), dtype="float32", num_kv_blocks=64),
+                          LoopConfig.offline(log_interval=0))
 
 
 def test_submit_racing_the_loop_s_death_is_answered(tiny_model_dir):
@@ -33,7 +35,7 @@ def test_submit_racing_the_loop_s_death_is_answered(tiny_model_dir):
     engine._submit = loop_dies_first
 
     async def go():
-        stream = engine.submit("late", [40, 41, 42], SamplingParams(max_tokens=2))
+        stream = engine.submit(engine.input_processor.process("late", [40, 41, 42], SamplingParams(max_tokens=2)))
         await asyncio.wait_for(stream.accepted(), timeout=10)
 
     with pytest.raises(EngineDeadError):

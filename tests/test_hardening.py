@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import Steps
 
-from pagedlm.engine.admission import AdmissionError
-from pagedlm.engine.facade import EngineFacade
+from pagedlm.engine.errors import AdmissionError, RequestFailedError
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow
@@ -21,13 +21,7 @@ def engine(tiny_model_dir) -> LLMEngine:
 
 
 def run(engine: LLMEngine, max_steps: int = 500) -> dict:
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = Steps(engine).run(max_steps)
     assert not engine.has_unfinished_requests()
     return done
 
@@ -77,9 +71,9 @@ def test_one_failing_request_does_not_fail_the_batch(engine):
     engine._requests["detok"].seqs[0].detokenizer = None  # detokenizing its first token raises
     done = run(engine)
     assert done["ok"].error is None and done["ok"].outputs[0].text == alone
-    assert done["beam"].error == "OverflowError while running request beam"
-    assert done["sampler"].error == "TypeError while running request sampler"
-    assert done["detok"].error == "AttributeError while running request detok"
+    for rid, cls in (("beam", "OverflowError"), ("sampler", "TypeError"), ("detok", "AttributeError")):
+        assert isinstance(done[rid].error, RequestFailedError)
+        assert str(done[rid].error) == f"The engine failed ({cls}) while running request {rid}; see the server log."
     assert all(o.outputs[0].finish_reason == "abort" for k, o in done.items() if k != "ok")
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks and not engine._requests
@@ -94,13 +88,13 @@ def test_batch_never_exceeds_max_num_seqs_after_forks(engine, monkeypatch):
     """Admission counts n before the fork: four n=8 requests under max_num_seqs=8 run one at a time, so no step
     samples more than 8 rows (they all forked at once before: 32 rows, the logits of 32 sequences)."""
     rows_per_step = []
-    real = engine.sampler.__call__
+    real = engine.step_sampler.sampler.__call__
 
     def spy(logits, rows):
         rows_per_step.append(len(rows))
         return real(logits, rows)
 
-    monkeypatch.setattr(engine, "sampler", spy)
+    monkeypatch.setattr(engine.step_sampler, "sampler", spy)
     for i in range(4):
         engine.add_request(f"n{i}", "Once upon a time", SamplingParams(n=8, temperature=1.0, max_tokens=3, seed=i))
     done = run(engine)
@@ -123,23 +117,23 @@ def test_request_limits(engine):
 
 
 def test_admission_is_one_check(engine):
-    """The engine refuses exactly what its facade (the server's check) refuses, with the same error: forks
-    that cannot fit in the KV cache together (128 blocks: 8 x 300 tokens do not, 8 x 100 do) and more
+    """The engine refuses exactly what its input processor (the server's check) refuses, with the same error:
+    forks that cannot fit in the KV cache together (128 blocks: 8 x 300 tokens do not, 8 x 100 do) and more
     sequences than max_num_seqs."""
-    facade = EngineFacade.of(engine)
+    processor = engine.input_processor
     prompt = engine.tokenizer.encode("Hello")
     refused = [(SamplingParams(n=8, max_tokens=300), "n", "do not fit in the KV cache"),
                (SamplingParams(n=9, max_tokens=2), "n", "max_num_seqs"),
                (SamplingParams(use_beam_search=True, beam_width=9, max_tokens=2), "beam_width", "max_num_seqs")]
     for params, param, message in refused:
         with pytest.raises(AdmissionError, match=message) as server_side:
-            facade.check_admission([len(prompt)], params)
+            processor.check_admission([len(prompt)], params)
         with pytest.raises(AdmissionError) as engine_side:
             engine.add_request("refused", prompt, params)
         assert str(engine_side.value) == str(server_side.value) and engine_side.value.param == param
     assert not engine.has_unfinished_requests()
     fits = SamplingParams(n=8, max_tokens=100)
-    facade.check_admission([len(prompt)], fits)
+    processor.check_admission([len(prompt)], fits)
     engine.add_request("fits", prompt, fits)
     assert engine.has_unfinished_requests()
     engine.abort_request("fits")

@@ -162,12 +162,13 @@ def test_engine_stats_count_expert_tokens(tiny_moe_dirs):
 
 
 def test_metrics_expert_counters_add_up(tiny_moe_dirs):
+    from pagedlm.config import LoopConfig
     from pagedlm.engine.async_engine import AsyncLLMEngine
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
 
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_moe_dirs["mixtral"]), dtype="float32", num_kv_blocks=64),
-                            log_interval=0)
+                            LoopConfig.offline(log_interval=0))
     server = InProcessServer(build_app({"tiny-mixtral": engine}))
     try:
         prompts = [[7, 8, 9, 10, 11], list(range(40, 53))]

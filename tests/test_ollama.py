@@ -11,6 +11,7 @@ import ollama
 import pytest
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -29,7 +30,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.fixture(scope="module")
 def server(tiny_2k_model_dir):
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=512),
-                            log_interval=0)
+                            LoopConfig.offline(log_interval=0))
     srv = InProcessServer(build_app({"tiny": engine}))
     yield srv
     srv.stop()

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -24,7 +25,7 @@ POSTS = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
-                                                max_model_len=128, max_num_seqs=8), log_interval=0)
+                                                max_model_len=128, max_num_seqs=8), LoopConfig.offline(log_interval=0))
     srv = InProcessServer(build_app({"tiny": engine}, max_prompts_per_request=8))
     yield srv, engine
     srv.stop()

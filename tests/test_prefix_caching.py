@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engine_utils import Steps
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.kvcache.block_manager import BlockManager
@@ -171,8 +172,4 @@ def test_failed_step_leaves_no_cached_blocks(tiny_model_dir, monkeypatch):
 
 def generate(engine, request_id: str, prompt: list[int]):
     engine.add_request(request_id, prompt, GREEDY)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                return out
-    raise AssertionError("no output")
+    return Steps(engine).run()[request_id]

@@ -9,6 +9,7 @@ import ollama
 import pytest
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -42,7 +43,7 @@ def test_split():
 def servers(tiny_2k_model_dir):
     eng = LLMEngine.from_args(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=512)
     eng.tokenizer.hf.chat_template = TEMPLATE
-    engine = AsyncLLMEngine(eng, log_interval=0)
+    engine = AsyncLLMEngine(eng, LoopConfig.offline(log_interval=0))
     qwen = InProcessServer(build_app({"tiny": engine}, reasoning_parser="qwen3"))
     r1 = InProcessServer(build_app({"tiny": engine}, reasoning_parser="deepseek_r1"))
     plain = InProcessServer(build_app({"tiny": engine}))

@@ -305,7 +305,7 @@ _CORPUS = ("A paged key value cache stores attention keys and values in fixed si
 def _hashes(rs, text: str) -> list[int]:
     from pagedlm.engine.replica import prompt_block_hashes
 
-    return prompt_block_hashes(rs.tokenizer.encode(text), rs.facade.info.kv.block_size)
+    return prompt_block_hashes(rs.tokenizer.encode(text), rs.input_processor.info.kv.block_size)
 
 
 @pytest.mark.slow

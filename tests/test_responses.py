@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server import response_store
@@ -29,7 +30,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in 
 @pytest.fixture(scope="module")
 def server(tiny_2k_model_dir):
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=512),
-                            log_interval=0)
+                            LoopConfig.offline(log_interval=0))
     srv = InProcessServer(build_app({"tiny": engine}, api_key=KEYS))
     srv.api_key = KEYS[0]
     yield srv

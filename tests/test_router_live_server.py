@@ -129,35 +129,35 @@ def test_share_threshold_drift_and_spend_in_metrics(env, monkeypatch):
 
 def test_serve_flags_build_calibration_and_budget(tmp_path):
     import numpy as np
-    from test_router_server import serve_args
+    from test_router_server import router_config
 
     from pagedlm.router.classifier import FAST_EMBEDDER, WeakCorrectClassifier
     from pagedlm.server.cli import build_router, describe_router
 
     names = ["a", "b"]
-    assert build_router(serve_args(), names).calibrator is None  # heuristic, no share asked: fixed 0.5
-    r = build_router(serve_args("--strong-fraction", "0.3", "--calibration-window", "200"), names)
+    assert build_router(router_config(), names).calibrator is None  # heuristic, no share asked: fixed 0.5
+    r = build_router(router_config("--strong-fraction", "0.3", "--calibration-window", "200"), names)
     assert (r.calibrator.target, r.calibrator.window, r.served._items.maxlen) == (0.3, 200, 200)
     assert "live calibration to 30% strong" in describe_router(r)
-    assert build_router(serve_args("--strong-fraction", "0.3", "--router-threshold", "0.4"), names).calibrator is None
-    assert build_router(serve_args("--strong-fraction", "0.3", "--calibration-window", "0"), names).calibrator is None
-    r = build_router(serve_args("--model-cost", "a=1,2", "--model-cost", "b=10,30", "--max-cost-per-hour", "5",
-                                "--max-cost-per-hour-per-key", "1", "--budget-near", "0.9"), names)
+    for fixed in (("--router-threshold", "0.4"), ("--calibration-window", "0")):
+        assert build_router(router_config("--strong-fraction", "0.3", *fixed), names).calibrator is None
+    r = build_router(router_config("--model-cost", "a=1,2", "--model-cost", "b=10,30", "--max-cost-per-hour", "5",
+                                   "--max-cost-per-hour-per-key", "1", "--budget-near", "0.9"), names)
     assert r.budget.limits == BudgetLimits(5.0, 1.0, 0.9)
     for bad in (["--max-cost-per-hour", "5"], ["--model-cost", "a=1,2", "--max-cost-per-hour", "-1"],
                 ["--calibration-window", "-1", "--strong-fraction", "0.2"]):
         with pytest.raises(ValueError):
-            build_router(serve_args(*bad), names)
+            build_router(router_config(*bad), names)
 
-    r = build_router(serve_args("--router", "cascade", "--cascade-threshold", "-0.7", "--strong-fraction", "0.2"),
-                     names)
+    r = build_router(router_config("--router", "cascade", "--cascade-threshold", "-0.7", "--strong-fraction",
+                                   "0.2"), names)
     assert isinstance(r.policy, CascadePolicy) and r.calibrator.target == 0.2 and r.calibrator.threshold == 0.7
 
     rng = np.random.default_rng(0)
     clf = WeakCorrectClassifier.fit(rng.normal(size=(200, 384)).astype(np.float32), rng.random(200) < 0.5,
                                     embedder=FAST_EMBEDDER)
     clf.save(tmp_path / "router.pt")
-    r = build_router(serve_args("--router", "learned", "--router-classifier", str(tmp_path / "router.pt")), names)
+    r = build_router(router_config("--router", "learned", "--router-classifier", str(tmp_path / "router.pt")), names)
     assert r.calibrator.target == 0.5 and r.calibrator.threshold == pytest.approx(clf.threshold_for(0.5))
     assert np.array_equal(r.calibrator.reference, clf.train_scores)
 

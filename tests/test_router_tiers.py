@@ -79,7 +79,7 @@ def test_tier_flags_order_by_price_and_validate():
 
 
 def test_serve_flags_build_a_three_tier_router():
-    from test_router_server import serve_args
+    from test_router_server import router_config
 
     from pagedlm.server.cli import build_router, describe_router
 
@@ -87,14 +87,14 @@ def test_serve_flags_build_a_three_tier_router():
     flags = ["--model-cost", "small=0.1,0.2", "--model-cost", "mid=1,2", "--model-cost", "big=10,30",
              "--tier-share", "small=0.5", "--tier-share", "mid=0.3", "--tier-share", "big=0.2",
              "--calibration-window", "200"]
-    r = build_router(serve_args(*flags), names)
+    r = build_router(router_config(*flags), names)
     assert isinstance(r.policy, TieredPolicy) and r.policy.shares == SHARES
     assert [c.target for c in r.policy.calibrators] == pytest.approx([0.5, 0.2])
     assert [m.rank for m in (r.models["small"], r.models["mid"], r.models["big"])] == [0, 1, 2]
     assert "mid (tier 1, 30%)" in describe_router(r)
     for extra in (["--strong-fraction", "0.3"], ["--router", "cascade"], ["--strong-model", "big"]):
         with pytest.raises(ValueError, match="tier-share"):
-            build_router(serve_args(*flags, *extra), names)
+            build_router(router_config(*flags, *extra), names)
 
 
 def test_three_tier_server_routes_to_each_tier_within_five_points(tiny_model_dir):

@@ -13,6 +13,7 @@ import pytest
 from server_utils import InProcessServer, ServerProcess
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestFailedError
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -280,7 +281,7 @@ def named(tiny_model_dir):
     """An in-process server whose chat template renders `name`."""
     engine = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
     engine.tokenizer.hf.chat_template = NAMED_TEMPLATE
-    eng = AsyncLLMEngine(engine, log_interval=0)
+    eng = AsyncLLMEngine(engine, LoopConfig.offline(log_interval=0))
     srv = InProcessServer(build_app({"tiny": eng}))
     yield srv
     srv.stop()
@@ -458,7 +459,7 @@ def test_queue_full_503_with_retry_after(guarded):
 @pytest.fixture()
 def async_engine(tiny_model_dir):
     eng = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
-                         max_waiting=2, log_interval=0)
+                         LoopConfig.offline(max_waiting=2, log_interval=0))
     yield eng
     eng.shutdown()
 
@@ -509,7 +510,8 @@ def test_async_engine_queue_bound_and_step_failure(async_engine):
         first = await async_engine.add_request("z", PROMPTS[0], GREEDY)
         while not calls:
             await asyncio.sleep(0.001)
-        streams = [async_engine.submit(f"q{i}", PROMPTS[i], GREEDY) for i in range(3)]
+        process = async_engine.input_processor.process
+        streams = [async_engine.submit(process(f"q{i}", PROMPTS[i], GREEDY)) for i in range(3)]
         gate.set()
         verdicts = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)
         with pytest.raises(RequestFailedError):
@@ -518,7 +520,7 @@ def test_async_engine_queue_bound_and_step_failure(async_engine):
         done = []
         for s, v in zip(streams, verdicts):
             if v is None:
-                done.append([o async for o in s][-1])
+                done.append(await s.result())
         return verdicts, done
 
     verdicts, done = asyncio.run(main())

@@ -3,9 +3,7 @@ a stalled reader costs O(1), SIGTERM drains; plus a Hypothesis fuzz of every end
 test_server_soak.py)."""
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 import signal
 import socket
 import time
@@ -16,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_utils import InProcessServer, ServerProcess
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -26,7 +25,8 @@ KEYS = ["key-one", "key-two"]
 
 def make_engine(path, stall_timeout: float = 0.0, **kw) -> AsyncLLMEngine:
     args = {**dict(dtype="float32", num_kv_blocks=256, max_num_seqs=16), **kw}
-    return AsyncLLMEngine(LLMEngine.from_args(str(path), **args), log_interval=0, stall_timeout=stall_timeout)
+    return AsyncLLMEngine(LLMEngine.from_args(str(path), **args),
+                          LoopConfig(log_interval=0, stream_stall_timeout=stall_timeout))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -24,7 +25,7 @@ READ_TIMEOUT = 1.0
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     eng = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=128,
-                                             max_num_seqs=8), log_interval=0)
+                                             max_num_seqs=8), LoopConfig.offline(log_interval=0))
     yield eng
     eng.shutdown()
 
@@ -202,7 +203,7 @@ def test_chat_messages_and_prompt_characters_are_bounded(engine, monkeypatch):
     chat, overhead included) nothing is tokenized: 400s naming the field."""
     srv = InProcessServer(build_app({"tiny": engine}, limits=RequestLimits(max_chat_messages=4, max_prompt_chars=300)))
     rendered, encoded = [], []
-    facade = engine.facade
+    facade = engine.input_processor
     real_render, real_encode = facade.render_chat, facade.tokenizer.encode
     monkeypatch.setattr(type(facade), "render_chat",
                         lambda self, *a, **kw: rendered.append(1) or real_render(*a, **kw))
@@ -264,10 +265,10 @@ def test_a_flood_of_slow_constraints_stalls_no_other_stage(engine, monkeypatch):
     """Constraints that take long to compile (held here until released) fill their own stage's 2 threads and 3
     queue places, and the rest of the flood gets 503 server_busy at once; meanwhile other requests are parsed,
     tokenized and served, and /health answers 200 (it runs on no stage)."""
-    import pagedlm.engine.facade as facade_module
+    import pagedlm.engine.input_processor as processor_module
 
     release, entered = threading.Event(), threading.Semaphore(0)
-    real = facade_module.prepare_params
+    real = processor_module.prepare_params
 
     def slow(params, *args):
         if params.structured_outputs is not None:
@@ -275,7 +276,7 @@ def test_a_flood_of_slow_constraints_stalls_no_other_stage(engine, monkeypatch):
             release.wait(30)
         return real(params, *args)
 
-    monkeypatch.setattr(facade_module, "prepare_params", slow)
+    monkeypatch.setattr(processor_module, "prepare_params", slow)
     app = build_app({"tiny": engine}, stage_threads=2, stage_queue=3)
     srv, stages = InProcessServer(app), app.state.server.stages
     results: list[httpx.Response] = []

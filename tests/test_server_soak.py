@@ -9,9 +9,11 @@ import time
 
 import httpx
 import pytest
+from engine_utils import Steps
 from server_utils import InProcessServer
 
 from pagedlm import SamplingParams
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -31,7 +33,7 @@ def soak(tiny_model_dir):
     """A KV budget small enough to preempt (24 blocks of 16 tokens), behind two API keys, each capped at
     SOAK_KEY_CAP prompts, and SOAK_CONNECTIONS connections."""
     eng = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=24, max_model_len=128,
-                                             max_num_seqs=16), log_interval=0, stall_timeout=10.0)
+                                             max_num_seqs=16), LoopConfig(log_interval=0, stream_stall_timeout=10.0))
     app = build_app({"tiny": eng}, api_key=KEYS, max_prompts_per_request=16, max_requests_per_key=SOAK_KEY_CAP)
     srv = InProcessServer(app, config=uvicorn_config(app, max_connections=SOAK_CONNECTIONS, request_read_timeout=10,
                                                      access_log=False, shutdown_timeout=0))
@@ -191,7 +193,6 @@ def test_soak_mixed_requests_with_disconnects_limits_and_a_failed_step(soak, mon
     clean = LLMEngine.from_args(str(eng.engine.config.model), dtype="float32", num_kv_blocks=24, max_model_len=128,
                                 enable_prefix_caching=False)
     clean.add_request("clean", FAULT_PROMPT, SamplingParams(max_tokens=8, temperature=0, **NO_EOS))
-    while clean.has_unfinished_requests():
-        outs = clean.step()
-    assert retry.json()["choices"][0]["text"] == again.json()["choices"][0]["text"] == outs[0].outputs[0].text
+    want = Steps(clean).run()["clean"].outputs[0].text
+    assert retry.json()["choices"][0]["text"] == again.json()["choices"][0]["text"] == want
     assert srv.wait_idle(30)["pagedlm:kv_blocks_used"] == 0

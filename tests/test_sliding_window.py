@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from engine_utils import Steps
 from hf_reference import hf_greedy
 
 from pagedlm import LLM, SamplingParams
@@ -99,9 +100,9 @@ def test_sliding_blocks_per_sequence_stay_bounded(tiny_swa_dir, reference):
     eng = LLMEngine.from_args(str(tiny_swa_dir), dtype="float32", num_kv_blocks=256, block_size=BS,
                               max_num_batched_tokens=chunk)
     eng.add_request("r", prompts[3], GREEDY)
-    peak_used = 0
+    peak_used, steps = 0, Steps(eng)
     while eng.has_unfinished_requests():
-        outs = eng.step()
+        outs = steps.step()
         req = eng._requests.get("r")
         if req is None:
             break

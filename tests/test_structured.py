@@ -9,10 +9,11 @@ import re
 import jsonschema
 import pytest
 import torch
+from engine_utils import Steps
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES, StructuredOutputsParams
 from pagedlm.sampling import sampler as sampler_module
+from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES, StructuredOutputsParams
 from pagedlm.sampling.sampler import Sampler, SamplingRow, unpack_bitmask
 
 SCHEMA = {
@@ -234,14 +235,12 @@ def test_grammars_beyond_the_cache_are_never_compiled_on_the_engine_thread(tiny_
     params = [constrained(StructuredOutputsParams(regex=f"[a-z]{{{i + 2},40}}"), max_tokens=30, ignore_eos=True)
               for i in range(4)]
     for p in params:  # what the server does on its grammar stage
-        engine.prepare_params(p)
+        engine.input_processor.prepare_params(p)
     compiled = mgr.stats.compiles
     assert compiled == 4 and len(mgr._cache) == 2
     for i, p in enumerate(params):
         engine.add_request(f"r{i}", PROMPTS[i % len(PROMPTS)], p)
-    outs = {}
-    while engine.has_unfinished_requests():
-        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    outs = Steps(engine).run()
     assert mgr.stats.compiles == compiled and engine.get_stats().num_preemptions > 0
     for i, p in enumerate(params):
         assert re.fullmatch(p.structured_outputs.regex, outs[f"r{i}"].outputs[0].text)
@@ -258,11 +257,9 @@ def test_an_ambiguous_grammar_stops_at_the_parser_limits(llm):
     engine.add_request("ambiguous", PROMPTS[0], SamplingParams(max_tokens=150, ignore_eos=True, seed=0,
                                                                allowed_token_ids=abc, structured_outputs=so))
     engine.add_request("plain", PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
-    outs = {}
-    while engine.has_unfinished_requests():
-        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    outs = Steps(engine).run()
     bad, plain = outs["ambiguous"], outs["plain"]
-    assert bad.error is not None and "max is 500" in bad.error, bad.error
+    assert bad.error is not None and "max is 500" in str(bad.error), bad.error
     assert 20 < len(bad.outputs[0].token_ids) < 150
     want = llm.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0), use_tqdm=False)
     assert plain.error is None and plain.outputs[0].token_ids == want[0].outputs[0].token_ids

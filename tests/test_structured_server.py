@@ -13,6 +13,7 @@ import pydantic
 import pytest
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES
@@ -35,7 +36,7 @@ MSGS = [{"role": "user", "content": "Describe a pet as JSON."}]
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     eng = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=256),
-                         log_interval=0)
+                         LoopConfig.offline(log_interval=0))
     yield eng
     eng.shutdown()
 

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
@@ -97,7 +98,7 @@ def test_deep_tool_call_output_is_content_and_oversized_call_grammar_is_400(tiny
     assert HermesToolParser().parse(deep) == (deep, [])
     eng = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
     eng.tokenizer.hf.chat_template = TINY_CHAT_TEMPLATE + "{# tools are not rendered #}"
-    engine = AsyncLLMEngine(eng, log_interval=0)
+    engine = AsyncLLMEngine(eng, LoopConfig.offline(log_interval=0))
     srv = InProcessServer(build_app({"tiny": engine}, tool_call_parser="hermes"))
     try:
         big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
@@ -149,7 +150,7 @@ def long_tiny_dir(tmp_path_factory):
 def servers(long_tiny_dir):
     eng = LLMEngine.from_args(str(long_tiny_dir), dtype="float32", num_kv_blocks=1024)
     eng.tokenizer.hf.chat_template = HERMES_CHAT_TEMPLATE
-    engine = AsyncLLMEngine(eng, log_interval=0)
+    engine = AsyncLLMEngine(eng, LoopConfig.offline(log_interval=0))
     tools = InProcessServer(build_app({"tiny": engine}, tool_call_parser="hermes"))
     plain = InProcessServer(build_app({"tiny": engine}))
     yield tools, plain

@@ -55,14 +55,12 @@ def cmd_memory(args: argparse.Namespace) -> int:
     """The engine's KV sizing (kvcache/sizing.py) without loading the model: the weights are estimated by the
     checkpoint's size on disk (parameters x dtype for a bare config.json). A configuration this machine cannot
     hold is still reported (sized as if the available memory were unknown), with the engine's refusal."""
-    from dataclasses import replace
-
     from pagedlm.config import ModelConfig
     from pagedlm.hub.loader import load_hf_config
     from pagedlm.hub.registry import resolve_model
     from pagedlm.kvcache.kv_cache import KVCacheSpec
-    from pagedlm.kvcache.memory import MemoryReport
-    from pagedlm.kvcache.sizing import AvailableMemory, KVSizing, available_memory, checkpoint_bytes, plan_kv_budget
+    from pagedlm.kvcache.plan import plan_kv_cache
+    from pagedlm.kvcache.sizing import available_memory, checkpoint_bytes
     from pagedlm.model.plan import plan_execution
 
     config = EngineConfig(**engine_kwargs(args))
@@ -76,14 +74,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     plan = plan_execution(config, checkpoint, measure=False)
     spec = KVCacheSpec.for_model(cfg, config.block_size, plan.dtype, plan.kv_cache_dtype)
     weights = checkpoint_bytes(checkpoint) if checkpoint is not None else cfg.num_parameters() * plan.dtype.itemsize
-    sizing = KVSizing.for_config(config, spec, cfg.context_length, weights)
-    memory, refusal = available_memory(), ""
-    try:
-        budget = plan_kv_budget(sizing, memory)
-    except ValueError as e:
-        budget, refusal = replace(plan_kv_budget(sizing, AvailableMemory(None, "unknown")), available=memory), str(e)
-    report = MemoryReport.build(cfg, spec, budget.num_blocks, 0, sizing.max_model_len, weight_bytes=weights,
-                                budget=budget, refusal=refusal)
+    report = plan_kv_cache(config, cfg, spec, weights, available_memory(), report_refusal=True).report
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0
 

@@ -10,8 +10,9 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from pagedlm.config import DEFAULT_MODEL
+from pagedlm.config import DEFAULT_MODEL, EngineConfig, LoopConfig, ParallelConfig
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.engine.protocol import OutputAccumulator
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling.params import SamplingParams
 
@@ -28,13 +29,12 @@ class LLM:
                  ray_address: str | None = None, replica_policy: str = "prefix", **engine_args: Any) -> None:
         self._ids = itertools.count()
         self.replicas = None
-        if data_parallel_size > 1 or ray_address:
-            from pagedlm.config import EngineConfig
+        parallel = ParallelConfig(data_parallel_size, ray_address, replica_policy)
+        if parallel.replicated:
             from pagedlm.router.replicas import ReplicaSet
 
-            EngineConfig(model=model, dtype=dtype, **engine_args)  # bad arguments fail here, not in an actor
-            self.replicas = ReplicaSet.launch(dict(model=model, dtype=dtype, **engine_args), data_parallel_size,
-                                              ray_address=ray_address, policy=replica_policy, log_interval=0)
+            config = EngineConfig(model=model, dtype=dtype, **engine_args)  # bad arguments fail here, not in an actor
+            self.replicas = ReplicaSet.launch(config, parallel, LoopConfig.offline(log_interval=0))
             self.engine = self.replicas
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="pagedlm-llm", daemon=True).start()
@@ -85,7 +85,7 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Each conversation rendered as the server renders a chat request (`render_chat`), then generated."""
-        from pagedlm.engine.facade import render_chat
+        from pagedlm.engine.chat import render_chat
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
@@ -98,16 +98,14 @@ class LLM:
         streams = []
         bar = tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         try:
+            processor = self.replicas.input_processor
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                streams.append(self.replicas.submit(str(next(self._ids)), prompt, p,
-                                                    priority[i] if priority else 0))
+                request = processor.process(str(next(self._ids)), prompt, p, priority=priority[i] if priority else 0)
+                streams.append(self.replicas.submit(request))
             await asyncio.gather(*(s.accepted() for s in streams))
 
             async def final(stream) -> RequestOutput:
-                stream.buffered = True  # nothing is shown before the end: a lost replica's requests are retried
-                out = None
-                async for out in stream:
-                    pass
+                out = await stream.result()  # nothing is shown before the end: a lost replica's requests are retried
                 bar.update(1)
                 return out
 
@@ -118,14 +116,17 @@ class LLM:
                 s.abort()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        accumulators = {rid: OutputAccumulator(rid) for rid in ids}
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start = time.perf_counter()
         in_tok = out_tok = 0
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+            for delta in self.engine.step():
+                acc = accumulators[delta.request_id]
+                acc.add(delta)
+                if delta.finished:
+                    done[delta.request_id] = out = acc.output()
                     in_tok += len(out.prompt_token_ids)
                     out_tok += sum(len(o.token_ids) for o in out.outputs)
                     elapsed = time.perf_counter() - start

@@ -49,4 +49,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    error: str | None = None  # set when the engine failed this request (it finished, aborted): the failure class
+    error: Exception | None = None  # the engine failed this request (an engine/errors.py EngineError; it finished)

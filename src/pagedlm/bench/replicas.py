@@ -112,7 +112,7 @@ def simulate(args: argparse.Namespace) -> dict:
                 info = SimpleNamespace(kv=SimpleNamespace(block_size=16), prefix_caching=True)
                 rep.stats = EngineStats(rng.randrange(8), 0, 0, 0.5, 5000, 10_000, 0, 0, 0, 0, 0)
                 rep.cached, rep._expected = {rng.getrandbits(64) for _ in range(cache)}, {}
-                rep.on_lost, rep.facade = None, SimpleNamespace(info=info, tokenizer=None)
+                rep.on_lost, rep.input_processor = None, SimpleNamespace(info=info, tokenizer=None)
                 rep.max_waiting, rep.stall_timeout, rep._listeners = 512, 0.0, []
                 reps.append(rep)
             rs = ReplicaSet(reps)
@@ -123,7 +123,7 @@ def simulate(args: argparse.Namespace) -> dict:
             t = time.perf_counter()
             for _ in range(reps_n):
                 h = prompt_block_hashes(prompt, 16)
-                d = rs.choose(_Request(prompt, None, 0, 0.0, None, feats, h), set())
+                d = rs.choose(_Request(None, feats, h), set())
             per = (time.perf_counter() - t) / reps_n
             t = time.perf_counter()
             for _ in range(reps_n):

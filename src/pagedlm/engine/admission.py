@@ -1,6 +1,6 @@
 """Admission: whether the engine could ever finish a request, even running alone.
 
-The one formula, shared by `LLMEngine.add_request` and the server's front end (through `EngineFacade`): a request
+The one formula, checked once per request by the InputProcessor (input_processor.py): a request
 whose sequences (n, or beam_width with beam search) exceed max_num_seqs, or whose forked sequences at their
 longest length do not fit in the KV cache together, would be preempted forever, so it is refused up front.
 """
@@ -9,16 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedlm.engine.errors import AdmissionError
 from pagedlm.kvcache.block_manager import BlockManager, max_blocks_needed, max_tokens_per_seq
 from pagedlm.sampling.params import SamplingParams
-
-
-class AdmissionError(ValueError):
-    """A request the engine refuses; `param` / `code` name the request field and error code (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -56,7 +49,7 @@ def check_admission(prompt_lens: Iterable[int], params: SamplingParams, limits: 
     if width > limits.max_num_seqs:
         name = "beam_width" if params.use_beam_search else "n"
         raise AdmissionError(f"{name}={width} exceeds this engine's max_num_seqs ({limits.max_num_seqs}).",
-                             param=name)
+                             name)
     max_len, kv = limits.max_model_len, limits.kv
     max_new = max_len if params.max_tokens is None else params.max_tokens
     for prompt_len in prompt_lens:
@@ -66,4 +59,4 @@ def check_admission(prompt_lens: Iterable[int], params: SamplingParams, limits: 
             raise AdmissionError(
                 f"{width} sequences of up to {full_len} tokens do not fit in the KV cache ({kv.num_total_blocks} "
                 f"blocks; one sequence fits at most {kv.max_tokens_per_seq()} tokens; these need {need}); "
-                "lower n or max_tokens.", param="n")
+                "lower n or max_tokens.", "n")

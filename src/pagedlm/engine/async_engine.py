@@ -1,8 +1,8 @@
 """AsyncLLMEngine: one background thread steps an `LLMEngine`; asyncio callers stream its outputs.
 
-The engine is touched only by that thread. Callers hand it requests and aborts through a thread-safe
-queue; it applies them between steps, steps while there is work, and sleeps on the queue when idle.
-Each request's outputs go back to the caller's event loop (`call_soon_threadsafe`) into its own queue.
+The engine is touched only by that thread. Callers hand it checked requests (`EngineRequest`) and aborts through
+a thread-safe queue; it applies them between steps, steps while there is work, and sleeps on the queue when idle.
+Each request's `EngineOutput` deltas go back to the caller's event loop (`call_soon_threadsafe`) into its stream.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedlm.config import LoopConfig
 from pagedlm.engine.client import EngineClient, RequestStream, StepRecord, deliver
-from pagedlm.engine.errors import EngineDeadError, QueueFullError, RequestFailedError, stalled_error
-from pagedlm.engine.facade import EngineFacade
+from pagedlm.engine.errors import EngineDeadError, QueueFullError, RequestFailedError, failed, stalled_error
 from pagedlm.engine.llm_engine import EngineStats, LLMEngine
-from pagedlm.sampling.params import SamplingParams
+from pagedlm.engine.protocol import EngineOutput, EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Add:
     stream: RequestStream
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-    cache_salt: str | None = None
+    request: EngineRequest
 
 
 @dataclass
@@ -48,26 +44,21 @@ _STOP = object()
 
 class AsyncLLMEngine(EngineClient):
     """Owns `engine` and the thread that steps it (started here; stop it with `shutdown()`). Other threads
-    read the engine only through `facade` (its facts and front-end checks, built here before the thread starts).
+    use the engine only through `input_processor` (its facts and request checks).
 
-    max_waiting: requests the scheduler may hold waiting before `add_request` raises QueueFullError.
-    log_interval: seconds between throughput log lines while active (0 disables them).
-    stall_timeout: a request whose newest output has waited unread this many seconds (a client that stopped
-    reading its stream) is failed and its blocks freed (0 disables).
+    `loop` (LoopConfig; default `LoopConfig.offline()`): max_waiting, requests the scheduler may hold waiting
+    before a request gets QueueFullError; log_interval, seconds between throughput log lines while active (0:
+    none); stream_stall_timeout, seconds a request's output may wait unread (a client that stopped reading its
+    stream) before the request is failed and its blocks freed (0: never).
     Listeners (`add_listener`) run on the engine thread after every loop iteration.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 512, log_interval: float = 10.0,
-                 stall_timeout: float = 0.0) -> None:
-        if max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}.")
-        if stall_timeout < 0:
-            raise ValueError(f"stall_timeout must be >= 0, got {stall_timeout}.")
+    def __init__(self, engine: LLMEngine, loop: LoopConfig | None = None) -> None:
+        self.loop_config = loop = loop or LoopConfig.offline()
         self.engine = engine
-        self.facade = EngineFacade.of(engine)
-        self.max_waiting = max_waiting
-        self.log_interval = log_interval
-        self.stall_timeout = stall_timeout
+        self.input_processor = engine.input_processor
+        self.max_waiting = loop.max_waiting
+        self.stall_timeout = loop.stream_stall_timeout
         self.num_stalled = 0  # requests failed because nobody read their outputs
         self.stats: EngineStats = engine.get_stats()  # snapshot, refreshed by the engine thread
         self.num_rejected = 0  # requests refused because the waiting queue was full
@@ -78,8 +69,7 @@ class AsyncLLMEngine(EngineClient):
         self._dead: BaseException | None = None
         self._step_since: float | None = None  # when the running step began (None between steps)
         self._closing = threading.Lock()  # submit's check-and-enqueue against the loop's final drain
-        self._log_state = (time.monotonic(), self.stats.prompt_tokens, self.stats.generation_tokens)
-        self._active_since_log = False
+        self._log = ThroughputLog(loop.log_interval, self.stats)
         self._thread = threading.Thread(target=self._run, name="pagedlm-engine", daemon=True)
         self._thread.start()
 
@@ -95,15 +85,13 @@ class AsyncLLMEngine(EngineClient):
         return time.monotonic() - since
 
     # --- requests ------------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None, cache_salt: str | None = None) -> RequestStream:
+    def submit(self, request: EngineRequest) -> RequestStream:
         """Hand a request to the engine thread without waiting; `await stream.accepted()` for the verdict."""
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
         with self._closing:  # the loop sets _dead, then drains the queue under this lock: nothing is left behind
             dead = self._dead is not None
             if not dead:
-                self._submit(_Add(stream, prompt, params, priority,
-                                  time.monotonic() if arrival_time is None else arrival_time, cache_salt))
+                self._submit(_Add(stream, request))
         if dead:
             stream._accept(self._dead_error())
         return stream
@@ -140,7 +128,7 @@ class AsyncLLMEngine(EngineClient):
                     except Exception as e:  # noqa: BLE001 - a bad command must not end the loop
                         logger.exception("Applying %r failed", cmd)
                         if isinstance(cmd, _Add):
-                            err = _failed(cmd.stream.request_id, e)
+                            err = failed(cmd.stream.request_id, e)
                             self._fail(cmd.stream.request_id, err, record)
                             self._call(cmd.stream, cmd.stream._accept, err)
                 progressed = False
@@ -152,7 +140,7 @@ class AsyncLLMEngine(EngineClient):
                 # Work that cannot be scheduled (nothing runs, nothing came out): poll instead of spinning.
                 stalled = not progressed and self.stats.num_running == 0
                 self._notify(record)
-                self._maybe_log()
+                self._log.maybe_log(self.stats, self.engine.has_unfinished_requests())
             self._dead = EngineDeadError("The engine was shut down.")
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("The engine loop died")
@@ -191,8 +179,8 @@ class AsyncLLMEngine(EngineClient):
             timeout = 0.05 if stalled else None
             if self.stall_timeout > 0 and self._streams:
                 timeout = min(timeout or self.stall_timeout, self.stall_timeout)
-            if self._active_since_log and self.log_interval > 0:
-                next_log = max(self._log_state[0] + self.log_interval - time.monotonic(), 0.0)
+            next_log = self._log.seconds_to_next()
+            if next_log is not None:
                 timeout = next_log if timeout is None else min(timeout, next_log)
             try:
                 cmds.append(self._inbox.get(timeout=timeout))
@@ -214,7 +202,7 @@ class AsyncLLMEngine(EngineClient):
             self._streams.pop(cmd.request_id, None)
             out = self.engine.abort_output(cmd.request_id)
             if out is not None:
-                record.finished.append(out)
+                record.finished.append(out.stats)
             return
         assert isinstance(cmd, _Add)
         stream = cmd.stream
@@ -224,17 +212,15 @@ class AsyncLLMEngine(EngineClient):
             error = QueueFullError(f"The waiting queue is full ({self.max_waiting} requests); retry later.")
         else:
             try:
-                self.engine.add_request(stream.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority,
-                                        cmd.cache_salt)
+                self.engine.add_request(cmd.request)
                 self._streams[stream.request_id] = stream
-            except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
+            except Exception as e:  # noqa: BLE001 - InvalidRequestError for a used id; anything else reported too
                 error = e
         self._call(stream, stream._accept, error)
 
     def _step(self, record: StepRecord, failures: int) -> tuple[int, bool]:
         """One engine step; returns (consecutive failures, whether any output came out)."""
-        if not self._active_since_log:  # activity resumes: the throughput window starts now, not when idle began
-            self._log_state = (time.monotonic(), self.stats.prompt_tokens, self.stats.generation_tokens)
+        self._log.resume(self.stats)
         self._step_since = time.monotonic()
         try:
             outputs = self.engine.step()
@@ -244,23 +230,23 @@ class AsyncLLMEngine(EngineClient):
             ids = running if running and failures == 0 else list(self._streams)
             for rid in ids:
                 self.num_failed += 1
-                self._fail(rid, _failed(rid, e), record)
+                self._fail(rid, failed(rid, e), record)
             return failures + 1, True
         finally:
             self._step_since = None
-        self._active_since_log = True
+        self._log.active = True
         now = time.monotonic()
         items = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
-                record.finished.append(out)
+                record.finished.append(out.stats)
             if stream is None:
                 continue
             if out.error is not None:  # the engine failed this request alone
                 self.num_failed += 1
-                items.append((stream, RequestFailedError(f"The engine failed: {out.error}; see the server log.")))
+                items.append((stream, out.error))
                 continue
             m = out.metrics
             if stream._last_output_time is None:
@@ -278,13 +264,13 @@ class AsyncLLMEngine(EngineClient):
         try:
             out = self.engine.abort_output(request_id)
             if out is not None:
-                record.finished.append(out)
+                record.finished.append(out.stats)
         except Exception:  # noqa: BLE001
             logger.exception("Aborting request %s failed", request_id)
         if stream is not None:
             self._deliver([(stream, error)])
 
-    def _deliver(self, items: list[tuple[RequestStream, object]]) -> None:
+    def _deliver(self, items: list[tuple[RequestStream, EngineOutput | BaseException]]) -> None:
         deliver(items, lambda stream: self.abort(stream.request_id))
 
     def _call(self, stream: RequestStream, fn: Callable, *args) -> None:
@@ -293,22 +279,35 @@ class AsyncLLMEngine(EngineClient):
         except RuntimeError:
             self._inbox.put(_Abort(stream.request_id))
 
-    def _maybe_log(self) -> None:
-        t0, p0, g0 = self._log_state
+
+
+class ThroughputLog:
+    """A throughput line every `interval` seconds while the engine is active (0: none), vLLM's format."""
+
+    def __init__(self, interval: float, stats: EngineStats) -> None:
+        self.interval, self.active = interval, False
+        self._state = (time.monotonic(), stats.prompt_tokens, stats.generation_tokens)
+
+    def resume(self, stats: EngineStats) -> None:
+        """A step starts: after an idle time, the throughput window starts now, not when idleness began."""
+        if not self.active:
+            self._state = (time.monotonic(), stats.prompt_tokens, stats.generation_tokens)
+
+    def seconds_to_next(self) -> float | None:
+        """How long an idle loop may sleep before the next line is due (None: no line is due)."""
+        if not self.active or self.interval <= 0:
+            return None
+        return max(self._state[0] + self.interval - time.monotonic(), 0.0)
+
+    def maybe_log(self, s: EngineStats, busy: bool) -> None:
+        t0, p0, g0 = self._state
         now = time.monotonic()
-        if self.log_interval <= 0 or not self._active_since_log or now - t0 < self.log_interval:
+        if self.interval <= 0 or not self.active or now - t0 < self.interval:
             return
-        s = self.stats
         dt = now - t0
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                     "Preemptions: %d", (s.prompt_tokens - p0) / dt, (s.generation_tokens - g0) / dt,
                     s.num_running, s.num_swapped, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions)
-        self._log_state = (now, s.prompt_tokens, s.generation_tokens)
-        self._active_since_log = self.engine.has_unfinished_requests()
-
-
-def _failed(request_id: str, error: BaseException) -> RequestFailedError:
-    """The client-facing failure: the class and the request id (the details are in the log)."""
-    return RequestFailedError(f"The engine failed ({type(error).__name__}) while running request {request_id}; "
-                              "see the server log.")
+        self._state = (now, s.prompt_tokens, s.generation_tokens)
+        self.active = busy

@@ -1,8 +1,9 @@
-"""What the server sees of an engine: `EngineClient` (submit a request, get its `RequestStream`) and the stream.
+"""What the server sees of an engine: `EngineClient` (submit an `EngineRequest`, get its `RequestStream`) and the
+stream of its `EngineOutput` deltas.
 
 One contract for a local engine (`AsyncLLMEngine`), one replica in another process (`ReplicaClient`) and a set
-of replicas (`ReplicaSet`): the stream bookkeeping they share (the facts read through the facade, open streams,
-listeners, add_request / generate over submit, delivering outputs to the callers' event loops) lives here.
+of replicas (`ReplicaSet`): the stream bookkeeping they share (open streams, listeners, add_request / generate
+over submit, delivering outputs to the callers' event loops) lives here.
 """
 from __future__ import annotations
 
@@ -10,18 +11,21 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from pagedlm.engine.llm_engine import EngineStats
+from pagedlm.engine.protocol import EngineOutput, EngineRequest, FinishedRequestStats, OutputAccumulator, merge_outputs
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedlm.engine.facade import EngineFacade
+    from pagedlm.engine.input_processor import InputProcessor
+    from pagedlm.engine.llm_engine import EngineStats
 
 logger = logging.getLogger(__name__)
+MAX_PENDING = 64  # outputs a stream keeps apart before merging them
 
 
 @dataclass
@@ -31,16 +35,16 @@ class StepRecord:
     stats: EngineStats
     ttft: list[float] = field(default_factory=list)  # arrival -> first token, per request that got one now
     itl: list[float] = field(default_factory=list)  # gap since the request's previous output
-    finished: list[RequestOutput] = field(default_factory=list)  # finished, aborted and failed requests
+    finished: list[FinishedRequestStats] = field(default_factory=list)  # finished, aborted and failed requests
 
 
 class RequestStream:
-    """One request's outputs, as an async iterator on the loop that submitted it.
+    """One request's `EngineOutput` deltas, as an async iterator on the loop that submitted it.
 
-    Yields cumulative `RequestOutput`s and stops after the finished one; raises `RequestFailedError` /
-    `EngineDeadError` if the engine fails it. `abort()` (idempotent) frees the request at once.
-    Outputs are cumulative, so only the newest one is kept (as vLLM merges pending outputs): a consumer that
-    falls behind skips to the latest state, and a stream nobody reads holds one output, not one per step.
+    Yields deltas and stops after the finished one; raises the request's EngineError (`RequestFailedError`,
+    `EngineDeadError`) if the engine fails it. Deltas the consumer has not taken yet merge into one (as vLLM
+    merges pending delta outputs): a consumer that falls behind takes them together. `result()` folds the whole
+    request into its `RequestOutput`. `abort()` (idempotent) frees the request at once.
     """
 
     def __init__(self, owner: EngineClient, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -48,18 +52,20 @@ class RequestStream:
         self.finished = False
         self._owner = owner
         self._loop = loop
-        self._pending: RequestOutput | BaseException | None = None  # the newest output not yet taken
+        self._pending: list[EngineOutput] = []  # outputs not yet taken
+        self._error: BaseException | None = None
         self._ready = asyncio.Event()
         # monotonic time since which an output waits unread (None: nothing waits); read by the engine thread
         self.unread_since: float | None = None
         self._accepted: asyncio.Future = loop.create_future()
         self._last_output_time: float | None = None  # engine thread only
-        self.buffered = False  # set by a consumer that sends the client nothing before the end (a replica set
-        # may then still retry the request elsewhere after outputs were taken)
+        self._result: OutputAccumulator | None = None
+        self.buffered = False  # set by a consumer that sends the client nothing before the end (`result`): a
+        # replica set may then still retry the request elsewhere after outputs were taken (`restart`)
 
     async def accepted(self) -> None:
-        """Wait until the engine queued the request; raises ValueError / QueueFullError / EngineDeadError.
-        If the wait is cancelled, the request is aborted."""
+        """Wait until the engine queued the request; raises InvalidRequestError / QueueFullError /
+        EngineDeadError. If the wait is cancelled, the request is aborted."""
         try:
             await asyncio.shield(self._accepted)
         except BaseException:
@@ -69,27 +75,44 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         await self.wait_output()
-        if self._pending is None:
+        if not self._pending:
             raise StopAsyncIteration
-        item, self._pending, self.unread_since = self._pending, None, None
+        item, self._pending, self.unread_since = merge_outputs(self._pending), [], None
         if item.finished:
             self.finished = True
+        if self._result is not None:
+            self._result.add(item)
         return item
 
-    next_latest = __anext__  # every output is the latest one: pending outputs are merged
+    next_latest = __anext__  # what is pending, merged
 
     async def wait_output(self) -> None:
         """Wait until the next output is ready without consuming it (returns at once when the stream ended);
         raises the failure if that is what came."""
-        while self._pending is None and not self.finished:
+        while not self._pending and not self.finished and self._error is None:
             self._ready.clear()
             await self._ready.wait()
-        if isinstance(self._pending, BaseException):
+        if self._error is not None:
             self.finished = True
-            error, self._pending = self._pending, None
+            error, self._error = self._error, None
             raise error
+
+    async def result(self) -> RequestOutput:
+        """The whole request, once it finished (nothing is shown before: `buffered`)."""
+        self.buffered = True
+        self._result = OutputAccumulator(self.request_id)
+        async for _ in self:
+            pass
+        return self._result.output()
+
+    def restart(self) -> None:
+        """The request runs again from the start (a replica set placed it elsewhere): what was pending, and what
+        `result` gathered, is dropped."""
+        self._pending, self.unread_since = [], None
+        if self._result is not None:
+            self._result = OutputAccumulator(self.request_id)
 
     def stalled(self, timeout: float, now: float) -> bool:
         """Whether an output has waited unread for more than `timeout` seconds at monotonic time `now`."""
@@ -116,10 +139,15 @@ class RequestStream:
             self.finished = True
             self._accepted.set_exception(error)
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(self._pending, BaseException):
+    def _put(self, item: EngineOutput | BaseException) -> None:
+        if self._error is not None:
             return  # a failure is final
-        self._pending = item
+        if isinstance(item, BaseException):
+            self._error, self._pending = item, []
+        else:
+            self._pending.append(item)
+            if len(self._pending) >= MAX_PENDING:  # a consumer far behind: one output, not one per step
+                self._pending = [merge_outputs(self._pending)]
         if self.unread_since is None:
             self.unread_since = time.monotonic()
         self._ready.set()
@@ -145,21 +173,36 @@ def _put_all(batch: list[tuple[RequestStream, object]]) -> None:
 
 
 class EngineClient:
-    """An engine as the server uses it. A subclass sets `facade` (the engine's facts and front-end checks),
-    `_streams` (open requests by id) and `_listeners`, and implements `submit` (hand a request over without
-    waiting; its stream says the verdict), `abort`, `is_running`, `fail_all` and `shutdown`."""
+    """An engine as the server uses it: everything the server reads or calls is declared here.
 
-    facade: EngineFacade
+    A subclass sets `input_processor` (the engine's facts and request checks), `loop` settings (`max_waiting`,
+    `stall_timeout`), `stats`, the counters, `_streams` (open requests by id) and `_listeners`, and implements
+    `submit` (hand a checked request over without waiting; its stream says the verdict), `abort`, `is_running`,
+    `fail_all` and `shutdown`. A client of several replicas lists them in `replicas`."""
+
+    input_processor: InputProcessor
+    max_waiting: int
+    stall_timeout: float  # seconds an output may wait unread before the request is failed (0: never)
+    stats: EngineStats  # the newest snapshot
+    num_rejected: int = 0  # requests refused because the waiting queue was full
+    num_failed: int = 0  # requests failed by an engine error
+    num_stalled: int = 0  # requests failed because nobody read their outputs
+    restarts: int = 0  # times the engine's process was restarted (a replica)
+    replicas: Mapping[str, EngineClient] = MappingProxyType({})  # the replicas behind it, by name (none: one engine)
     _streams: dict[str, RequestStream]
     _listeners: list[Callable[[StepRecord], None]]
 
+    def retries_of(self, replica: str) -> int:
+        """Requests moved away from `replica` after losing it before sending anything."""
+        return 0
+
     @property
     def tokenizer(self):
-        return self.facade.tokenizer
+        return self.input_processor.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.facade.max_model_len
+        return self.input_processor.max_model_len
 
     @property
     def num_open_requests(self) -> int:
@@ -191,25 +234,31 @@ class EngineClient:
             except Exception:  # noqa: BLE001
                 logger.exception("Engine listener failed")
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None, cache_salt: str | None = None) -> RequestStream:
-        """Hand a request over without waiting; `await stream.accepted()` for the verdict."""
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Hand a request (built and checked by `input_processor`) over without waiting; `await
+        stream.accepted()` for the verdict."""
         raise NotImplementedError
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, arrival_time: float | None = None) -> RequestStream:
-        """Queue a request; raises ValueError (bad input) or QueueFullError, with nothing queued."""
-        stream = self.submit(request_id, prompt, params, priority, arrival_time)
+        """Check (on a worker thread) and queue a request; raises InvalidRequestError (a ValueError) or
+        QueueFullError, with nothing queued."""
+        request = await asyncio.to_thread(self.input_processor.process, request_id, prompt, params, arrival_time,
+                                          priority)
+        stream = self.submit(request)
         await stream.accepted()
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they are produced. Closing the generator early aborts it."""
+        """Yield the request's cumulative outputs (each a copy) as they are produced. Closing the generator early
+        aborts it."""
         stream = await self.add_request(request_id, prompt, params, priority)
+        acc = OutputAccumulator(request_id)
         try:
             async for out in stream:
-                yield out
+                acc.add(out)
+                yield acc.snapshot()
         finally:
             stream.abort()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pagedlm.engine.async_engine import EngineDeadError, QueueFullError
+from pagedlm.engine.errors import EngineDeadError, QueueFullError
 from pagedlm.model.bert import BertEncoder, load_bert
 
 logger = logging.getLogger(__name__)

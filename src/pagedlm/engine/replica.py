@@ -1,10 +1,11 @@
 """Engine replicas in other processes (Ray actors), behind the same async interface as `AsyncLLMEngine`.
 
 `EngineReplica` is the actor body: an `AsyncLLMEngine` on its share of the cores, answering `add` / `abort` /
-`poll`. `poll` is a long poll: it returns, for every open request with something new, its newest cumulative
-output (pending outputs are merged, as in the local engine), plus the step records (latencies, finished
-requests) for the metrics, the engine's stats, and the prefix-cache changes (KV events: 8-byte prefixes of the
-chained block hashes stored or removed since the last poll). One poll per replica, not one call per token.
+`poll`. `add` takes the `EngineRequest` the front end checked; `poll` is a long poll: it returns, for every open
+request with something new, its `EngineOutput` deltas since the last poll merged into one (the engine contract
+of protocol.py, as in process) or its error as a `WireError`, plus the step records (latencies, finished requests)
+for the metrics, the engine's stats, and the prefix-cache changes (KV events: 8-byte prefixes of the chained block
+hashes stored or removed since the last poll). One poll per replica, not one call per token.
 
 `ReplicaClient` is the front end's proxy of one actor: `submit` returns a stream with `RequestStream`'s
 contract (accepted / async iteration / abort / unread_since), a pump thread long-polls the actor and delivers
@@ -23,14 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlm.config import EngineConfig, LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.client import EngineClient, RequestStream, StepRecord, deliver
-from pagedlm.engine.errors import EngineDeadError, QueueFullError, RequestFailedError, stalled_error
-from pagedlm.engine.facade import EngineFacade, EngineInfo
+from pagedlm.engine.errors import EngineDeadError, WireError, as_engine_error, stalled_error
+from pagedlm.engine.input_processor import EngineInfo, InputProcessor
 from pagedlm.engine.llm_engine import EngineStats
+from pagedlm.engine.protocol import EngineOutput, EngineRequest, merge_outputs
 from pagedlm.kvcache.block_manager import hash_block
-from pagedlm.outputs import RequestOutput
-from pagedlm.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, cache_salt: str |
 
 @dataclass
 class ReplicaInfo:
-    """A replica's engine facts (its front end's `EngineFacade` is built from them) and where it runs."""
+    """A replica's engine facts (its front end's `InputProcessor` is built from them) and where it runs."""
 
     engine: EngineInfo
     stats: EngineStats
@@ -64,7 +65,7 @@ class ReplicaInfo:
 
 @dataclass
 class ReplicaPoll:
-    outputs: dict[str, RequestOutput | tuple[str, str]]  # newest output, or (error class, message)
+    outputs: dict[str, EngineOutput | WireError]  # what is new of each request since the last poll, or its error
     record: StepRecord  # merged step records since the last poll (its stats: the newest)
     counters: tuple[int, int, int]  # rejected, failed, stalled
     running: bool
@@ -73,29 +74,14 @@ class ReplicaPoll:
     cache_removed: list[int] = field(default_factory=list)
 
 
-_ERRORS: dict[str, type[BaseException]] = {"QueueFullError": QueueFullError, "EngineDeadError": EngineDeadError,
-                                           "RequestFailedError": RequestFailedError, "ValueError": ValueError}
-
-
-def _encode_error(e: BaseException) -> tuple[str, str]:
-    name = type(e).__name__
-    if name not in _ERRORS:
-        name = "ValueError" if isinstance(e, ValueError) else "RequestFailedError"
-    return name, str(e)
-
-
-def _decode_error(err: tuple[str, str]) -> BaseException:
-    return _ERRORS.get(err[0], RequestFailedError)(err[1])
-
-
 class EngineReplica:
     """The actor body (also usable in-process): one `AsyncLLMEngine` on `num_threads` torch threads, optionally
     pinned to `cpus`. Its methods are coroutines: Ray runs them concurrently on the actor's event loop."""
 
     MAX_EVENTS = 1 << 16  # undrained KV events beyond this: the next poll sends a snapshot instead
 
-    def __init__(self, engine_kwargs: dict[str, Any], num_threads: int | None = None, cpus: list[int] | None = None,
-                 max_waiting: int = 512, stall_timeout: float = 0.0, log_interval: float = 10.0) -> None:
+    def __init__(self, config: EngineConfig, num_threads: int | None = None, cpus: list[int] | None = None,
+                 loop: LoopConfig | None = None) -> None:
         import torch
 
         from pagedlm.engine.llm_engine import LLMEngine
@@ -104,11 +90,10 @@ class EngineReplica:
             os.sched_setaffinity(0, cpus)
         if num_threads:
             torch.set_num_threads(num_threads)
-        engine = LLMEngine.from_args(**engine_kwargs)
-        self.engine = AsyncLLMEngine(engine, max_waiting=max_waiting, log_interval=log_interval,
-                                     stall_timeout=stall_timeout)
+        engine = LLMEngine(config)
+        self.engine = AsyncLLMEngine(engine, loop or LoopConfig.offline())
         self._streams: dict[str, RequestStream] = {}
-        self._ready: dict[str, RequestOutput | tuple[str, str]] = {}
+        self._ready: dict[str, list[EngineOutput] | WireError] = {}
         self._records: list[StepRecord] = []
         self._records_lock = threading.Lock()
         self._wake: asyncio.Event | None = None
@@ -130,24 +115,21 @@ class EngineReplica:
         except Exception:  # noqa: BLE001 - not in Ray
             node = "local"
         import torch
-        return ReplicaInfo(self.engine.facade.info, self.engine.stats, os.getpid(), node, torch.get_num_threads())
+        info = self.engine.input_processor.info
+        return ReplicaInfo(info, self.engine.stats, os.getpid(), node, torch.get_num_threads())
 
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
-                  age_s: float, cache_salt: str | None) -> tuple[str, str] | None:
-        """Queue a request; None, or the refusal as (error class, message). `age_s`: time since its arrival."""
+    async def add(self, request: EngineRequest, age_s: float) -> WireError | None:
+        """Queue a request (checked by the front end; its constraint is compiled here, off the engine thread);
+        None, or the refusal. `age_s`: time since its arrival."""
         self._bind_loop()
-        if params.structured_outputs is not None:  # compiled off the engine thread (a pickled request has none)
-            try:
-                await asyncio.to_thread(self.engine.facade.prepare_params, params)
-            except Exception as e:  # noqa: BLE001 - the verdict goes back to the caller
-                return _encode_error(e)
-        stream = self.engine.submit(request_id, prompt, params, priority, time.monotonic() - max(age_s, 0.0),
-                                    cache_salt)
+        request.arrival_time = time.monotonic() - max(age_s, 0.0)
         try:
+            await asyncio.to_thread(self.engine.input_processor.prepare_params, request.params)
+            stream = self.engine.submit(request)
             await stream.accepted()
         except Exception as e:  # noqa: BLE001 - the verdict goes back to the caller
-            return _encode_error(e)
-        self._streams[request_id] = stream
+            return as_engine_error(e, request.request_id).to_wire()
+        self._streams[request.request_id] = stream
         asyncio.ensure_future(self._forward(stream))
         return None
 
@@ -155,10 +137,12 @@ class EngineReplica:
         rid = stream.request_id
         try:
             async for out in stream:
-                self._ready[rid] = out
+                pending = self._ready.setdefault(rid, [])
+                if isinstance(pending, list):
+                    pending.append(out)
                 self._wake.set()
         except Exception as e:  # noqa: BLE001
-            self._ready[rid] = _encode_error(e)
+            self._ready[rid] = as_engine_error(e, rid).to_wire()
             self._wake.set()
         finally:
             self._streams.pop(rid, None)
@@ -182,7 +166,8 @@ class EngineReplica:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
-        outputs, self._ready = self._ready, {}
+        ready, self._ready = self._ready, {}
+        outputs = {rid: items if isinstance(items, WireError) else merge_outputs(items) for rid, items in ready.items()}
         with self._records_lock:
             records, self._records = self._records, []
         record = StepRecord(self.engine.stats)
@@ -227,15 +212,16 @@ class EngineReplica:
 class RemoteStream(RequestStream):
     """A request's outputs from a replica; `RequestStream`'s contract. `taken` counts outputs the consumer took;
     `buffered` (set by a consumer that sends nothing before the end) lets a replica set retry it elsewhere even
-    after outputs were taken. `client` is the replica that runs it now (None before it is placed)."""
+    after outputs were taken (`restart`). `client` is the replica that runs it now (None before it is placed)."""
 
     def __init__(self, owner: Any, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(owner, request_id, loop)
         self.client: ReplicaClient | None = None
         self.taken = 0
         self.attempts = 0
+        self.placement: Any = None  # what a replica set needs to place it again
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         out = await super().__anext__()
         self.taken += 1
         return out
@@ -261,8 +247,8 @@ class ReplicaClient(EngineClient):
     EXPECT_S = 5.0
     MAX_EXPECTED = 1 << 16
 
-    def __init__(self, actor: Any, name: str, tokenizer: Any = None, *, max_waiting: int = 512,
-                 stall_timeout: float = 0.0, poll_timeout: float = 0.5, health_timeout: float = 10.0,
+    def __init__(self, actor: Any, name: str, tokenizer: Any = None, *, loop: LoopConfig | None = None,
+                 poll_timeout: float = 0.5, health_timeout: float = 10.0,
                  on_lost: Callable[[RemoteStream, BaseException], None] | None = None) -> None:
         import ray
 
@@ -273,8 +259,9 @@ class ReplicaClient(EngineClient):
             from pagedlm.hub.registry import resolve_model
             from pagedlm.hub.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(resolve_model(self.info.engine.model))
-        self.facade = EngineFacade.remote(self.info.engine, tokenizer)
-        self.max_waiting, self.stall_timeout = max_waiting, stall_timeout
+        self.input_processor = InputProcessor(self.info.engine, tokenizer)
+        loop = loop or LoopConfig.offline()
+        self.max_waiting, self.stall_timeout = loop.max_waiting, loop.stream_stall_timeout
         self.poll_timeout, self.health_timeout = poll_timeout, health_timeout
         self.on_lost = on_lost
         self.stats: EngineStats = self.info.stats
@@ -297,15 +284,13 @@ class ReplicaClient(EngineClient):
     def is_running(self) -> bool:
         return self.healthy and not self._stop.is_set()
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None, cache_salt: str | None = None) -> RemoteStream:
+    def submit(self, request: EngineRequest) -> RemoteStream:
         loop = asyncio.get_running_loop()
-        stream = RemoteStream(self, request_id, loop)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        stream = RemoteStream(self, request.request_id, loop)
 
         async def place() -> None:
             try:
-                await self.add(stream, prompt, params, priority, arrival, cache_salt)
+                await self.add(stream, request)
             except Exception as e:  # noqa: BLE001
                 stream._accept(e)
             else:
@@ -314,9 +299,8 @@ class ReplicaClient(EngineClient):
         loop.create_task(place())
         return stream
 
-    async def add(self, stream: RemoteStream, prompt: str | list[int], params: SamplingParams, priority: int,
-                  arrival: float, cache_salt: str | None) -> None:
-        """Queue `stream`'s request on this replica; raises its refusal (ValueError, QueueFullError,
+    async def add(self, stream: RemoteStream, request: EngineRequest) -> None:
+        """Queue `stream`'s request on this replica; raises its refusal (InvalidRequestError, QueueFullError,
         EngineDeadError). The stream is registered first, so no output can arrive before it."""
         if not self.is_running:
             raise EngineDeadError(f"Replica {self.name} is down.")
@@ -326,14 +310,14 @@ class ReplicaClient(EngineClient):
         stream.client = self
         stream.attempts += 1
         try:
-            err = await self.actor.add.remote(rid, prompt, params, priority, time.monotonic() - arrival, cache_salt)
+            err = await self.actor.add.remote(request, time.monotonic() - request.arrival_time)
         except self._ray.exceptions.RayError as e:
-            err = ("EngineDeadError", f"Replica {self.name} is unavailable ({type(e).__name__}).")
+            err = EngineDeadError(f"Replica {self.name} is unavailable ({type(e).__name__}).").to_wire()
         if err is not None:
             with self._lock:
                 if self._streams.get(rid) is stream:
                     del self._streams[rid]
-            raise _decode_error(err)
+            raise err.error()
         if stream.finished:  # aborted while it was being placed
             self.abort(rid)
 
@@ -425,9 +409,9 @@ class ReplicaClient(EngineClient):
         with self._lock:
             items = [(self._streams[rid], out) for rid, out in poll.outputs.items() if rid in self._streams]
             for rid, out in poll.outputs.items():
-                if isinstance(out, tuple) or out.finished:
+                if isinstance(out, WireError) or out.finished:
                     self._streams.pop(rid, None)
-        deliver([(stream, _decode_error(out) if isinstance(out, tuple) else out) for stream, out in items],
+        deliver([(stream, out.error() if isinstance(out, WireError) else out) for stream, out in items],
                 lambda stream: self.abort(stream.request_id))
         if self.stall_timeout > 0:
             self._fail_stalled()
@@ -558,9 +542,9 @@ def _require_token_auth(version: str) -> None:
                            "is then on), or start a cluster yourself and join it with --ray-address.")
 
 
-def launch_replicas(cluster: RayCluster, engine_kwargs: dict[str, Any], num_replicas: int, *,
-                    num_threads: int | None = None, max_waiting: int = 512, stall_timeout: float = 0.0,
-                    log_interval: float = 10.0, max_restarts: int = -1) -> list[Any]:
+def launch_replicas(cluster: RayCluster, config: EngineConfig, num_replicas: int, *,
+                    num_threads: int | None = None, loop: LoopConfig | None = None,
+                    max_restarts: int = -1) -> list[Any]:
     """Start `num_replicas` `EngineReplica` actors, each reserving `num_threads` CPUs (default: its share of
     the cluster's) and running torch on that many threads; on a local cluster each is pinned to its own cores.
     Ray restarts an actor whose process dies (`max_restarts`, -1: always)."""
@@ -578,5 +562,5 @@ def launch_replicas(cluster: RayCluster, engine_kwargs: dict[str, Any], num_repl
             cores = cluster.cpus[i * threads:(i + 1) * threads]
         actors.append(actor_cls.options(
             num_cpus=min(threads, share), max_restarts=max_restarts, max_task_retries=0, max_concurrency=10_000,
-        ).remote(engine_kwargs, threads, cores, max_waiting, stall_timeout, log_interval))
+        ).remote(config, threads, cores, loop))
     return actors

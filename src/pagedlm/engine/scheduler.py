@@ -5,10 +5,12 @@ prefilled), then swapped-out ones, then waiting ones, all under one token budget
 no room for a running sequence's next tokens, the lowest-priority running request is preempted (recompute:
 its blocks are freed and it is prefilled again later; swap: its blocks move to host memory). Blocks of
 sliding-window layers are freed as soon as they leave the window (BlockManager.free_skipped_blocks).
-After the step, `update_from_output` finishes the sequences that ended and frees their blocks.
+After the step, `update_from_output` does the step's accounting: the scheduled tokens are computed, the prompt
+and generated tokens counted, and the sequences that ended finish and free their blocks.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -20,14 +22,21 @@ from pagedlm.kvcache.block_manager import BlockManager
 
 @dataclass
 class ScheduledSeq:
+    """Tokens start .. start + num_new_tokens of `seq` are computed in this step."""
+
     request: Request
     seq: Sequence
     num_new_tokens: int
+    start: int = -1  # the sequence's computed tokens when it was scheduled
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.seq.num_computed_tokens
 
     @property
     def completes(self) -> bool:
         """This chunk reaches the end of the sequence's tokens, so a new token is sampled after it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -37,6 +46,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    started: list[Request] = field(default_factory=list)  # scheduled for the first time
 
     @property
     def num_batched_tokens(self) -> int:
@@ -63,6 +73,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompts of the requests started (each counted once)
+        self.num_generation_tokens = 0
 
     # --- queue management ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -81,10 +93,20 @@ class Scheduler:
                     return req
         return None
 
-    def update_from_output(self, finished: Iterable[FinishedSeq]) -> None:
-        """The step's ended sequences take their final status and free their blocks; requests with no live
-        sequence left leave the running queue. A sequence that finished already (its request aborted in the
-        same step, or listed twice) is left as it is."""
+    def update_from_output(self, out: SchedulerOutput, finished: Iterable[FinishedSeq],
+                           num_generated_tokens: int) -> None:
+        """The step `out` scheduled ran: its chunks are computed, the prompts it started and the tokens it
+        generated are counted, and its ended sequences finish."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+        self.num_prompt_tokens += sum(len(r.prompt_token_ids) for r in out.started)
+        self.num_generation_tokens += num_generated_tokens
+        self.finish(finished)
+
+    def finish(self, finished: Iterable[FinishedSeq]) -> None:
+        """The ended sequences take their final status and free their blocks; requests with no live sequence left
+        leave the running queue. A sequence that finished already (its request aborted in the same step, or listed
+        twice) is left as it is."""
         for f in finished:
             if f.seq.status.finished:
                 continue
@@ -194,6 +216,9 @@ class Scheduler:
                 out.blocks_to_copy += bm.allocate(seq, n, hits[seq.seq_id])
                 out.scheduled.append(ScheduledSeq(req, seq, n))
                 bm.commit(seq, seq.num_computed_tokens + n)
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
+                out.started.append(req)
             self.running.append(req)
         return out
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics
+from pagedlm.engine.protocol import CompletionDelta
+from pagedlm.outputs import PositionLogprobs, RequestMetrics
 from pagedlm.sampling.params import SamplingParams
 
 
@@ -36,7 +37,9 @@ _seq_ids = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
-    """One token stream. `num_computed_tokens` of its tokens have K/V in the cache."""
+    """One token stream. `num_computed_tokens` of its tokens have K/V in the cache. What its request's outputs have
+    not carried yet: the tokens from `num_sent_tokens` on, `unsent_text` (the new text, and text held back that
+    could still become a stop string) and `unsent_logprobs`; `finish_sent` once its end was sent."""
 
     prompt_token_ids: list[int]
     index: int = 0  # sample index within its request
@@ -46,12 +49,14 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    output_text: str = ""
     stop_reason: int | str | None = None
     detokenizer: object | None = None
     cache_salt: str | None = None
     matcher: object | None = None  # llguidance.LLMatcher of a constrained request, advanced on accepted tokens
+    num_sent_tokens: int = 0
+    unsent_text: str = ""
+    unsent_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_sent: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -76,12 +81,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
 
-    def to_output(self) -> CompletionOutput:
-        return CompletionOutput(
-            index=self.index, text=self.output_text, token_ids=list(self.output_token_ids),
-            cumulative_logprob=self.cumulative_logprob, logprobs=list(self.logprobs) if self.logprobs else None,
-            finish_reason=self.status.finish_reason, stop_reason=self.stop_reason)
-
 
 @dataclass(eq=False)
 class Request:
@@ -100,7 +99,8 @@ class Request:
     cache_salt: str | None = None
     num_cached_tokens: int = 0
     beam: object | None = None  # sampling.beam_search.BeamSearch for beam-search requests
-    beam_outputs: list[CompletionOutput] | None = None
+    beam_outputs: list[CompletionDelta] | None = None  # the n best hypotheses, once the search is done
+    output_started: bool = False  # its first output (with the prompt) was made
 
     def __post_init__(self) -> None:
         if self.metrics is None:

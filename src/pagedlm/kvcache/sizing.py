@@ -1,7 +1,7 @@
 """How many KV blocks to allocate: the budget follows from the model and is capped by the machine.
 
-`plan_kv_budget` is the one place the engine and `pagedlm memory` size the KV cache. Without `kv_cache_memory` /
-`num_kv_blocks`, the CPU budget is
+`plan_kv_budget` is the one place the engine and `pagedlm memory` size the KV cache (both through plan.py's
+`plan_kv_cache`). Without `kv_cache_memory` / `num_kv_blocks`, the CPU budget is
 
     min(demand, cap)   demand = max_num_seqs sequences of max_model_len tokens (sliding-window groups bounded)
                        cap    = kv_cache_memory_fraction x (memory available - weights)

@@ -22,9 +22,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from pagedlm.config import EngineConfig, LoopConfig, ParallelConfig
 from pagedlm.engine.client import EngineClient, StepRecord
 from pagedlm.engine.errors import EngineDeadError, QueueFullError
 from pagedlm.engine.llm_engine import EngineStats
+from pagedlm.engine.protocol import EngineRequest
 from pagedlm.engine.replica import RayCluster, RemoteStream, ReplicaClient, prompt_block_hashes
 from pagedlm.router.policies import (
     REPLICA_POLICIES,
@@ -34,18 +36,13 @@ from pagedlm.router.policies import (
     Policy,
     RequestFeatures,
 )
-from pagedlm.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Request:
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    arrival: float
-    cache_salt: str | None
+    request: EngineRequest
     features: RequestFeatures
     hashes: list[int]
 
@@ -67,7 +64,7 @@ class ReplicaSet(EngineClient):
         self.retries = {name: 0 for name in self.replicas}  # requests moved away from each lost replica
         self.decisions = {name: 0 for name in self.replicas}  # requests placed on each replica
         first = replicas[0]
-        self.facade = first.facade  # the replicas serve one model: the same facts, checks and tokenizer
+        self.input_processor = first.input_processor  # the replicas serve one model: the same facts and checks
         self.max_waiting, self.stall_timeout = first.max_waiting, first.stall_timeout
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._placing = 0
@@ -84,6 +81,9 @@ class ReplicaSet(EngineClient):
         self.replicas = {c.name: c for c in replicas}
 
     # --- the engine interface (listeners run on a replica's pump thread, with its records) -------------
+    def retries_of(self, replica: str) -> int:
+        return self.retries.get(replica, 0)
+
     @property
     def num_open_requests(self) -> int:
         return self._placing + sum(c.num_open_requests for c in self.replicas.values())
@@ -130,21 +130,17 @@ class ReplicaSet(EngineClient):
             prefix_cache_queries=sum(s.prefix_cache_queries for s in snaps),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in snaps), moe_expert_tokens=moe)
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None, cache_salt: str | None = None) -> RemoteStream:
-        import time
-
+    def submit(self, request: EngineRequest) -> RemoteStream:
         loop = asyncio.get_running_loop()
-        stream = RemoteStream(self, request_id, loop)
-        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        hashes = prompt_block_hashes(ids, self.facade.info.kv.block_size, cache_salt) if self._prefix_caching else []
-        n_tokens = len(ids)
-        features = RequestFeatures("", n_tokens, params.max_tokens or 16, "open", False, False)
-        req = _Request(prompt, params, priority, time.monotonic() if arrival_time is None else arrival_time,
-                       cache_salt, features, hashes)
+        stream = RemoteStream(self, request.request_id, loop)
+        ids = request.prompt_token_ids
+        hashes = (prompt_block_hashes(ids, self.input_processor.info.kv.block_size, request.cache_salt)
+                  if self._prefix_caching else [])
+        features = RequestFeatures("", len(ids), request.params.max_tokens or 16, "open", False, False)
+        req = _Request(request, features, hashes)
         self._placing += 1
+        stream.placement = req
         loop.create_task(self._place(stream, req, set(), first=True))
-        stream._replica_request = req  # type: ignore[attr-defined]
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -165,11 +161,10 @@ class ReplicaSet(EngineClient):
             self._on_shutdown()
 
     @classmethod
-    def launch(cls, engine_kwargs: dict, num_replicas: int, *, ray_address: str | None = None,
-               policy: Policy | str = "prefix", num_threads: int | None = None, max_waiting: int = 512,
-               stall_timeout: float = 0.0, log_interval: float = 10.0, health_timeout: float = 10.0,
+    def launch(cls, engine: EngineConfig, parallel: ParallelConfig, loop: LoopConfig | None = None,
                ray_init_kwargs: dict | None = None) -> "ReplicaSet":
-        """Start (or join, with `ray_address`) Ray, `num_replicas` engine actors and their clients."""
+        """Start (or join, with `parallel.ray_address`) Ray, `parallel.data_parallel_size` actors of `engine`
+        and their clients."""
         import ray
 
         from pagedlm.engine.replica import connect_ray, launch_replicas
@@ -177,15 +172,13 @@ class ReplicaSet(EngineClient):
         def start(cluster: RayCluster, tokenizer=None) -> list[ReplicaClient]:
             actors = []
             try:
-                actors = launch_replicas(cluster, engine_kwargs, num_replicas, num_threads=num_threads,
-                                         max_waiting=max_waiting, stall_timeout=stall_timeout,
-                                         log_interval=log_interval)
+                actors = launch_replicas(cluster, engine, parallel.data_parallel_size,
+                                         num_threads=parallel.threads_per_replica, loop=loop)
                 clients: list[ReplicaClient] = []
                 for i, actor in enumerate(actors):
                     clients.append(ReplicaClient(actor, f"{i}", tokenizer or (clients[0].tokenizer if clients
                                                                               else None),
-                                                 max_waiting=max_waiting, stall_timeout=stall_timeout,
-                                                 health_timeout=health_timeout))
+                                                 loop=loop, health_timeout=parallel.replica_health_timeout))
                     logger.info("Replica %d: pid %d on node %s, %d threads", i, clients[-1].pid,
                                 clients[-1].info.node[:12], clients[-1].info.num_threads)
                 return clients
@@ -195,7 +188,7 @@ class ReplicaSet(EngineClient):
                 cluster.stop()
                 raise
 
-        cluster = connect_ray(ray_address, **(ray_init_kwargs or {}))
+        cluster = connect_ray(parallel.ray_address, **(ray_init_kwargs or {}))
         rs: ReplicaSet
 
         def stop() -> None:
@@ -206,7 +199,7 @@ class ReplicaSet(EngineClient):
                     pass
             cluster.stop()
 
-        rs = cls(start(cluster), policy, on_shutdown=stop)
+        rs = cls(start(cluster), parallel.replica_policy, on_shutdown=stop)
         if cluster.started:
             rs._watch = threading.Thread(target=rs._watch_ray, args=(cluster, start, ray_init_kwargs or {}),
                                          name="pagedlm-ray-watch", daemon=True)
@@ -254,7 +247,7 @@ class ReplicaSet(EngineClient):
     # --- placement -----------------------------------------------------------------------------------
     @property
     def _prefix_caching(self) -> bool:
-        return self.facade.info.prefix_caching
+        return self.input_processor.info.prefix_caching
 
     def load(self, hashes: list[int] | tuple = ()) -> list[LoadStats]:
         """Each replica's LoadStats for a request whose prompt has these block hashes."""
@@ -264,7 +257,8 @@ class ReplicaSet(EngineClient):
             running = min(s.num_running, open_)
             out.append(LoadStats(queue_len=open_ - running, running=running, kv_usage=s.kv_cache_usage,
                                  healthy=c.is_running, replica=c.name, free_blocks=s.num_free_blocks,
-                                 block_size=c.facade.info.kv.block_size, prefix_blocks=c.prefix_blocks(hashes)))
+                                 block_size=c.input_processor.info.kv.block_size,
+                                 prefix_blocks=c.prefix_blocks(hashes)))
         return out
 
     def choose(self, req: _Request, tried: set[str]):
@@ -284,14 +278,14 @@ class ReplicaSet(EngineClient):
                     break
                 client = self.replicas[decision.replica]
                 try:
-                    await client.add(stream, req.prompt, req.params, req.priority, req.arrival, req.cache_salt)
+                    await client.add(stream, req.request)
                 except (QueueFullError, EngineDeadError) as e:
                     tried.add(client.name)
                     if isinstance(e, EngineDeadError):
                         self.retries[client.name] += 1
                     error = e
                     continue
-                except Exception as e:  # noqa: BLE001 - ValueError: bad input, the same on every replica
+                except Exception as e:  # noqa: BLE001 - InvalidRequestError: bad input, the same on every replica
                     error = e
                     break
                 self.decisions[client.name] += 1
@@ -318,7 +312,7 @@ class ReplicaSet(EngineClient):
 
     def _handle_lost(self, stream: RemoteStream, error: BaseException, client: ReplicaClient) -> None:
         """On the stream's loop: retry `stream` elsewhere, or fail it, unless it has moved on already."""
-        req: _Request | None = getattr(stream, "_replica_request", None)
+        req: _Request | None = stream.placement
         if stream.finished or stream.client is not client:
             return
         lost = client.name
@@ -328,7 +322,6 @@ class ReplicaSet(EngineClient):
         self.retries[lost] = self.retries.get(lost, 0) + 1
         logger.warning("Request %s lost replica %s before sending anything; placing it again",
                        stream.request_id, lost)
-        if not isinstance(stream._pending, BaseException):
-            stream._pending, stream.unread_since = None, None
+        stream.restart()
         req = replace(req)
         asyncio.get_running_loop().create_task(self._place(stream, req, {lost}, first=False))

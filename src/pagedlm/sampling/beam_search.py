@@ -1,6 +1,7 @@
 """Beam search bookkeeping for one request, step by step, with HF transformers' scoring rules
-(length_penalty, early_stopping True / False / "never"). It chooses tokens; the engine forks, reuses and
-frees the beams' sequences (and so their KV blocks) accordingly."""
+(length_penalty, early_stopping True / False / "never"). `BeamSearch.step` chooses the tokens; `plan_beam_step`
+says what that means for the beams' sequences: which continue, which fork (chosen twice) and which end. The
+engine does it (forking and freeing their KV blocks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,3 +73,26 @@ class BeamSearch:
 
     def best(self, n: int) -> list[Hypothesis]:
         return self.finished[:n]
+
+
+@dataclass
+class BeamStep:
+    """One step of a search over its live beams (in the order given): `continued` lists (beam, candidate,
+    forked): the candidate continues that beam, in a fork of it when an earlier candidate already continues it;
+    `ended` the beams no candidate continues (all of them once the search is done)."""
+
+    continued: list[tuple[int, Candidate, bool]]
+    ended: list[int]
+
+
+def plan_beam_step(beam: BeamSearch, logits: torch.Tensor, scores: list[float],
+                   tokens: list[list[int]]) -> BeamStep:
+    """Advance `beam` by one token from its live beams' next-token `logits` ([beams, vocab]), their cumulative
+    log-probabilities `scores` and generated `tokens`."""
+    chosen = beam.step(torch.log_softmax(logits.float(), dim=-1), scores, tokens)
+    used: set[int] = set()
+    continued = []
+    for cand in chosen:
+        continued.append((cand.parent, cand, cand.parent in used))
+        used.add(cand.parent)
+    return BeamStep(continued, [i for i in range(len(scores)) if i not in used])

@@ -24,7 +24,8 @@ class IncrementalDetokenizer:
     emitted (context for space/merge rules), `read_offset:` is new. Text ending in U+FFFD (an incomplete
     UTF-8 char) is held back until the next token completes it; `flush()` releases whatever is still held.
     Concatenated deltas (plus `flush()`) equal `tokenizer.decode(output_ids, skip_special_tokens=...)`
-    for byte-level BPE tokenizers.
+    for byte-level BPE tokenizers; `text` joins them (the deltas are kept as pieces: appending one costs its
+    length, not the text's).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
@@ -35,7 +36,13 @@ class IncrementalDetokenizer:
         self.tokens = self._to_tokens(prompt_token_ids[-_PROMPT_CONTEXT - 2 :])
         self.read_offset = len(self.tokens)
         self.prefix_offset = max(self.read_offset - _PROMPT_CONTEXT, 0)
-        self.text = ""
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def _to_tokens(self, ids: list[int]) -> list[str]:
         toks = self.tokenizer.convert_ids_to_tokens([i for i in ids if i not in self._skip])
@@ -54,7 +61,7 @@ class IncrementalDetokenizer:
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        self.text += delta
+        self._pieces.append(delta)
         return delta
 
     def flush(self) -> str:
@@ -64,7 +71,7 @@ class IncrementalDetokenizer:
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        self.text += delta
+        self._pieces.append(delta)
         return delta
 
 

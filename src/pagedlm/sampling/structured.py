@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
@@ -131,6 +133,48 @@ class StructuredOutputManager:
         if matchers:
             self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                                   self.words * 4, len(matchers))
+        return bitmask
+
+
+class PendingMasks:
+    """The bitmasks `MaskPrefetcher.start` computes, by key; `wait()` once the forward pass is done."""
+
+    def __init__(self, index: dict[int, int], future: Future) -> None:
+        self.index, self._future, self._bitmask = index, future, None
+
+    def wait(self) -> None:
+        if self._bitmask is None:
+            self._bitmask = self._future.result()
+
+    def get(self, key: int) -> torch.Tensor | None:
+        j = self.index.get(key)
+        return None if j is None else self._bitmask[j]
+
+
+class MaskPrefetcher:
+    """Grammar masks computed on a worker thread (llguidance drops the GIL) while a step's forward pass runs.
+    `start` the masks of the step's constrained sequences (the matchers are the worker's until `wait`), `fill`
+    the few the step adds later (forks) on the caller's thread. `seconds` is the time spent filling masks.
+    `manager()` is the StructuredOutputManager."""
+
+    def __init__(self, manager: Callable[[], StructuredOutputManager]) -> None:
+        self.manager = manager
+        self.seconds = 0.0
+        self._thread: ThreadPoolExecutor | None = None
+
+    def start(self, matchers: dict[int, LLMatcher]) -> PendingMasks | None:
+        """Start the bitmasks of `matchers` (key -> matcher); None if there are none."""
+        if not matchers:
+            return None
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
+        return PendingMasks({key: j for j, key in enumerate(matchers)},
+                            self._thread.submit(self.fill, list(matchers.values())))
+
+    def fill(self, matchers: list[LLMatcher]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        bitmask = self.manager().fill_bitmask(matchers)
+        self.seconds += time.perf_counter() - t0
         return bitmask
 
 

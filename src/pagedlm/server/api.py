@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over one AsyncLLMEngine per served model.
+"""The OpenAI-compatible HTTP API (FastAPI) over one engine (`EngineClient`) per served model.
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize,
 /tokenizer_info, /version. Errors use OpenAI's JSON shape. A request whose client disconnects is aborted
@@ -12,7 +12,8 @@ headers and in the body's `model`; a routed request past every spend cap gets 42
 This file wires the app: routes, exception handlers (every error in OpenAI's shape) and middleware. The rest:
 frontend.py (model resolution, routing with fallback and cascade), openai_handlers.py (one model's endpoints),
 streaming.py (engine streams to responses and SSE), middleware.py (Host, key, Content-Type, body size checks),
-wire.py (request bodies in, JSON out). Engines are seen only through their `EngineFacade` and public methods.
+wire.py (request bodies in, JSON out), errors.py (engine errors as OpenAI errors). Engines are seen only through
+their `EngineClient` contract (engine/client.py).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from pagedlm import __version__
-from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.client import EngineClient
 from pagedlm.engine.embedding_engine import EmbeddingEngine
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
@@ -66,7 +67,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["UNKNOWN_FIELDS_HEADER", "build_app"]
 
 
-def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str] | None = None,
+def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] | None = None,
               max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None, *,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
@@ -118,7 +119,7 @@ def build_app(engines: Mapping[str, AsyncLLMEngine], api_key: str | Sequence[str
     metrics = ServerMetrics(engines, router=route.router if route is not None else None, stages=stages)
     servers = {}
     for name, engine in engines.items():
-        tools = tool_support(engine.facade.tokenizer.hf.chat_template, tool_call_parser)
+        tools = tool_support(engine.input_processor.tokenizer.hf.chat_template, tool_call_parser)
         logger.info("%s: %s", name, tools.summary)
         servers[name] = srv = ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
                                           limits, stages)

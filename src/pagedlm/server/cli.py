@@ -13,29 +13,42 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedlm.config import add_arguments
-from pagedlm.server.options import API_KEY_ENV, ServerConfig
+from pagedlm.config import RouterConfig, add_arguments
+from pagedlm.server.options import API_KEY_ENV, ServeConfig, ServerConfig
 from pagedlm.server.tools import BUILTIN_TEMPLATES
 
-__all__ = ["API_KEY_ENV", "ServerConfig", "add_serve_parser", "apply_config", "serve"]
+__all__ = ["API_KEY_ENV", "ServeConfig", "ServerConfig", "add_serve_parser", "apply_config", "serve"]
 
 logger = logging.getLogger("pagedlm.server")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Callable[..., None],
                      engine_kwargs_fn: Callable[[argparse.Namespace], dict]) -> argparse.ArgumentParser:
-    """`engine_args_fn(parser, multi_model=True)` adds the engine flags with a repeatable `--model`; ServerConfig's
-    fields add the server's."""
+    """`engine_args_fn(parser, multi_model=True)` adds the engine flags with a repeatable `--model`; the fields of
+    ServeConfig's option classes add the server's, the loops', the router's and the replicas'."""
     p = subparsers.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     engine_args_fn(p, multi_model=True)
-    add_arguments(p, ServerConfig)
-    p.set_defaults(fn=lambda args: serve(args, engine_kwargs_fn, p))
+    for cls in ServeConfig.OPTIONS:
+        add_arguments(p, cls)
+    p.set_defaults(fn=lambda args: cmd_serve(args, engine_kwargs_fn, p))
     return p
 
 
-def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespace], dict],
-          parser: argparse.ArgumentParser | None = None) -> int:
+def cmd_serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespace], dict],
+              parser: argparse.ArgumentParser | None = None) -> int:
+    """The flags (and their YAML file) read into a ServeConfig and the models to serve; bad ones fail here."""
+    if args.config:
+        apply_config(args, parser, args.config)
+    cfg = ServeConfig.from_args(args, engine_kwargs_fn)
+    return serve(cfg, model_specs(args.model, cfg.server.served_model_name))
+
+
+def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
+    """Serve `models` ((served name, model) pairs) with `cfg` until SIGTERM / SIGINT."""
+    from dataclasses import replace
+
     from pagedlm.engine.async_engine import AsyncLLMEngine
+    from pagedlm.engine.client import EngineClient
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
     from pagedlm.server.http import ensure_open_files, uvicorn_config
@@ -43,64 +56,53 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
     from pagedlm.server.routing import AutoRoute
     from pagedlm.server.shutdown import GracefulServer
 
-    if args.config:
-        apply_config(args, parser, args.config)
-    ServerConfig.from_args(args)  # bad server options fail here
-    replicated = args.data_parallel_size > 1 or args.ray_address is not None
-    models = model_specs(args)
-    router = build_router(args, [name for name, _ in models])
-    template = chat_template(args.chat_template)
-    api_keys = resolve_api_keys(args)
-    sock = _bind(args.host, args.port)  # before loading the models: a busy port fails fast
-    second = ollama_socket(args.host, args.ollama_port)
-    engines: dict[str, AsyncLLMEngine] = {}
+    srv, loop, parallel = cfg.server, cfg.loop, cfg.parallel
+    api_keys = resolve_api_keys(srv)
+    router = build_router(cfg.router, [name for name, _ in models], api_keys)
+    template = chat_template(srv.chat_template)
+    sock = _bind(srv.host, srv.port)  # before loading the models: a busy port fails fast
+    second = ollama_socket(srv.host, srv.ollama_port)
+    engines: dict[str, EngineClient] = {}
     embedders: dict = {}
     route = None
     try:
-        for spec in args.embedding_model or []:
+        for spec in srv.embedding_model or []:
             from pagedlm.engine.embedding_engine import EmbeddingEngine
 
             name, sep, target = spec.partition("=")
             name, target = (name, target) if sep and name and "/" not in name else (spec, spec)
             logger.info("Loading the embedding model %s (%s)", name, target)
-            embedders[name] = EmbeddingEngine(target, max_waiting=args.max_waiting)
+            embedders[name] = EmbeddingEngine(target, max_waiting=loop.max_waiting)
         for name, target in models:
-            kwargs = engine_kwargs_fn(argparse.Namespace(**{**vars(args), "model": target}))
+            engine_config = replace(cfg.engine, model=target)  # bad flags fail here, not in every actor
             logger.info("Loading %s (%s)", name, target)
-            if replicated:
-                from pagedlm.config import EngineConfig
+            if parallel.replicated:
                 from pagedlm.router.replicas import ReplicaSet
 
-                EngineConfig(**kwargs)  # bad flags fail here, not in every actor
-                engines[name] = ReplicaSet.launch(
-                    kwargs, args.data_parallel_size, ray_address=args.ray_address, policy=args.replica_policy,
-                    num_threads=args.threads_per_replica, max_waiting=args.max_waiting,
-                    stall_timeout=args.stream_stall_timeout, log_interval=args.log_interval,
-                    health_timeout=args.replica_health_timeout)
+                engines[name] = ReplicaSet.launch(engine_config, parallel, loop)
                 continue
-            engine = LLMEngine.from_args(**kwargs)  # logs the KV memory report
+            engine = LLMEngine(engine_config)  # logs the KV memory report
             if template is not None:
                 engine.tokenizer.hf.chat_template = template
-            engines[name] = AsyncLLMEngine(engine, max_waiting=args.max_waiting, log_interval=args.log_interval,
-                                           stall_timeout=args.stream_stall_timeout)
+            engines[name] = AsyncLLMEngine(engine, loop)
         if router is not None:
-            route = AutoRoute(router, engines, args.router_name)
+            route = AutoRoute(router, engines, cfg.router.router_name)
             route.warm_up()
-        if args.prefix_cache_per_key and not api_keys:
+        if srv.prefix_cache_per_key and not api_keys:
             logger.warning("--prefix-cache-per-key does nothing without API keys")
-        app = build_app(engines, api_keys, args.max_body_bytes, route,
-                        max_prompts_per_request=args.max_prompts_per_request,
-                        allowed_origins=_names(args.allowed_origins), allowed_hosts=allowed_hosts(args),
-                        prefix_cache_per_key=args.prefix_cache_per_key,
-                        strict_request_fields=args.strict_request_fields, tool_call_parser=args.tool_call_parser,
-                        health_step_timeout=args.health_step_timeout,
-                        max_requests_per_key=args.max_requests_per_key,
-                        allow_client_priority=args.allow_client_priority,
-                        limits=RequestLimits(args.max_chat_messages, args.max_prompt_chars),
-                        stage_threads=args.stage_threads, stage_queue=args.stage_queue,
-                        responses_store_size=args.responses_store_size,
-                        responses_store_ttl=args.responses_store_ttl, embedders=embedders,
-                        reasoning_parser=args.reasoning_parser)
+        app = build_app(engines, api_keys, srv.max_body_bytes, route,
+                        max_prompts_per_request=srv.max_prompts_per_request,
+                        allowed_origins=_names(srv.allowed_origins), allowed_hosts=allowed_hosts(srv),
+                        prefix_cache_per_key=srv.prefix_cache_per_key,
+                        strict_request_fields=srv.strict_request_fields, tool_call_parser=srv.tool_call_parser,
+                        health_step_timeout=srv.health_step_timeout,
+                        max_requests_per_key=srv.max_requests_per_key,
+                        allow_client_priority=srv.allow_client_priority,
+                        limits=RequestLimits(srv.max_chat_messages, srv.max_prompt_chars),
+                        stage_threads=srv.stage_threads, stage_queue=srv.stage_queue,
+                        responses_store_size=srv.responses_store_size,
+                        responses_store_ttl=srv.responses_store_ttl, embedders=embedders,
+                        reasoning_parser=srv.reasoning_parser)
         url = _url(sock)
         served = ", ".join([*engines, *([route.name] if route else []), *embedders])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", served, url, url,
@@ -109,11 +111,11 @@ def serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Namespa
             logger.info("Ollama's port: the same API at %s", _url(second))
         if route is not None:
             logger.info("Routing `%s` with %s", route.name, describe_router(router))
-        config = uvicorn_config(app, max_connections=args.max_connections,
-                                request_read_timeout=args.request_read_timeout,
-                                access_log=not args.disable_access_log, shutdown_timeout=args.shutdown_timeout)
-        ensure_open_files(args.max_connections)
-        GracefulServer(config, app.state.server, args.shutdown_timeout).run(
+        config = uvicorn_config(app, max_connections=srv.max_connections,
+                                request_read_timeout=srv.request_read_timeout,
+                                access_log=not srv.disable_access_log, shutdown_timeout=srv.shutdown_timeout)
+        ensure_open_files(srv.max_connections)
+        GracefulServer(config, app.state.server, srv.shutdown_timeout).run(
             sockets=[sock] if second is None else [sock, second])
     finally:
         if route is not None:
@@ -138,11 +140,11 @@ def _url(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def resolve_api_keys(args: argparse.Namespace) -> list[str]:
+def resolve_api_keys(srv: ServerConfig) -> list[str]:
     """The keys of --api-key, else of $PAGEDLM_API_KEY (comma-separated); ValueError on an empty one (an unset
     shell variable in `--api-key "$KEY"` would otherwise turn authentication off)."""
-    if args.api_key is not None:
-        keys, source = args.api_key, "--api-key"
+    if srv.api_key is not None:
+        keys, source = srv.api_key, "--api-key"
     elif API_KEY_ENV in os.environ:
         keys, source = [k.strip() for k in os.environ[API_KEY_ENV].split(",")], f"${API_KEY_ENV}"
     else:
@@ -167,40 +169,41 @@ def chat_template(value: str | None) -> str | None:
                          f"nor a readable file: {e}") from None
 
 
-def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+def allowed_hosts(srv: ServerConfig) -> list[str] | None:
     """The Host names to accept besides loopback ones, or None (no check): bound to a loopback address, the
     check is on (DNS rebinding); bound elsewhere, only when --allowed-hosts is given."""
-    if args.allowed_hosts is not None:
-        return _names(args.allowed_hosts)
+    if srv.allowed_hosts is not None:
+        return _names(srv.allowed_hosts)
     try:
-        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+        loopback = srv.host == "localhost" or ipaddress.ip_address(srv.host).is_loopback
     except ValueError:
         loopback = False
     return [] if loopback else None
 
 
-def model_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
+def model_specs(model: list[str] | None, served_model_name: str | None = None) -> list[tuple[str, str]]:
     """(served name, model) per `--model` (`NAME=MODEL` or `MODEL`, named as given); default: the default model."""
     from pagedlm.config import DEFAULT_MODEL
 
     specs = []
-    for spec in args.model or [DEFAULT_MODEL]:
+    for spec in model or [DEFAULT_MODEL]:
         name, sep, target = spec.partition("=")
         if not sep or not name or "/" in name or not target:
             name, target = spec, spec
         specs.append((name, target))
-    if args.served_model_name:
+    if served_model_name:
         if len(specs) != 1:
             raise ValueError("--served-model-name needs exactly one --model (name several with NAME=MODEL).")
-        specs = [(args.served_model_name, specs[0][1])]
+        specs = [(served_model_name, specs[0][1])]
     names = [n for n, _ in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"Model names must be distinct: {names}")
     return specs
 
 
-def build_router(args: argparse.Namespace, names: list[str]):
-    """The `Router` the flags ask for, or None (one model and no --router, or --router none)."""
+def build_router(cfg: RouterConfig, names: list[str], api_keys: list[str] = ()):
+    """The `Router` `cfg` asks for over the models `names`, or None (one model and no --router, or --router
+    none)."""
     from pagedlm.router import (
         SLO,
         BudgetLimits,
@@ -212,63 +215,61 @@ def build_router(args: argparse.Namespace, names: list[str]):
         SpendLedger,
     )
 
-    kind = args.router or ("heuristic" if len(names) > 1 else "none")
+    kind = cfg.kind(len(names))
     if kind == "none":
         return None
-    if args.router_name in names:
-        raise ValueError(f"--router-name {args.router_name!r} is also a model name.")
-    strong = set(args.strong_model or names[-1:])
+    if cfg.router_name in names:
+        raise ValueError(f"--router-name {cfg.router_name!r} is also a model name.")
+    strong = set(cfg.strong_model or names[-1:])
     if not strong <= set(names):
         raise ValueError(f"--strong-model {sorted(strong - set(names))} is not a served model ({names}).")
-    costs = dict(_cost(spec, names) for spec in args.model_cost or [])
+    costs = dict(_cost(spec, names) for spec in cfg.model_cost or [])
     entries = [ModelEntry(n, n in strong, *costs.get(n, (0.0, 0.0))) for n in names]
     if kind == "learned":
-        if not args.router_classifier:
+        if not cfg.router_classifier:
             raise ValueError("--router learned needs --router-classifier FILE (from `pagedlm router train`).")
         from pagedlm.router.classifier import WeakCorrectClassifier
 
-        clf = WeakCorrectClassifier.load(args.router_classifier)
-        fraction = 0.5 if args.strong_fraction is None else args.strong_fraction
-        policy = ClassifierPolicy(clf, fraction, args.router_threshold)
+        clf = WeakCorrectClassifier.load(cfg.router_classifier)
+        fraction = 0.5 if cfg.strong_fraction is None else cfg.strong_fraction
+        policy = ClassifierPolicy(clf, fraction, cfg.router_threshold)
         reference = clf.train_scores
     elif kind == "cascade":
         from pagedlm.router import EscalationScorer
 
-        fraction, reference = args.strong_fraction, None
+        fraction, reference = cfg.strong_fraction, None
         scorer = {"mean": EscalationScorer.mean_logprob, "answer": EscalationScorer.prior}.get(
-            args.cascade_scorer, lambda: EscalationScorer.load(args.cascade_scorer))()
-        policy = CascadePolicy(args.cascade_threshold, scorer, args.cascade_samples)
+            cfg.cascade_scorer, lambda: EscalationScorer.load(cfg.cascade_scorer))()
+        policy = CascadePolicy(cfg.cascade_threshold, scorer, cfg.cascade_samples)
     else:
-        fraction = args.strong_fraction
-        policy = HeuristicPolicy(0.5 if args.router_threshold is None else args.router_threshold)
+        fraction = cfg.strong_fraction
+        policy = HeuristicPolicy(0.5 if cfg.router_threshold is None else cfg.router_threshold)
         reference = None
-    if args.calibration_window < 0:
-        raise ValueError("--calibration-window must be >= 0.")
-    if args.tier_share:
+    if cfg.tier_share:
         from pagedlm.router.tiers import TieredPolicy, parse_tier_shares, tiered_entries
 
-        if kind == "cascade" or args.strong_fraction is not None or args.router_threshold is not None \
-                or args.strong_model:
+        if kind == "cascade" or cfg.strong_fraction is not None or cfg.router_threshold is not None \
+                or cfg.strong_model:
             raise ValueError("--tier-share sets every tier's share: it takes --router heuristic or learned, without "
                              "--strong-fraction, --router-threshold or --strong-model.")
-        entries, shares = tiered_entries(names, costs, parse_tier_shares(args.tier_share, names))
+        entries, shares = tiered_entries(names, costs, parse_tier_shares(cfg.tier_share, names))
         policy, fraction = TieredPolicy(policy, shares, reference), None
-        if args.calibration_window:
-            policy.calibrate_live(window=args.calibration_window, min_samples=min(50, args.calibration_window))
-    if fraction is not None and args.router_threshold is None and args.calibration_window:
-        policy.calibrate_live(fraction, reference=reference, window=args.calibration_window,
-                              min_samples=min(50, args.calibration_window))
-    limits = (args.max_ttft_ms, args.max_tpot_ms, args.max_queue, args.max_request_cost)
+        if cfg.calibration_window:
+            policy.calibrate_live(window=cfg.calibration_window, min_samples=min(50, cfg.calibration_window))
+    if fraction is not None and cfg.router_threshold is None and cfg.calibration_window:
+        policy.calibrate_live(fraction, reference=reference, window=cfg.calibration_window,
+                              min_samples=min(50, cfg.calibration_window))
+    limits = (cfg.max_ttft_ms, cfg.max_tpot_ms, cfg.max_queue, cfg.max_request_cost)
     slo = None
     if any(v is not None for v in limits):
-        slo = SLO(ttft_s=_seconds(args.max_ttft_ms), tpot_s=_seconds(args.max_tpot_ms),
-                  max_cost=args.max_request_cost, max_queue=args.max_queue)
-    limits = BudgetLimits(args.max_cost_per_hour, args.max_cost_per_hour_per_key, args.budget_near)
+        slo = SLO(ttft_s=_seconds(cfg.max_ttft_ms), tpot_s=_seconds(cfg.max_tpot_ms),
+                  max_cost=cfg.max_request_cost, max_queue=cfg.max_queue)
+    limits = BudgetLimits(cfg.max_cost_per_hour, cfg.max_cost_per_hour_per_key, cfg.budget_near)
     if limits.active and not any(m.cost_per_input_token or m.cost_per_output_token for m in entries):
         raise ValueError("--max-cost-per-hour needs prices: --model-cost NAME=IN,OUT")
-    if limits.max_cost_per_hour_per_key is not None and not (args.api_key or os.environ.get(API_KEY_ENV)):
+    if limits.max_cost_per_hour_per_key is not None and not api_keys:
         logger.warning("--max-cost-per-hour-per-key does nothing without API keys")
-    window = args.calibration_window or 500
+    window = cfg.calibration_window or 500
     return Router(entries, policy, slo, budget=SpendLedger(limits) if limits.active else None, share_window=window)
 
 

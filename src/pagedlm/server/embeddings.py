@@ -15,12 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from pagedlm.engine.async_engine import QueueFullError
 from pagedlm.engine.embedding_engine import EmbeddingEngine
+from pagedlm.engine.errors import EngineError
 from pagedlm.server import ollama_protocol as O
 from pagedlm.server import protocol as P
 from pagedlm.server.bridge import Bridge, reply
-from pagedlm.server.protocol import RETRY_AFTER_S, APIError
+from pagedlm.server.errors import api_error
+from pagedlm.server.protocol import APIError
 from pagedlm.server.streaming import unless_disconnected
 
 
@@ -126,9 +127,8 @@ class EmbeddingsAPI:
         try:
             await unless_disconnected(request, job)  # 499 if the client went away: the job is dropped
             vectors = job.result()
-        except QueueFullError as e:
-            raise APIError(503, str(e), type="server_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineError as e:  # queue full (503 + Retry-After), or the embedder stopped (503)
+            raise api_error(e) from None
         finally:
             job.cancel()
         return vectors, sum(len(r) for r in ids)

@@ -19,7 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagedlm.engine.async_engine import AsyncLLMEngine, StepRecord
+from pagedlm.engine.client import EngineClient, StepRecord
 
 if TYPE_CHECKING:
     from pagedlm.router import Router
@@ -66,15 +66,15 @@ _ENGINE_FAMILIES: list[tuple[type, str, str, Callable]] = [
 class _EngineCollector(Collector):
     """Each engine's stats snapshot, one sample per model (label `model_name`) in every family."""
 
-    def __init__(self, engines: Mapping[str, AsyncLLMEngine]) -> None:
+    def __init__(self, engines: Mapping[str, EngineClient]) -> None:
         self.engines = dict(engines)
 
     def collect(self):
         # with data parallelism, one sample per replica (label `replica`), else one per model
-        by_replica = any(hasattr(eng, "replicas") for eng in self.engines.values())
+        by_replica = any(eng.replicas for eng in self.engines.values())
         snaps = []
         for name, eng in self.engines.items():
-            parts = list(eng.replicas.items()) if hasattr(eng, "replicas") else [("0", eng)]
+            parts = list(eng.replicas.items()) or [("0", eng)]
             snaps += [((name, rep) if by_replica else (name,), e, e.stats) for rep, e in parts]
         labels = ["model_name", "replica"] if by_replica else ["model_name"]
 
@@ -88,7 +88,7 @@ class _EngineCollector(Collector):
             yield family(kind, name, doc, value)
         if by_replica:
             yield family(_C, "pagedlm:replica_restarts", "Times Ray restarted the replica after it died or hung.",
-                         lambda e, s: getattr(e, "restarts", 0))
+                         lambda e, s: e.restarts)
             yield family(_C, "pagedlm:replica_retries", "Requests moved to another replica after losing this one "
                                                        "before sending anything.",
                          lambda e, s: self._retries(e))
@@ -102,10 +102,11 @@ class _EngineCollector(Collector):
                     moe.add_metric([*key, str(layer), str(expert)], n)
         yield moe
 
-    def _retries(self, replica) -> int:
+    def _retries(self, replica: EngineClient) -> int:
         for eng in self.engines.values():
-            if hasattr(eng, "retries") and getattr(eng, "replicas", {}).get(replica.name) is replica:
-                return eng.retries.get(replica.name, 0)
+            for name, r in eng.replicas.items():
+                if r is replica:
+                    return eng.retries_of(name)
         return 0
 
 
@@ -201,10 +202,10 @@ class _ModelHistograms:
             self.itl.observe(v)
             self.tpot.observe(v)
         for out in rec.finished:
-            for o in out.outputs:
-                self.success.labels(self.model_name, o.finish_reason or "abort").inc()
+            for reason in out.finish_reasons:
+                self.success.labels(self.model_name, reason).inc()
             m = out.metrics
-            if m is None or any(o.finish_reason == "abort" for o in out.outputs) or m.finished_time is None:
+            if m is None or out.aborted or m.finished_time is None:
                 continue
             self.e2e.observe(m.finished_time - m.arrival_time)
             if m.first_scheduled_time is not None:
@@ -214,9 +215,9 @@ class _ModelHistograms:
                     self.prefill.observe(m.first_token_time - m.first_scheduled_time)
             if m.first_token_time is not None:
                 self.decode.observe(m.finished_time - m.first_token_time)
-            self.prompt_tokens.observe(len(out.prompt_token_ids))
-            self.generation_tokens.observe(sum(len(o.token_ids) for o in out.outputs))
-            self.params_n.observe(len(out.outputs))
+            self.prompt_tokens.observe(out.num_prompt_tokens)
+            self.generation_tokens.observe(out.num_generation_tokens)
+            self.params_n.observe(len(out.finish_reasons))
 
 
 _HISTOGRAMS = ("ttft", "itl", "tpot", "e2e", "queue", "prefill", "decode", "inference", "prompt_tokens",
@@ -227,7 +228,7 @@ class ServerMetrics:
     """Metrics of every served engine (each sample labelled `model_name`, as vLLM does), registered as step
     listeners on them; with a `router`, also its counters and gauges. `render()` gives the exposition text."""
 
-    def __init__(self, engines: Mapping[str, AsyncLLMEngine], router: Router | None = None,
+    def __init__(self, engines: Mapping[str, EngineClient], router: Router | None = None,
                  stages: StagePools | None = None) -> None:
         disable_created_metrics()  # no `_created` series (process-wide), as vLLM does
         self.registry = reg = CollectorRegistry()

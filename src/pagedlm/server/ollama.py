@@ -53,7 +53,7 @@ class OllamaAPI:
     def max_model_len(self, name: str) -> int:
         if self.front.is_routed(name):
             return self.front.route.max_model_len
-        return self.front.server(name).facade.max_model_len
+        return self.front.server(name).processor.max_model_len
 
     # --- generation ---
     async def chat(self, request: Request) -> Response:
@@ -144,7 +144,7 @@ class OllamaAPI:
 
     async def ps(self) -> Response:
         return JSONResponse({"models": [{**self._entry(n, srv), "expires_at": _EPOCH_FAR, "size_vram": 0,
-                                         "context_length": srv.facade.max_model_len}
+                                         "context_length": srv.processor.max_model_len}
                                         for n, srv in self.front.servers.items()]})
 
     async def show(self, request: Request) -> Response:
@@ -156,7 +156,7 @@ class OllamaAPI:
             raise APIError(400, f"`{name}` is the router: it chooses one of {sorted(self.front.servers)}.",
                            param="model")
         srv = self.front.server(name)
-        info = srv.facade.info
+        info = srv.processor.info
         family = _family(info.family)
         template = srv.tok.hf.chat_template or ""
         return JSONResponse({
@@ -171,7 +171,7 @@ class OllamaAPI:
         return JSONResponse({"version": __version__})
 
     def _entry(self, name: str, srv: ModelServer) -> dict[str, Any]:
-        path = srv.facade.info.model_path
+        path = srv.processor.info.model_path
         size = _size(path)
         digest = hashlib.sha256(f"{name}\0{path}\0{size}".encode()).hexdigest()  # an id, not a content hash
         return {"name": name, "model": name, "modified_at": _modified(path), "size": size, "digest": digest,
@@ -179,7 +179,7 @@ class OllamaAPI:
 
 
 def _details(srv: ModelServer) -> dict[str, Any]:
-    info = srv.facade.info
+    info = srv.processor.info
     family = _family(info.family)
     return {"parent_model": "", "format": "gguf" if info.model_path.suffix == ".gguf" else "safetensors",
             "family": family, "families": [family], "parameter_size": _parameter_size(info.num_parameters),

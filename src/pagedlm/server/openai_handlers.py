@@ -1,8 +1,8 @@
 """The OpenAI endpoints of one served model (`ModelServer`), once its model is resolved: prompts tokenized and
 checked, the request submitted to its engine, and the outputs answered as a response or an SSE stream
 (completions, chat with tool calls, logprobs), plus its tokenizer endpoints. The engine is seen only through
-its `EngineFacade` (facts, chat template, admission and parameter checks) and `EngineClient`'s public
-methods."""
+its `EngineClient` contract: its `InputProcessor` (facts, chat template, the request checks, which build the
+`EngineRequest`), `submit`, and the `EngineOutput` deltas of its streams, which the responses append."""
 from __future__ import annotations
 
 import asyncio
@@ -16,25 +16,22 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedlm.engine.admission import AdmissionError
-from pagedlm.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    QueueFullError,
-    RequestStream,
-)
+from pagedlm.engine.client import EngineClient, RequestStream
+from pagedlm.engine.errors import EngineError
+from pagedlm.engine.protocol import CompletionDelta, EngineOutput, EngineRequest
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedlm.sampling.detokenizer import held_back
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import protocol as P
+from pagedlm.server.errors import api_error
 from pagedlm.server.limits import RequestLimits, check_fan_out, check_prompt_logprobs
-from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable
+from pagedlm.server.protocol import APIError
 from pagedlm.server.stages import StagePools
 from pagedlm.server.streaming import (
     ChoiceState,
     EventStream,
+    StreamUsage,
     abort_all,
-    advance,
     collect,
     event,
     first_outputs,
@@ -57,13 +54,13 @@ class ModelServer(TokenizerEndpoints):
     `routed` requests also wait, when streaming, for the first outputs before the response starts, so that a
     failure then is still `Unavailable`."""
 
-    def __init__(self, engine: AsyncLLMEngine, name: str, max_prompts_per_request: int = 256,
+    def __init__(self, engine: EngineClient, name: str, max_prompts_per_request: int = 256,
                  prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None,
                  limits: RequestLimits = RequestLimits(), stages: StagePools | None = None) -> None:
         self.engine, self.name, self.limits = engine, name, limits
         self.stages = stages or StagePools()
-        self.facade, self.tool_parser, self.created = engine.facade, tool_parser, int(time.time())
-        self.tok = self.facade.tokenizer
+        self.processor, self.tool_parser, self.created = engine.input_processor, tool_parser, int(time.time())
+        self.tok = self.processor.tokenizer
         self.max_prompts_per_request, self.prefix_cache_per_key = max_prompts_per_request, prefix_cache_per_key
 
     def _cache_salt(self, request: Request, req: P.SamplingRequest) -> str | None:
@@ -75,8 +72,8 @@ class ModelServer(TokenizerEndpoints):
         return tenant if req.cache_salt is None else f"{tenant}:{req.cache_salt}"
 
     def model_card(self) -> P.ModelCard:
-        return P.ModelCard(id=self.name, created=self.created, root=self.facade.model_path.name,
-                           max_model_len=self.facade.max_model_len)
+        return P.ModelCard(id=self.name, created=self.created, root=self.processor.model_path.name,
+                           max_model_len=self.processor.max_model_len)
 
     # --- completions ---
     async def completions(self, request: Request, req: P.CompletionRequest, arrival: float,
@@ -87,12 +84,11 @@ class ModelServer(TokenizerEndpoints):
                                      if req.prompt_logprobs is not None else k if req.echo else None)
         copies = (req.prompt_logprobs is not None) + (req.echo and k is not None)
         check_prompt_logprobs([len(p.token_ids) for p in prompts], params, params.n * copies)
-        self.limits.check_logprobs([len(p.token_ids) for p in prompts], params, self.facade.max_model_len)
-        self._check_admission([len(p.token_ids) for p in prompts], params)
+        self.limits.check_logprobs([len(p.token_ids) for p in prompts], params, self.processor.max_model_len)
+        self._check_params([len(p.token_ids) for p in prompts], params)
         await self._prepare(req, params)
         rid = rid or f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, [p.token_ids for p in prompts], params, req.priority, arrival,
-                                     self._cache_salt(request, req))
+        streams = await self._submit(rid, prompts, params, req.priority, arrival, self._cache_salt(request, req))
         if req.stream:
             return await self._event_stream(request, streams, routed,
                                             self._completion_events(req, rid, prompts, streams, params))
@@ -115,34 +111,35 @@ class ModelServer(TokenizerEndpoints):
             raise APIError(400, f"A request may hold at most {self.engine.max_waiting} prompts.", param="prompt")
         check_fan_out(len(prompt), req, self.max_prompts_per_request)
         self.limits.check_text_prompts(prompt)
-        out = await self.stages.run("tokenize", lambda: [
-            _Prompt(self.tok.encode(p), p) if isinstance(p, str) else _Prompt(list(p)) for p in prompt])
+        tokenized = await self.stages.run("tokenize", lambda: [self.processor.tokenize(p) for p in prompt])
+        out = [_Prompt(ids, text) for text, ids in tokenized]
         for p in out:
             self._check_prompt(p.token_ids)
         return out
 
     def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise APIError(400, "The prompt is empty.", param="prompt")
-        if len(ids) >= self.facade.max_model_len:
-            raise APIError(400, f"The prompt has {len(ids)} tokens; this model's maximum context length is "
-                                f"{self.facade.max_model_len} tokens, including at least one generated token.",
-                           param="prompt", code="context_length_exceeded")
-
-    def _check_admission(self, prompt_lens: list[int], params: SamplingParams) -> None:
-        """Refuse requests the engine could never finish even alone (the engine's own admission check)."""
         try:
-            self.facade.check_admission(prompt_lens, params)
-        except AdmissionError as e:
-            raise APIError(400, str(e), param=e.param, code=e.code) from None
+            self.processor.check_prompt(ids)
+        except EngineError as e:
+            raise api_error(e) from None
+
+    def _check_params(self, prompt_lens: list[int], params: SamplingParams) -> None:
+        """The engine's limits, and admission: refuse what the engine could never finish even alone."""
+        try:
+            self.processor.check_params(params, prompt_lens)
+        except EngineError as e:
+            raise api_error(e) from None
 
     def _echo_text(self, prompt: _Prompt) -> str:
         return prompt.text if prompt.text is not None else self.tok.decode(prompt.token_ids, skip_special_tokens=False)
 
     def _completion_choice(self, index: int, req: P.CompletionRequest, params: SamplingParams, prompt: _Prompt,
-                           out: RequestOutput, o: CompletionOutput, state: ChoiceState) -> P.CompletionChoice:
-        """The choice for what `state` has not sent yet of `o` (all of it, echo included, for a fresh state)."""
-        text, t0, t1 = advance(state, o, params.stop)
+                           out: RequestOutput | EngineOutput, o: CompletionOutput | CompletionDelta,
+                           state: ChoiceState) -> P.CompletionChoice:
+        """The choice for `o`: a whole sample (of a RequestOutput), or what a streamed delta adds; echo first (the
+        prompt logprobs come with the request's first output)."""
+        state.done = o.finish_reason is not None
+        text = o.text
         echo, state.echoed = req.echo and not state.echoed, True
         logprobs = None
         if req.logprobs is not None:
@@ -156,8 +153,8 @@ class ModelServer(TokenizerEndpoints):
                 logprobs = P.CompletionLogprobs(tokens=list(head.tokens), token_logprobs=list(head.token_logprobs),
                                                 top_logprobs=list(head.top_logprobs),
                                                 text_offset=list(head.text_offset))
-            state.text_offset = self._add_completion_logprobs(logprobs, o.token_ids[t0:t1],
-                                                              (o.logprobs or [])[t0:t1], state.text_offset)
+            state.text_offset = self._add_completion_logprobs(logprobs, o.token_ids, o.logprobs or [],
+                                                              state.text_offset)
         if echo:
             text = self._echo_text(prompt) + text
         return P.CompletionChoice(index=index, text=text, logprobs=logprobs,
@@ -184,21 +181,21 @@ class ModelServer(TokenizerEndpoints):
                                  streams: list[RequestStream], params: SamplingParams) -> AsyncIterator[str]:
         created, n = int(time.time()), params.n
         states = [ChoiceState() for _ in range(len(prompts) * n)]
-        latest: list[RequestOutput | None] = [None] * len(prompts)
+        usage = StreamUsage([len(p.token_ids) for p in prompts])
         async for i, out in merge(streams):
-            latest[i] = out
+            usage.add(i, out)
             for o in out.outputs:
                 st = states[i * n + o.index]
                 if st.done:
                     continue
                 choice = self._completion_choice(i * n + o.index, req, params, prompts[i], out, o, st)
                 if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
-                    usage = _usage(latest) if req.continuous_usage and req.include_usage else None
-                    yield event(P.CompletionResponse(id=rid, created=created, model=self.name,
-                                                      choices=[choice], usage=usage))
+                    yield event(P.CompletionResponse(id=rid, created=created, model=self.name, choices=[choice],
+                                                      usage=usage.info() if req.continuous_usage and
+                                                      req.include_usage else None))
         if req.include_usage:
             yield event(P.CompletionResponse(id=rid, created=created, model=self.name, choices=[],
-                                              usage=_usage(latest)))
+                                              usage=usage.info()))
 
     # --- chat ---
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest, arrival: float,
@@ -221,13 +218,15 @@ class ModelServer(TokenizerEndpoints):
             except ValueError as e:
                 raise APIError(400, f"The tools' call grammar: {e}", param="tools") from None
         check_prompt_logprobs([len(ids)], params, 1)
-        self.limits.check_logprobs([len(ids)], params, self.facade.max_model_len)
-        self._check_admission([len(ids)], params)
+        self.limits.check_logprobs([len(ids)], params, self.processor.max_model_len)
+        self._check_params([len(ids)], params)
         await self._prepare(req, params)
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, [ids], params, req.priority, arrival, self._cache_salt(request, req))
+        streams = await self._submit(rid, [_Prompt(ids)], params, req.priority, arrival,
+                                     self._cache_salt(request, req))
         if req.stream:
-            return await self._event_stream(request, streams, routed, self._chat_events(req, rid, streams, params))
+            return await self._event_stream(request, streams, routed,
+                                            self._chat_events(req, rid, streams, params, len(ids)))
         (out,) = await collect(request, streams)
         choices = []
         for o in out.outputs:
@@ -259,53 +258,52 @@ class ModelServer(TokenizerEndpoints):
         return P.ChatLogprobs(content=content)
 
     async def _chat_events(self, req: P.ChatCompletionRequest, rid: str, streams: list[RequestStream],
-                           params: SamplingParams) -> AsyncIterator[str]:
+                           params: SamplingParams, prompt_len: int) -> AsyncIterator[str]:
         created, n = int(time.time()), params.n
         k = (req.top_logprobs or 0) if req.logprobs else None
-        stops = params.stop
         states = [ChoiceState() for _ in range(n)]
-        latest: list[RequestOutput | None] = [None]
+        usage = StreamUsage([prompt_len])
 
         def chunk(index: int, delta: P.DeltaMessage, **kw: Any) -> str:
-            usage = _usage(latest) if req.continuous_usage and req.include_usage else None
-            return event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, usage=usage,
+            return event(P.ChatCompletionChunk(id=rid, created=created, model=self.name,
+                                                usage=usage.info() if req.continuous_usage and req.include_usage
+                                                else None,
                                                 choices=[P.ChatStreamChoice(index=index, delta=delta, **kw)]))
 
         for j in range(n):
             yield chunk(j, P.DeltaMessage(role="assistant", content=""))
         async for _, out in merge(streams):
-            latest[0] = out
+            usage.add(0, out)
             for o in out.outputs:
                 st = states[o.index]
                 if st.done:
                     continue
                 if req.tools_active:
-                    for ev in self._tool_events(st, o, stops, chunk):
+                    for ev in self._tool_events(st, o, chunk):
                         yield ev
                     continue
-                text, t0, t1 = advance(st, o, stops)
-                lps = None
-                if k is not None and t1 > t0:
-                    lps = self._chat_logprobs(o.token_ids[t0:t1], (o.logprobs or [])[t0:t1], k)
-                if text or lps:
-                    yield chunk(o.index, P.DeltaMessage(content=text), logprobs=lps)
+                st.done = o.finish_reason is not None
+                lps = self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None and o.token_ids else None
+                if o.text or lps:
+                    yield chunk(o.index, P.DeltaMessage(content=o.text), logprobs=lps)
                 if st.done:
                     yield chunk(o.index, P.DeltaMessage(), finish_reason=o.finish_reason, stop_reason=o.stop_reason)
         if req.include_usage:
             yield event(P.ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[],
-                                               usage=_usage(latest)))
+                                               usage=usage.info()))
 
-    def _tool_events(self, st: ChoiceState, o: CompletionOutput, stops: list[str],
-                     chunk: Callable[..., str]) -> list[str]:
+    def _tool_events(self, st: ChoiceState, o: CompletionDelta, chunk: Callable[..., str]) -> list[str]:
         """Stream events of one choice when tools are offered: content up to the first tool call as it comes
-        (a possible start of `<tool_call>` held back), then, once the output is complete, its calls in one
-        `delta.tool_calls` and finish_reason "tool_calls"."""
-        parser, text = self.tool_parser, o.text
+        (a possible start of `<tool_call>` held back; stop strings are the engine's), then, once the output is
+        complete, its calls in one `delta.tool_calls` and finish_reason "tool_calls"."""
+        parser = self.tool_parser
+        st.text += o.text  # the whole answer: its calls are parsed at the end
+        text = st.text
         st.done = o.finish_reason is not None
-        cut = text.find(parser.start)
+        cut = text.find(parser.start, max(0, st.sent_chars - len(parser.start) + 1))
         events = []
         if not st.done:
-            end = cut if cut != -1 else len(text) - held_back(text, [parser.start, *stops])
+            end = cut if cut != -1 else len(text) - held_back(text, [parser.start])
             end = max(end, st.sent_chars)
             if end > st.sent_chars:
                 events.append(chunk(o.index, P.DeltaMessage(content=text[st.sent_chars:end])))
@@ -327,23 +325,21 @@ class ModelServer(TokenizerEndpoints):
 
     async def _prepare(self, req: P.SamplingRequest, params: SamplingParams) -> None:
         """Token controls checked against the vocabulary (tokenize stage) and the constraint compiled (grammar stage,
-        kept on `params`) on worker threads, so that the engine thread finds it compiled; 400 naming the problem."""
+        kept on `params`) on worker threads, so that the engine thread finds it compiled; 400 naming the field (a
+        constraint's: the request field it came from)."""
         try:
             stage = "tokenize" if params.structured_outputs is None else "grammar"
-            await self.stages.run(stage, self.facade.prepare_params, params)
-        except ValueError as e:
-            fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words", "tools")
-            param = next((f for f in fields if str(e).startswith(f)), None) \
-                or next((f for f in fields if getattr(req, f, None) is not None), None)
-            raise APIError(400, str(e), param=param) from None
+            await self.stages.run(stage, self.processor.prepare_params, params)
+        except EngineError as e:
+            raise api_error(e, _constraint_field(req) if e.param == "structured_outputs" else None) from None
 
     # --- submission ---
-    async def _submit(self, rid: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+    async def _submit(self, rid: str, prompts: list[_Prompt], params: SamplingParams, priority: int,
                       arrival: float, cache_salt: str | None = None) -> list[RequestStream]:
         """Queue every prompt or none: on any refusal the accepted ones are aborted and the error raised."""
         ids = request_ids(rid, len(prompts))
-        streams = [self.engine.submit(i, p, params, priority, arrival, cache_salt) for i, p in zip(ids, prompts)]
+        streams = [self.engine.submit(EngineRequest(i, p.token_ids, params, p.text, arrival, priority, cache_salt))
+                   for i, p in zip(ids, prompts)]
         try:
             results = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)
         except BaseException:
@@ -354,14 +350,7 @@ class ModelServer(TokenizerEndpoints):
             return streams
         abort_all(streams)
         e = errors[0]
-        if isinstance(e, QueueFullError):
-            raise Unavailable(503, str(e), type="server_error", code="queue_full",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
-        if isinstance(e, EngineDeadError):
-            raise Unavailable(503, str(e), type="server_error")
-        if isinstance(e, ValueError):
-            raise APIError(400, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
-        raise e
+        raise api_error(e) if isinstance(e, EngineError) else e
 
     async def _event_stream(self, request: Request, streams: list[RequestStream], routed: bool,
                             events: AsyncIterator[str]) -> EventStream:
@@ -369,6 +358,13 @@ class ModelServer(TokenizerEndpoints):
         if routed:
             await first_outputs(request, streams)
         return EventStream(events, streams, self.engine.stall_timeout)
+
+def _constraint_field(req: P.SamplingRequest) -> str | None:
+    """The request field an output constraint came from (tools: the call grammar of a forced tool choice)."""
+    fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar", "tools")
+    return next((f for f in fields if getattr(req, f, None) is not None), None)
+
 
 def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None]:
     return [None if entry is None else {str(t): P.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,

@@ -262,7 +262,7 @@ class ChatMessage(Request):
         return self.content or ""
 
     def template_message(self) -> dict[str, Any]:
-        """The message as the chat template gets it (EngineFacade.render_chat): role, text, name, tool fields."""
+        """The message as the chat template gets it (InputProcessor.render_chat): role, text, name, tool fields."""
         msg: dict[str, Any] = {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id

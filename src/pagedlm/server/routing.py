@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pagedlm.engine.async_engine import AsyncLLMEngine, StepRecord
+from pagedlm.engine.client import EngineClient, StepRecord
 from pagedlm.router import BudgetExceededError, Decision, LoadStats, Router
 
 DEFAULT_ROUTE_NAME = "auto"
@@ -28,7 +28,7 @@ class LoadTracker:
     """An engine's `LoadStats`: its latest stats snapshot plus the mean TTFT and inter-token latency of the last
     `window_s` seconds (None when nothing came out lately, so an idle model is not judged by old samples)."""
 
-    def __init__(self, engine: AsyncLLMEngine, window_s: float = 30.0) -> None:
+    def __init__(self, engine: EngineClient, window_s: float = 30.0) -> None:
         self.engine, self.window_s = engine, window_s
         self._ttft: deque[tuple[float, float]] = deque(maxlen=256)
         self._itl: deque[tuple[float, float]] = deque(maxlen=1024)
@@ -67,7 +67,7 @@ class AutoRoute:
     """Requests for model `name` go where `router` decides among `engines` (every router model must be
     served). `route` / `fallback` raise NoCandidateError when no model can take the request."""
 
-    def __init__(self, router: Router, engines: Mapping[str, AsyncLLMEngine], name: str = DEFAULT_ROUTE_NAME) -> None:
+    def __init__(self, router: Router, engines: Mapping[str, EngineClient], name: str = DEFAULT_ROUTE_NAME) -> None:
         missing = sorted(set(router.models) - set(engines))
         if missing:
             raise ValueError(f"the router names models that are not served: {missing}")
@@ -124,8 +124,8 @@ class AutoRoute:
                 entry = self._in_flight.pop(out.request_id, None)
                 if entry is None:
                     continue
-                entry.prompt_tokens += len(out.prompt_token_ids)
-                entry.completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+                entry.prompt_tokens += out.num_prompt_tokens
+                entry.completion_tokens += out.num_generation_tokens
                 entry.prompts_left -= 1
                 if entry.prompts_left == 0:
                     done.append(entry)

@@ -1,6 +1,7 @@
-"""Streaming plumbing between engine streams and HTTP responses: merging a request's streams, collecting the
-final outputs, aborting on client disconnect, what of a choice is not yet sent, and the SSE response (which
-closes a stream its client stopped reading)."""
+"""Streaming plumbing between engine streams and HTTP responses: merging a request's streams of `EngineOutput`
+deltas, collecting each stream's whole `RequestOutput`, aborting on client disconnect, a choice's and a stream's
+state (what was sent, usage so far), and the SSE response (which closes a stream its client stopped reading).
+The engine cuts stop strings and holds back what could still become one: a response only appends deltas."""
 from __future__ import annotations
 
 import asyncio
@@ -16,10 +17,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from pagedlm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from pagedlm.outputs import CompletionOutput, RequestOutput
-from pagedlm.sampling.detokenizer import held_back
-from pagedlm.server.protocol import APIError, Unavailable
+from pagedlm.engine.client import RequestStream
+from pagedlm.engine.errors import EngineError
+from pagedlm.engine.protocol import EngineOutput
+from pagedlm.outputs import RequestOutput
+from pagedlm.server.errors import api_error
+from pagedlm.server.protocol import APIError, UsageInfo
 
 logger = logging.getLogger(__name__)
 DONE = "data: [DONE]\n\n"
@@ -27,24 +30,32 @@ DONE = "data: [DONE]\n\n"
 
 @dataclass
 class ChoiceState:
-    """What of one choice was sent so far."""
+    """What a streamed choice needs between its deltas: the echo sent, the completion logprobs' text offset, its
+    end; with tools, its text so far and how much of it was sent (calls are parsed from the whole answer)."""
 
-    sent_chars: int = 0
-    sent_tokens: int = 0
     text_offset: int = 0
     echoed: bool = False
     done: bool = False
+    text: str = ""
+    sent_chars: int = 0
 
 
-def advance(st: ChoiceState, o: CompletionOutput, stops: list[str]) -> tuple[str, int, int]:
-    """Text and token range of `o` not yet sent. Unfinished text that could still grow into a stop string is
-    held back, so nothing sent is later cut; returns (text delta, first new token, end of new tokens)."""
-    st.done = o.finish_reason is not None
-    end = len(o.text) if st.done else max(len(o.text) - held_back(o.text, stops), st.sent_chars)
-    text = o.text[st.sent_chars:end]
-    t0, t1 = st.sent_tokens, len(o.token_ids)
-    st.sent_chars, st.sent_tokens = end, t1
-    return text, t0, t1
+class StreamUsage:
+    """A streamed response's token usage so far: each prompt's tokens once its stream has an output, and every
+    generated token."""
+
+    def __init__(self, prompt_lens: list[int]) -> None:
+        self.prompt_lens, self.started = prompt_lens, [False] * len(prompt_lens)
+        self.completion_tokens = 0
+
+    def add(self, i: int, out: EngineOutput) -> None:
+        self.started[i] = True
+        self.completion_tokens += out.num_new_tokens
+
+    def info(self) -> UsageInfo:
+        prompt = sum(n for n, seen in zip(self.prompt_lens, self.started) if seen)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt + self.completion_tokens)
 
 
 def abort_all(streams: list[RequestStream]) -> None:
@@ -52,8 +63,8 @@ def abort_all(streams: list[RequestStream]) -> None:
         s.abort()
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Newest outputs of all streams as (stream index, output), in arrival order; ends when all finished."""
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, EngineOutput]]:
+    """The outputs of all streams as (stream index, output), in arrival order; ends when all finished."""
     if len(streams) == 1:
         while not streams[0].finished:
             try:
@@ -84,13 +95,12 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
 
 
 async def collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-    """The final outputs; aborts everything if the client disconnects first."""
+    """Each stream's whole output; aborts everything if the client disconnects first. Nothing reaches the client
+    before the end (`RequestStream.result`): a lost replica's request may be retried."""
     finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
-    for s in streams:
-        s.buffered = True  # nothing reaches the client before the end: a lost replica's request may be retried
 
     async def run() -> None:
-        async for i, out in merge(streams):
+        for i, out in enumerate(await asyncio.gather(*(s.result() for s in streams))):
             finals[i] = out
 
     try:
@@ -110,7 +120,7 @@ async def first_outputs(request: Request, streams: list[RequestStream]) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[Any]) -> None:
-    """Await `work`; 499 if the client disconnects first, `Unavailable` (500) if the engine fails it."""
+    """Await `work`; 499 if the client disconnects first; the engine's error (server/errors.py) if it fails it."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -127,8 +137,8 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> None:
         raise APIError(499, "The client disconnected.")
     try:
         task.result()
-    except (RequestFailedError, EngineDeadError) as e:
-        raise Unavailable(500, str(e), type="server_error") from None
+    except EngineError as e:
+        raise api_error(e) from None
 
 
 def event(model: BaseModel) -> str:
@@ -146,8 +156,8 @@ async def until_done(events: AsyncIterator[str], streams: list[RequestStream]) -
         async for ev in events:
             yield ev
         yield DONE
-    except (RequestFailedError, EngineDeadError) as e:
-        yield event_error(APIError(500, str(e), type="server_error"))
+    except EngineError as e:
+        yield event_error(api_error(e))
         yield DONE
     finally:
         abort_all(streams)

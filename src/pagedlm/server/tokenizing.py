@@ -6,8 +6,10 @@ import json
 
 from fastapi.responses import Response
 
-from pagedlm.engine.facade import ChatTemplateError, EngineFacade
+from pagedlm.engine.errors import ChatTemplateError
+from pagedlm.engine.input_processor import InputProcessor
 from pagedlm.server import protocol as P
+from pagedlm.server.errors import api_error
 from pagedlm.server.limits import RequestLimits
 from pagedlm.server.protocol import APIError
 from pagedlm.server.wire import json_response
@@ -16,15 +18,16 @@ TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
 
 
 class TokenizerEndpoints:
-    """Part of `ModelServer`: needs its `facade`, `tok` (the facade's tokenizer) and `limits`."""
+    """Part of `ModelServer`: needs its `processor` (the engine's InputProcessor), `tok` (its tokenizer) and
+    `limits`."""
 
-    facade: EngineFacade
+    processor: InputProcessor
     limits: RequestLimits
     tool_template: str | None = None  # the template requests with tools are rendered with (None: the model's)
 
     def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-        """The prompt's token ids, as the engine's chat template renders the messages (EngineFacade.render_chat)."""
+        """The prompt's token ids, as the engine's chat template renders the messages (InputProcessor.render_chat)."""
         text = self._render_chat(messages, add_generation_prompt, tools, template_kwargs)
         return self.tok.encode(text, add_special_tokens=False)
 
@@ -44,10 +47,10 @@ class TokenizerEndpoints:
         rendered characters before anything tokenizes them."""
         self.limits.check_messages(len(messages))
         try:
-            text = self.facade.render_chat([m.template_message() for m in messages], add_generation_prompt, tools,
-                                           self.tool_template if tools else None, template_kwargs)
+            text = self.processor.render_chat([m.template_message() for m in messages], add_generation_prompt,
+                                              tools, self.tool_template if tools else None, template_kwargs)
         except ChatTemplateError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise api_error(e) from None
         self.limits.check_prompt_chars(text, "messages")
         return text
 
@@ -63,7 +66,7 @@ class TokenizerEndpoints:
             self.limits.check_prompt_chars(text, "prompt")
         ids = self.tok.encode(text, add_special_tokens=add_special)
         strs = [t or "" for t in self.tok.hf.convert_ids_to_tokens(ids)] if req.return_token_strs else None
-        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.facade.max_model_len, tokens=ids,
+        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=self.processor.max_model_len, tokens=ids,
                                         token_strs=strs))
 
     def detokenize(self, req: P.DetokenizeRequest) -> Response:
@@ -85,6 +88,6 @@ class TokenizerEndpoints:
             info[key] = value
         info.update(tokenizer_class=type(hf).__name__, eos_token=hf.eos_token, bos_token=hf.bos_token,
                     pad_token=hf.pad_token, unk_token=hf.unk_token, chat_template=hf.chat_template,
-                    model_max_length=self.facade.max_model_len, vocab_size=len(hf),
-                    eos_token_ids=sorted(self.facade.eos_token_ids))
+                    model_max_length=self.processor.max_model_len, vocab_size=len(hf),
+                    eos_token_ids=sorted(self.processor.eos_token_ids))
         return info

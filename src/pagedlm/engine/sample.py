@@ -1,0 +1,215 @@
+"""A step's tokens, from its logits: prompt logprobs recorded, the `n` samples of a request forked after its
+prefill, beam searches advanced (sampling/beam_search.py), the other rows sampled in one batch with their grammar
+masks (started before the forward pass, sampling/structured.py), and each token appended and checked for a stop.
+A request that fails any of this fails alone (`fail`): the rest of the batch goes on."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from pagedlm.engine.errors import failed
+from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.engine.scheduler import Scheduler
+from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedlm.engine.step import SampleRow, StepContext
+from pagedlm.outputs import PositionLogprobs
+from pagedlm.sampling.beam_search import plan_beam_step
+from pagedlm.sampling.sampler import Sampler, SamplingRow
+from pagedlm.sampling.structured import MaskPrefetcher, StructuredOutputError, StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+class StepSampler:
+    """Turns one step's logits into tokens on its requests' sequences (`sample`). `new_seq(req, index)` makes a
+    request's sample `index` (the engine's: its generator and detokenizer)."""
+
+    def __init__(self, scheduler: Scheduler, sampler: Sampler, output_processor: OutputProcessor,
+                 masks: MaskPrefetcher, new_seq: Callable[[Request, int], Sequence]) -> None:
+        self.scheduler, self.bm = scheduler, scheduler.block_manager
+        self.sampler, self.output_processor, self.masks = sampler, output_processor, masks
+        self.new_seq = new_seq
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        return self.masks.manager()
+
+    # --- before the forward pass --------------------------------------------------------------------------
+    def start_masks(self, ctx: StepContext) -> None:
+        """Start the grammar masks of the sequences this step samples for, on the mask thread, so that they
+        overlap the forward pass. Sequences without a matcher yet get one (fresh, replayed over their output)."""
+        matchers = {}
+        for row in ctx.batch.samples:
+            p = row.request.params
+            if p.structured_outputs is None or p.max_tokens == 0 or row.request.beam is not None:
+                continue
+            try:
+                if row.seq.matcher is None:
+                    row.seq.matcher = self.structured.replay(p._grammar, row.seq.output_token_ids)
+                matchers[row.seq.seq_id] = row.seq.matcher
+            except Exception as e:  # noqa: BLE001 - isolate the request (failed once the batch has run)
+                ctx.mask_errors.append((row.request, e))
+        ctx.masks = self.masks.start(matchers)
+
+    # --- after it ---------------------------------------------------------------------------------------
+    def sample(self, ctx: StepContext, logits: torch.Tensor) -> None:
+        for req, e in ctx.mask_errors:
+            self.fail(ctx, req, e)
+        for row in ctx.batch.prompt_logprobs:
+            try:
+                self.output_processor.add_prompt_logprobs(row.request, logits[row.rows], row.first, row.end)
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self.fail(ctx, row.request, e)
+        rows, targets, index = [], [], []
+        beams: dict[str, list[SampleRow]] = {}
+        for row in ctx.batch.samples:
+            req = row.request
+            if req.request_id in ctx.failed:
+                continue
+            if req.beam is not None:
+                beams.setdefault(req.request_id, []).append(row)
+                continue
+            try:
+                seqs = self._fork_samples(req, row.seq)
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self.fail(ctx, req, e)
+                continue
+            if req.params.max_tokens == 0:  # scoring only (echo + prompt_logprobs): every sample ends empty
+                for seq in seqs:
+                    self.output_processor.finish_text(seq)
+                    ctx.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                ctx.touched[req.request_id] = req
+                continue
+            for seq in seqs:
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator))
+                targets.append((req, seq))
+                index.append(row.index)
+        self._fill_masks(ctx, rows, targets)
+        for beam_rows in beams.values():
+            req = beam_rows[0].request
+            try:
+                self._beam_step(ctx, req, beam_rows, logits)
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self.fail(ctx, req, e)
+        if not rows:
+            return
+        if index != list(range(logits.shape[0])):  # else every row once, in order: no copy of the logits
+            logits = logits[index]
+        tokens, chosen, top = self._sample_rows(ctx, logits, rows, targets)
+        for k, (req, seq) in enumerate(targets):
+            if req.request_id in ctx.failed:
+                continue
+            try:
+                self._append_token(ctx, req, seq, tokens[k], chosen[k], top[k])
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self.fail(ctx, req, e)
+
+    def fail(self, ctx: StepContext, req: Request, error: Exception) -> None:
+        """End one request of the step with an error (its blocks freed); the other requests go on."""
+        if req.request_id in ctx.failed:
+            return
+        logger.error("Request %s failed (%s: %s); the rest of the batch goes on", req.request_id,
+                     type(error).__name__, error, exc_info=error)
+        self.scheduler.finish(ctx.finished)  # its samples that ended before it failed keep their finish reason
+        ctx.finished.clear()
+        self.scheduler.abort_request(req.request_id)
+        ctx.failed[req.request_id] = (req, failed(req.request_id, error, isinstance(error, StructuredOutputError)))
+
+    def _fork(self, req: Request, parent: Sequence) -> Sequence:
+        """A new sample of `req` that continues `parent`: its tokens, score and grammar state, sharing all its
+        KV blocks (copied on write). Forks the `n` samples after the prefill, and beams chosen twice. The parent
+        was sampled for in this step, so all its tokens are computed once the step is done, and the child's too."""
+        child = self.new_seq(req, len(req.seqs))
+        child.output_token_ids = list(parent.output_token_ids)
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.num_computed_tokens = parent.num_tokens
+        child.status = SequenceStatus.RUNNING
+        if parent.matcher is not None:
+            child.matcher = parent.matcher.deep_copy()
+        self.bm.fork(parent, child)
+        req.seqs.append(child)
+        return child
+
+    def _fork_samples(self, req: Request, seq: Sequence) -> list[Sequence]:
+        """The sequences a request samples for: its first sample fans out into `n`."""
+        if req.forked:
+            return [seq]
+        req.forked = True
+        return [seq] + [self._fork(req, seq) for _ in range(1, req.params.n)]
+
+    def _fill_masks(self, ctx: StepContext, rows: list[SamplingRow], targets: list[tuple[Request, Sequence]]) -> None:
+        """Each constrained row's grammar bitmask: from the masks started before the forward pass, plus (in one
+        call) those of sequences forked in this step."""
+        late = []
+        for k, (_, seq) in enumerate(targets):
+            bitmask = ctx.masks.get(seq.seq_id) if ctx.masks is not None else None
+            if bitmask is not None:
+                rows[k].bitmask = bitmask
+            elif seq.matcher is not None:
+                late.append(k)
+        if late:
+            extra = self.masks.fill([targets[k][1].matcher for k in late])
+            for j, k in enumerate(late):
+                rows[k].bitmask = extra[j]
+
+    def _sample_rows(self, ctx: StepContext, logits: torch.Tensor, rows: list[SamplingRow],
+                     targets: list[tuple[Request, Sequence]]) -> tuple[list, list, list]:
+        """The sampler over the whole batch; if it raises, again per request, so that only the requests it
+        fails for fail (their rows come back as None)."""
+        try:
+            out = self.sampler(logits, rows)
+            return out.token_ids, out.logprobs, out.top_logprobs
+        except Exception:  # noqa: BLE001 - find the culprit below
+            logger.warning("Batched sampling failed; sampling request by request", exc_info=True)
+        tokens, logprobs, top = [None] * len(rows), [None] * len(rows), [None] * len(rows)
+        groups: dict[str, list[int]] = {}
+        for k, (req, _) in enumerate(targets):
+            groups.setdefault(req.request_id, []).append(k)
+        for ks in groups.values():
+            req = targets[ks[0]][0]
+            try:
+                out = self.sampler(logits[ks], [rows[k] for k in ks])
+            except Exception as e:  # noqa: BLE001 - isolate the request
+                self.fail(ctx, req, e)
+                continue
+            for j, k in enumerate(ks):
+                tokens[k], logprobs[k], top[k] = out.token_ids[j], out.logprobs[j], out.top_logprobs[j]
+        return tokens, logprobs, top
+
+    def _append_token(self, ctx: StepContext, req: Request, seq: Sequence, token: int, logprob: float,
+                      top: PositionLogprobs | None) -> None:
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            error = (seq.matcher.get_error() or "").strip().splitlines()
+            raise StructuredOutputError(f"The constraint stopped at output token {len(seq.output_token_ids)}: "
+                                        f"{error[0] if error else token}")
+        seq.output_token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if top is not None:
+            seq.unsent_logprobs.append(self.output_processor.decode_logprobs(top))
+        ctx.token_generated(req)
+        status = self.output_processor.check_stop(req, seq, token)
+        if status is None and seq.matcher is not None and seq.matcher.is_stopped():
+            self.output_processor.finish_text(seq)  # the grammar allows nothing more
+            status = SequenceStatus.FINISHED_STOPPED
+        if status is not None:
+            ctx.finish(seq, status)
+
+    def _beam_step(self, ctx: StepContext, req: Request, rows: list[SampleRow], logits: torch.Tensor) -> None:
+        """Advance a beam search by one token: the chosen continuations reuse their parent's sequence, or fork it
+        (sharing all its blocks) when a parent is chosen twice; unchosen beams finish (freeing their blocks)."""
+        parents = [row.seq for row in rows]
+        step = plan_beam_step(req.beam, logits[[row.index for row in rows]],
+                              [p.cumulative_logprob for p in parents], [p.output_token_ids for p in parents])
+        ctx.token_generated(req, len(parents))
+        targets = [(self._fork(req, parents[i]) if forked else parents[i], cand)
+                   for i, cand, forked in step.continued]
+        for i in step.ended:
+            ctx.finish(parents[i], SequenceStatus.FINISHED_STOPPED)
+        for seq, cand in targets:
+            seq.output_token_ids.append(cand.token)
+            seq.cumulative_logprob = cand.logprob
+        req.seqs = [seq for seq, _ in targets] or parents
+        if req.beam.done:  # nothing was chosen: every beam finished above
+            req.beam_outputs = self.output_processor.beam_outputs(req)
