@@ -139,6 +139,8 @@ struct GgufX16 {
 };
 
 #ifdef PAGEDLM_AVX2
+constexpr int PF_BLOCKS = 8;  // blocks ahead that gguf_x16_rows prefetches (2 KB of 4-bit codes)
+
 // Rows m0 + i0 .. m0 + i0 + R of x against H halves of tile n0 / 16 from half h0, over blocks b0 .. b1, the
 // outputs' partial sums continuing from y (b0 > 0). vpmaddubsw over |w| and x with w's sign (pair sums in 16 bits:
 // |w| <= 16 for the Q5 formats, 32 for Q6_K, whose halves accumulate apart; Q8_0's go to 32 bits at once).
@@ -155,8 +157,10 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
     for (int h = 0; h < H; ++h)
       f[i][h] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * (h0 + h));
   for (int b = b0; b < b1; ++b) {
-    if (i0 == 0 && h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w.codes + int64_t(b) * w.code_bytes()) +
-                                         PF_BYTES, _MM_HINT_T0);
+    if (i0 == 0 && h0 == 0) {  // the block PF_BLOCKS ahead, every line of its codes and high bits
+      prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
+      if (w.planes) prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
+    }
     const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
     __m256i a0[R][H], a1[R][H];  // 16-bit pair sums (a1: Q6_K's second half), or Q8_0's 32-bit sums in a0
     for (int i = 0; i < R; ++i)

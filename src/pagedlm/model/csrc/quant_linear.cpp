@@ -54,6 +54,12 @@ constexpr int NT = 4;  // output rows per tile: their weights are read once for 
 constexpr int PF_TILES = 8;
 constexpr int PF_BYTES = 2048;  // prefetch distance in a packed stream
 
+// Software prefetches of every 64-byte line of [p, p + bytes): on a Zen 3 a stream whose every other line alone is
+// prefetched reads at half the rate of one prefetched in full (its hardware prefetchers do not fill the gaps).
+inline void prefetch_lines(const void* p, int bytes) {
+  for (int o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o, 0, 3);
+}
+
 inline float half_to_float(uint16_t h) {
 #ifdef PAGEDLM_AVX2
   return _cvtsh_ss(h);
@@ -583,8 +589,7 @@ void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, cons
   __m256 s[2], mn[2];
   for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
-    _mm_prefetch(reinterpret_cast<const char*>(wb) + PF_BYTES, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb) + PF_BYTES + 128, _MM_HINT_T0);
+    prefetch_lines(wb + PF_BYTES, X16_BLOCK);  // every line: 2x the single-core stream rate of every other one
     if (in_group == 0) sc.load8(g, 0, s[0], mn[0]), sc.load8(g, 1, s[1], mn[1]);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256;
@@ -634,6 +639,7 @@ void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, cons
   if (in_group != 0) sc.load8(g, h, s, mn);  // a chunk that starts inside a group
   for (int b = b0; b < b1; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK + 32 * h;
+    if (h == 0 && i0 == 0) prefetch_lines(qt + int64_t(b) * X16_BLOCK + PF_BYTES, X16_BLOCK);
     if (in_group == 0) sc.load8(g, h, s, mn);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
@@ -669,7 +675,6 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
     const int nblk = K / 32;
     for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
       const int b1 = std::min(nblk, b0 + X16_CHUNK);
-      _mm_prefetch(reinterpret_cast<const char*>(qt + int64_t(b1) * X16_BLOCK), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
         if constexpr (R > 4) {
           int4x16_half_rows<4>(xq, d, gsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
