@@ -19,7 +19,6 @@ from pagedlm.router.answer import WeakAnswer
 from pagedlm.router.budget import BudgetExceededError, SpendLedger
 from pagedlm.router.calibration import ShareCalibrator, ShareMonitor
 from pagedlm.router.cascade import CascadePolicy
-from pagedlm.router.tiers import TieredPolicy
 from pagedlm.router.policies import (
     SLO,
     Candidate,
@@ -33,6 +32,7 @@ from pagedlm.router.policies import (
     SLAPolicy,
     extract_features,
 )
+from pagedlm.router.tiers import TieredPolicy
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ two-tier strong share does (same window, feedback and tolerance).
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import numpy as np
 
 from pagedlm.router.calibration import ShareCalibrator
