@@ -272,7 +272,7 @@ def test_tools_work_without_flags_on_a_template_without_tools(tiny_2k_model_dir)
     from pagedlm.server import protocol as P
 
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=512),
-                            log_interval=0)
+                            LoopConfig.offline(log_interval=0))
     server = InProcessServer(build_app({"tiny": engine}))
     try:
         srv = server.server.config.app.state.server.servers["tiny"]
