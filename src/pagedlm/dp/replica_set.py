@@ -1,7 +1,7 @@
 """Replicas of one model as one engine: `ReplicaSet` places each request on a replica with a placement policy
 (prefix affinity, least loaded, round robin; see placement.py), and moves requests away from a lost replica.
 
-Per request the router hashes the prompt's full blocks once (the chained hashes the engines use) and asks
+Per request the set hashes the prompt's full blocks once (the chained hashes the engines use) and asks
 each replica how many leading ones it published as cached; with the replicas' live load (open requests, KV
 usage and free blocks as of their last poll, less what was sent since) that is the policy's input.
 
