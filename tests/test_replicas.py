@@ -66,6 +66,13 @@ def test_round_robin_cycles_over_healthy_replicas():
     assert [rr.choose(None, cands).replica for _ in range(4)] == ["0", "2", "0", "2"]
 
 
+def test_every_replica_policy_flag_has_a_policy():
+    from pagedlm.config import parallel
+    from pagedlm.dp.placement import REPLICA_POLICIES
+
+    assert set(parallel.REPLICA_POLICIES) == set(REPLICA_POLICIES)
+
+
 def test_published_hashes_are_the_engines_chain_hashes():
     """The router's prompt hashes match the KV events of the block pool that cached the prompt."""
     from pagedlm.dp.prefix_index import prompt_block_hashes, short_hash
