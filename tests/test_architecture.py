@@ -3,6 +3,9 @@ packages below it (imports inside functions included). Adding an import that run
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +23,10 @@ ALLOWED = {
     "model": {"attention", "kvcache", "hub", "config", "cpu", "cbuild"},
     "sampling": {"outputs", "config", "cbuild"},
     "engine": {"model", "kvcache", "attention", "sampling", "hub", "config", "outputs", "cpu", "paths"},
-    "router": {"engine", "sampling", "config", "outputs", "paths"},
-    "server": {"router", "engine", "sampling", "config", "outputs", "__init__"},
-    "llm": {"engine", "router", "sampling", "config", "outputs"},
+    "dp": {"engine", "kvcache", "hub", "config"},
+    "router": {"dp", "paths"},
+    "server": {"router", "dp", "engine", "sampling", "config", "outputs", "__init__"},
+    "llm": {"dp", "engine", "sampling", "config", "outputs"},
 }
 TOOLS = {"bench", "cli"}  # the command line and benchmarks sit on top and may use anything
 # The engine's contract with the layers above (protocol.py: requests in, output deltas out; errors.py) stands on its
@@ -32,6 +36,10 @@ TOOLS = {"bench", "cli"}  # the command line and benchmarks sit on top and may u
 CONTRACT = {"engine/errors.py": set(), "engine/protocol.py": {"engine.errors", "outputs", "sampling.params"}}
 SERVER_ENGINE_API = {"engine.client", "engine.protocol", "engine.errors", "engine.input_processor",
                      "engine.async_engine", "engine.llm_engine", "engine.embedding_engine"}
+# The router is pure policy: of the replicas it uses only the placement policies (to balance a model's replicas),
+# and those, with the dp package's __init__, import nothing from pagedlm, so routing never loads the engine.
+ROUTER_DP_API = {"dp.placement"}
+PURE = ("dp/__init__.py", "dp/placement.py")
 
 
 def _unit(path: Path) -> str:
@@ -87,6 +95,25 @@ def test_the_server_uses_only_the_engine_contract():
     for path in sorted((SRC / "server").rglob("*.py")):
         engine = {m for m in _imports(path, depth=2) if m.split(".")[0] == "engine"}
         assert engine <= SERVER_ENGINE_API, f"{path.relative_to(SRC)} imports {sorted(engine - SERVER_ENGINE_API)}"
+
+
+def test_the_router_uses_only_replica_placement():
+    for path in sorted((SRC / "router").rglob("*.py")):
+        dp = {m for m in _imports(path, depth=2) if m.split(".")[0] == "dp"}
+        assert dp <= ROUTER_DP_API, f"{path.relative_to(SRC)} imports {sorted(dp - ROUTER_DP_API)}"
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_replica_placement_imports_nothing(name: str):
+    assert not _imports(SRC / name), f"{name} imports {sorted(_imports(SRC / name))}"
+
+
+def test_importing_the_router_loads_no_engine():
+    code = ("import sys, pagedlm.router; "
+            "print(sorted(m for m in sys.modules if m.startswith(('pagedlm.engine', 'pagedlm.dp.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC.parent)})
+    assert out.stdout.strip() == "['pagedlm.dp.placement']", out.stdout + out.stderr
 
 
 def test_the_check_sees_a_violation(tmp_path):

@@ -169,7 +169,7 @@ def test_a_stream_behind_keeps_its_outputs_merged():
     async def main():
         stream = RequestStream(None, "r", asyncio.get_running_loop())
         for i in range(200):
-            stream._put(EngineOutput("r", [CompletionDelta(0, [i], f"{i},")], finished=i == 199))
+            stream.put(EngineOutput("r", [CompletionDelta(0, [i], f"{i},")], finished=i == 199))
             assert len(stream._pending) < MAX_PENDING
         out = await stream.__anext__()
         assert stream.finished and stream.unread_since is None

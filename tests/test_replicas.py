@@ -18,20 +18,20 @@ import time
 import httpx
 import pytest
 
+from pagedlm.dp.placement import LeastLoadedPolicy, LoadStats, PrefixAffinityPolicy, ReplicaLoad, RoundRobinPolicy
+from pagedlm.dp.replica_set import ReplicaRequest
 from pagedlm.kvcache.block_manager import BlockManager
-from pagedlm.router import Candidate, LeastLoadedPolicy, LoadStats, PrefixAffinityPolicy, RoundRobinPolicy
-from pagedlm.router.policies import RequestFeatures
 from pagedlm.sampling.params import SamplingParams
 
 BLOCK = 16
 
 
-def _features(prompt_tokens: int) -> RequestFeatures:
-    return RequestFeatures("", prompt_tokens, 16, "open", False, False)
+def _features(prompt_tokens: int) -> ReplicaRequest:
+    return ReplicaRequest(None, prompt_tokens, [])
 
 
-def _cand(name: str, **kw) -> Candidate:
-    return Candidate("m", stats=LoadStats(replica=name, block_size=BLOCK, **kw))
+def _cand(name: str, **kw) -> ReplicaLoad:
+    return ReplicaLoad(name, LoadStats(replica=name, block_size=BLOCK, **kw))
 
 
 # ---- policies (no Ray) ----
@@ -66,9 +66,16 @@ def test_round_robin_cycles_over_healthy_replicas():
     assert [rr.choose(None, cands).replica for _ in range(4)] == ["0", "2", "0", "2"]
 
 
+def test_every_replica_policy_flag_has_a_policy():
+    from pagedlm.config import parallel
+    from pagedlm.dp.placement import REPLICA_POLICIES
+
+    assert set(parallel.REPLICA_POLICIES) == set(REPLICA_POLICIES)
+
+
 def test_published_hashes_are_the_engines_chain_hashes():
     """The router's prompt hashes match the KV events of the block pool that cached the prompt."""
-    from pagedlm.engine.replica import prompt_block_hashes, short_hash
+    from pagedlm.dp.prefix_index import prompt_block_hashes, short_hash
 
     class Seq:
         def __init__(self, ids, salt=None):
@@ -109,7 +116,7 @@ def test_bad_replica_flags_fail_before_anything_starts(capsys):
 
 def test_a_local_ray_starts_only_with_token_authentication(monkeypatch):
     """Ray's services listen on every interface: a local cluster without its token would run anyone's code."""
-    from pagedlm.engine.replica import _require_token_auth
+    from pagedlm.dp.cluster import _require_token_auth
 
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     _require_token_auth("2.60.0")  # unset: Ray's own default, token authentication, from 2.59
@@ -175,7 +182,7 @@ def test_the_local_cluster_refuses_clients_without_its_token(models, tmp_path):
     import ray
     from ray._raylet import AuthenticationTokenLoader
 
-    assert models[1].replicas._watch is not None  # the replicas' own cluster, not one joined
+    assert models[1].replicas.watch is not None  # the replicas' own cluster, not one joined
     gcs = ray._private.worker._global_node.gcs_address
     token = AuthenticationTokenLoader.instance().get_raw_token()
     assert token and os.environ["RAY_AUTH_MODE"] == "token"
@@ -279,13 +286,13 @@ def test_requests_sharing_a_long_system_prompt_land_on_the_replica_that_cached_i
     hashes = _hashes(rs, f"{system} Question 9:")
 
     def published() -> int:  # leading blocks of the prompt in the replica's published cache (its KV events)
-        return len(list(itertools.takewhile(holder.cached.__contains__, hashes)))
+        return len(list(itertools.takewhile(holder.prefix.cached.__contains__, hashes)))
 
     deadline = time.monotonic() + 10
     while published() < len(hashes) - 2 and time.monotonic() < deadline:
         time.sleep(0.05)  # published with the replica's next poll
     assert published() >= len(hashes) - 2 >= 8
-    assert not any(h in other.cached for other in rs.replicas.values() if other is not holder for h in hashes)
+    assert not any(h in other.prefix.cached for other in rs.replicas.values() if other is not holder for h in hashes)
     hits0 = holder.stats.prefix_cache_hits
     threads = [threading.Thread(target=send, args=(i,)) for i in range(1, 5)]
     for t in threads:
@@ -303,7 +310,7 @@ _CORPUS = ("A paged key value cache stores attention keys and values in fixed si
 
 
 def _hashes(rs, text: str) -> list[int]:
-    from pagedlm.engine.replica import prompt_block_hashes
+    from pagedlm.dp.prefix_index import prompt_block_hashes
 
     return prompt_block_hashes(rs.tokenizer.encode(text), rs.input_processor.info.kv.block_size)
 

@@ -115,7 +115,7 @@ def refuse(monkeypatch, engine: AsyncLLMEngine) -> None:
 
     def submit(request):
         stream = RequestStream(engine, request.request_id, asyncio.get_running_loop())
-        stream._accept(QueueFullError("The waiting queue is full; retry later."))
+        stream.accept(QueueFullError("The waiting queue is full; retry later."))
         return stream
 
     monkeypatch.setattr(engine, "submit", submit)

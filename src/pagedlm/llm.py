@@ -31,10 +31,10 @@ class LLM:
         self.replicas = None
         parallel = ParallelConfig(data_parallel_size, ray_address, replica_policy)
         if parallel.replicated:
-            from pagedlm.router.replicas import ReplicaSet
+            from pagedlm.dp.launch import launch_replica_set
 
             config = EngineConfig(model=model, dtype=dtype, **engine_args)  # bad arguments fail here, not in an actor
-            self.replicas = ReplicaSet.launch(config, parallel, LoopConfig.offline(log_interval=0))
+            self.replicas = launch_replica_set(config, parallel, LoopConfig.offline(log_interval=0))
             self.engine = self.replicas
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="pagedlm-llm", daemon=True).start()

@@ -57,7 +57,7 @@ def batch(args: argparse.Namespace) -> dict:
 
 
 def tenants(args: argparse.Namespace) -> dict:
-    from pagedlm.router.policies import REPLICA_POLICIES
+    from pagedlm.dp.placement import REPLICA_POLICIES
 
     dp = LLM(model=args.model, dtype=args.dtype, data_parallel_size=args.replicas)
     rs = dp.replicas
@@ -95,10 +95,10 @@ def simulate(args: argparse.Namespace) -> dict:
     import sys
     from types import SimpleNamespace
 
+    from pagedlm.dp.client import ReplicaClient
+    from pagedlm.dp.prefix_index import PrefixIndex, prompt_block_hashes
+    from pagedlm.dp.replica_set import ReplicaRequest, ReplicaSet
     from pagedlm.engine.llm_engine import EngineStats
-    from pagedlm.engine.replica import ReplicaClient, prompt_block_hashes
-    from pagedlm.router.policies import RequestFeatures
-    from pagedlm.router.replicas import ReplicaSet, _Request
 
     rng = random.Random(0)
     out = {}
@@ -111,25 +111,25 @@ def simulate(args: argparse.Namespace) -> dict:
                 rep.name, rep.healthy, rep._stop, rep._streams = str(i), True, SimpleNamespace(is_set=lambda: False), {}
                 info = SimpleNamespace(kv=SimpleNamespace(block_size=16), prefix_caching=True)
                 rep.stats = EngineStats(rng.randrange(8), 0, 0, 0.5, 5000, 10_000, 0, 0, 0, 0, 0)
-                rep.cached, rep._expected = {rng.getrandbits(64) for _ in range(cache)}, {}
+                rep.prefix = PrefixIndex()
+                rep.prefix.cached = {rng.getrandbits(64) for _ in range(cache)}
                 rep.on_lost, rep.input_processor = None, SimpleNamespace(info=info, tokenizer=None)
                 rep.max_waiting, rep.stall_timeout, rep._listeners = 512, 0.0, []
                 reps.append(rep)
             rs = ReplicaSet(reps)
             hashes = prompt_block_hashes(prompt, 16)
-            reps[n // 2].cached.update(hashes[: len(hashes) // 2])  # one replica holds half the prompt
-            feats = RequestFeatures("", len(prompt), 64, "open", False, False)
+            reps[n // 2].prefix.cached.update(hashes[: len(hashes) // 2])  # one replica holds half the prompt
             reps_n = 200
             t = time.perf_counter()
             for _ in range(reps_n):
                 h = prompt_block_hashes(prompt, 16)
-                d = rs.choose(_Request(None, feats, h), set())
+                d = rs.choose(ReplicaRequest(None, len(prompt), h), set())
             per = (time.perf_counter() - t) / reps_n
             t = time.perf_counter()
             for _ in range(reps_n):
                 prompt_block_hashes(prompt, 16)
             hash_s = (time.perf_counter() - t) / reps_n
-            mem = sum(sys.getsizeof(r.cached) + 32 * len(r.cached) for r in reps)
+            mem = sum(sys.getsizeof(r.prefix.cached) + 32 * len(r.prefix.cached) for r in reps)
             assert d.replica == str(n // 2)
             out[f"{n} replicas x {cache} cached blocks"] = {
                 "decision ms": round(1000 * per, 3), "of which hashing the prompt ms": round(1000 * hash_s, 3),

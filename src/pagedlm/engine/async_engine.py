@@ -93,7 +93,7 @@ class AsyncLLMEngine(EngineClient):
             if not dead:
                 self._submit(_Add(stream, request))
         if dead:
-            stream._accept(self._dead_error())
+            stream.accept(self._dead_error())
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -130,7 +130,7 @@ class AsyncLLMEngine(EngineClient):
                         if isinstance(cmd, _Add):
                             err = failed(cmd.stream.request_id, e)
                             self._fail(cmd.stream.request_id, err, record)
-                            self._call(cmd.stream, cmd.stream._accept, err)
+                            self._call(cmd.stream, cmd.stream.accept, err)
                 progressed = False
                 if self.engine.has_unfinished_requests():
                     failures, progressed = self._step(record, failures)
@@ -157,7 +157,7 @@ class AsyncLLMEngine(EngineClient):
                     except queue.Empty:
                         break
                     if isinstance(cmd, _Add):
-                        self._call(cmd.stream, cmd.stream._accept, err)
+                        self._call(cmd.stream, cmd.stream.accept, err)
 
     def _dead_error(self) -> EngineDeadError:
         if isinstance(self._dead, EngineDeadError):
@@ -216,7 +216,7 @@ class AsyncLLMEngine(EngineClient):
                 self._streams[stream.request_id] = stream
             except Exception as e:  # noqa: BLE001 - InvalidRequestError for a used id; anything else reported too
                 error = e
-        self._call(stream, stream._accept, error)
+        self._call(stream, stream.accept, error)
 
     def _step(self, record: StepRecord, failures: int) -> tuple[int, bool]:
         """One engine step; returns (consecutive failures, whether any output came out)."""
@@ -275,7 +275,7 @@ class AsyncLLMEngine(EngineClient):
 
     def _call(self, stream: RequestStream, fn: Callable, *args) -> None:
         try:
-            stream._loop.call_soon_threadsafe(fn, *args)
+            stream.call_soon_threadsafe(fn, *args)
         except RuntimeError:
             self._inbox.put(_Abort(stream.request_id))
 

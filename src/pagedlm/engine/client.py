@@ -129,8 +129,14 @@ class RequestStream:
         """Free the aborted request where it runs."""
         self._owner.abort(self.request_id)
 
-    # --- called on the loop thread, scheduled by the engine thread ---
-    def _accept(self, error: BaseException | None) -> None:
+    # --- called on the stream's loop (from another thread: through `call_soon_threadsafe`) ---
+    def call_soon_threadsafe(self, fn: Callable, *args: object) -> None:
+        """Run `fn(*args)` on the stream's event loop (from any thread); RuntimeError if that loop is closed."""
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def accept(self, error: BaseException | None = None) -> None:
+        """Settle `accepted()`: the request is queued (None), or refused with `error` (the stream then ends).
+        Only the first verdict counts."""
         if self._accepted.done():
             return
         if error is None:
@@ -139,7 +145,8 @@ class RequestStream:
             self.finished = True
             self._accepted.set_exception(error)
 
-    def _put(self, item: EngineOutput | BaseException) -> None:
+    def put(self, item: EngineOutput | BaseException) -> None:
+        """Deliver an output, or the request's failure (final: nothing after it is delivered)."""
         if self._error is not None:
             return  # a failure is final
         if isinstance(item, BaseException):
@@ -169,7 +176,7 @@ def deliver(items: Iterable[tuple[RequestStream, object]], on_closed: Callable[[
 
 def _put_all(batch: list[tuple[RequestStream, object]]) -> None:
     for stream, item in batch:
-        stream._put(item)
+        stream.put(item)
 
 
 class EngineClient:

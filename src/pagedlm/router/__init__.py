@@ -1,6 +1,13 @@
 """Request routing across models: quality policies (heuristic, learned, random) with live share calibration,
-SLA/cost constraints with fallback, spend caps, replica load balancing, and offline training/evaluation
-(RouteLLM's metrics)."""
+SLA/cost constraints with fallback, spend caps, balancing a model's replicas (with `dp.placement`'s policies), and
+offline training/evaluation (RouteLLM's metrics). Pure policy: nothing here runs an engine."""
+from pagedlm.dp.placement import (
+                                  LeastLoadedPolicy,
+                                  LoadStats,
+                                  NoCandidateError,
+                                  PrefixAffinityPolicy,
+                                  RoundRobinPolicy,
+)
 from pagedlm.router.answer import EscalationScorer, WeakAnswer
 from pagedlm.router.budget import BudgetExceededError, BudgetLimits, SpendLedger
 from pagedlm.router.calibration import ShareCalibrator, ShareMonitor, population_stability_index
@@ -11,13 +18,8 @@ from pagedlm.router.policies import (
                                      ClassifierPolicy,
                                      Decision,
                                      HeuristicPolicy,
-                                     LeastLoadedPolicy,
-                                     LoadStats,
-                                     NoCandidateError,
-                                     PrefixAffinityPolicy,
                                      RandomPolicy,
                                      RequestFeatures,
-                                     RoundRobinPolicy,
                                      ScorePolicy,
                                      SLAPolicy,
                                      extract_features,

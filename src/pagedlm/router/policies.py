@@ -7,9 +7,7 @@ live traffic. `CascadePolicy` (cascade.py) sends every request to the weak tier 
 afterwards.
 `TieredPolicy` (tiers.py) spreads requests over more than two tiers.
 `SLAPolicy` wraps a quality policy and skips candidates that are down, overloaded, over budget or predicted to
-miss the latency objective. Among replicas of one model, `LeastLoadedPolicy`, `RoundRobinPolicy` and
-`PrefixAffinityPolicy` pick one; none sends a request to a replica whose free KV blocks cannot hold its prompt
-while another replica's can.
+miss the latency objective. Among replicas of one model, a replica placement policy (`dp/placement.py`) picks one.
 """
 from __future__ import annotations
 
@@ -21,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
+from pagedlm.dp.placement import LoadStats, NoCandidateError
 from pagedlm.router.calibration import ShareCalibrator
 
 if TYPE_CHECKING:
@@ -37,26 +36,6 @@ class Decision:
     policy_strong: bool | None = None  # the quality policy's own tier choice, before SLA/load/budget rules
     reservation: int | None = None  # the budget's hold on this request's cost (settled with the tokens used)
     tier: int | None = None  # with more than two tiers: the quality policy's tier choice (0: the cheapest)
-
-
-@dataclass
-class LoadStats:
-    """Live numbers of one model replica (what the engine exports)."""
-
-    queue_len: int = 0  # requests waiting to be scheduled
-    running: int = 0  # requests being prefilled or decoded
-    kv_usage: float = 0.0  # fraction of KV cache blocks in use
-    ttft_s: float | None = None  # recent time to first token
-    tpot_s: float | None = None  # recent time per output token
-    healthy: bool = True
-    replica: str | None = None
-    free_blocks: int | None = None  # free KV blocks (None: unknown, assumed enough)
-    block_size: int = 16
-    prefix_blocks: int = 0  # leading blocks of this request's prompt the replica holds in its prefix cache
-
-    @property
-    def outstanding(self) -> int:
-        return self.queue_len + self.running
 
 
 @dataclass
@@ -127,10 +106,6 @@ def extract_features(prompt: str, max_tokens: int | None = None, prompt_tokens: 
 
 class Policy(Protocol):
     def choose(self, features: RequestFeatures, candidates: Sequence[Candidate]) -> Decision: ...
-
-
-class NoCandidateError(RuntimeError):
-    """No model can take the request (all excluded, down or overloaded past every fallback)."""
 
 
 def cheapest(cands: Sequence[Candidate], f: RequestFeatures) -> Candidate:
@@ -298,84 +273,3 @@ class SLAPolicy:
         c = min(usable, key=lambda c: (self.predict_ttft(c), c.cost(features)))
         return replace(first, model=c.name, reason=f"no model meets the SLO ({'; '.join(skipped)}); lowest predicted "
                        "TTFT", replica=c.stats.replica, category="sla")
-
-
-def blocks_short(c: Candidate, features: RequestFeatures | None) -> int:
-    """KV blocks replica `c` lacks to hold the request's prompt (beyond its cached prefix) now; 0: it fits."""
-    st = c.stats
-    if st.free_blocks is None or features is None:
-        return 0
-    need = -(-(features.prompt_tokens + 1) // st.block_size) - st.prefix_blocks
-    return max(0, need - st.free_blocks)
-
-
-def _replicas(candidates: Sequence[Candidate], features: RequestFeatures | None,
-              max_kv_usage: float) -> list[Candidate]:
-    """The healthy replicas that fit the request and are below `max_kv_usage`; failing that, those that fit;
-    failing that (none fits now: the request will wait), every healthy one."""
-    healthy = [c for c in candidates if c.stats.healthy]
-    if not healthy:
-        raise NoCandidateError("no healthy replica")
-    fit = [c for c in healthy if blocks_short(c, features) == 0]
-    return [c for c in fit if c.stats.kv_usage < max_kv_usage] or fit or healthy
-
-
-def _load_key(c: Candidate) -> tuple:
-    return c.stats.outstanding, c.stats.kv_usage, c.stats.replica or ""
-
-
-class LeastLoadedPolicy:
-    """Among replicas of one model: the healthy one with the fewest outstanding requests, then the lowest KV
-    usage; replicas that cannot fit the prompt, or at or above `max_kv_usage`, only when every healthy one is
-    so."""
-
-    def __init__(self, max_kv_usage: float = 0.95) -> None:
-        self.max_kv_usage = max_kv_usage
-
-    def choose(self, features: RequestFeatures | None, candidates: Sequence[Candidate]) -> Decision:
-        c = min(_replicas(candidates, features, self.max_kv_usage), key=_load_key)
-        return Decision(c.name, f"least loaded replica ({c.stats.outstanding} outstanding, "
-                                f"kv {c.stats.kv_usage:.0%})", replica=c.stats.replica, category="load")
-
-
-class RoundRobinPolicy:
-    """Replicas in turn (by name), skipping those that are down or cannot fit the prompt while others can."""
-
-    def __init__(self, max_kv_usage: float = 0.95) -> None:
-        self.max_kv_usage = max_kv_usage
-        self._last: str = ""
-
-    def choose(self, features: RequestFeatures | None, candidates: Sequence[Candidate]) -> Decision:
-        usable = sorted(_replicas(candidates, features, self.max_kv_usage), key=lambda c: c.stats.replica or "")
-        c = next((c for c in usable if (c.stats.replica or "") > self._last), usable[0])
-        self._last = c.stats.replica or ""
-        return Decision(c.name, "round robin", replica=c.stats.replica, category="load")
-
-
-class PrefixAffinityPolicy:
-    """The replica whose prefix cache holds the longest prefix of the prompt (`LoadStats.prefix_blocks`, from
-    the block hashes each replica publishes), unless it has more than `max_imbalance` outstanding requests
-    beyond the least loaded one; then, or without any cached prefix, the least loaded replica. Replicas that
-    cannot fit the prompt are skipped while others can (SGLang's cache-aware routing, with exact hashes)."""
-
-    def __init__(self, max_kv_usage: float = 0.95, max_imbalance: int = 8) -> None:
-        self.max_kv_usage, self.max_imbalance = max_kv_usage, max_imbalance
-
-    def choose(self, features: RequestFeatures | None, candidates: Sequence[Candidate]) -> Decision:
-        usable = _replicas(candidates, features, self.max_kv_usage)
-        least = min(usable, key=_load_key)
-        best = max(c.stats.prefix_blocks for c in usable)
-        if best > 0:
-            c = min((c for c in usable if c.stats.prefix_blocks == best), key=_load_key)
-            if c.stats.outstanding - least.stats.outstanding <= self.max_imbalance:
-                return Decision(c.name, f"prefix affinity ({best} blocks cached, {c.stats.outstanding} "
-                                        "outstanding)", replica=c.stats.replica, category="load")
-            why = f"prefix holder {c.stats.replica} busier by {c.stats.outstanding - least.stats.outstanding}"
-        else:
-            why = "no cached prefix"
-        return Decision(least.name, f"least loaded replica ({why}; {least.stats.outstanding} outstanding)",
-                        replica=least.stats.replica, category="load")
-
-
-REPLICA_POLICIES = {"prefix": PrefixAffinityPolicy, "least-loaded": LeastLoadedPolicy,
-                    "round-robin": RoundRobinPolicy}

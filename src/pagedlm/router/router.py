@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from pagedlm.dp.placement import LeastLoadedPolicy, LoadStats, NoCandidateError, ReplicaPolicy
 from pagedlm.router.answer import WeakAnswer
 from pagedlm.router.budget import BudgetExceededError, SpendLedger
 from pagedlm.router.calibration import ShareCalibrator, ShareMonitor
@@ -24,9 +25,6 @@ from pagedlm.router.policies import (
     Candidate,
     Decision,
     HeuristicPolicy,
-    LeastLoadedPolicy,
-    LoadStats,
-    NoCandidateError,
     Policy,
     RequestFeatures,
     SLAPolicy,
@@ -59,7 +57,7 @@ Stats = LoadStats | Sequence[LoadStats]
 
 class Router:
     def __init__(self, models: Sequence[ModelEntry], policy: Policy | None = None, slo: SLO | None = None,
-                 balancer: LeastLoadedPolicy | None = None, max_failures: int = 3, cooldown_s: float = 30.0,
+                 balancer: ReplicaPolicy | None = None, max_failures: int = 3, cooldown_s: float = 30.0,
                  budget: SpendLedger | None = None, share_window: int = 500) -> None:
         if not models:
             raise ValueError("a router needs at least one model")

@@ -77,9 +77,9 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
             engine_config = replace(cfg.engine, model=target)  # bad flags fail here, not in every actor
             logger.info("Loading %s (%s)", name, target)
             if parallel.replicated:
-                from pagedlm.router.replicas import ReplicaSet
+                from pagedlm.dp.launch import launch_replica_set
 
-                engines[name] = ReplicaSet.launch(engine_config, parallel, loop)
+                engines[name] = launch_replica_set(engine_config, parallel, loop)
                 continue
             engine = LLMEngine(engine_config)  # logs the KV memory report
             if template is not None:

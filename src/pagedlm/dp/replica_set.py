@@ -1,7 +1,7 @@
-"""Replicas of one model as one engine: `ReplicaSet` routes each request to a replica with a replica policy
-(prefix affinity, least loaded, round robin; see policies.py), and moves requests away from a lost replica.
+"""Replicas of one model as one engine: `ReplicaSet` places each request on a replica with a placement policy
+(prefix affinity, least loaded, round robin; see placement.py), and moves requests away from a lost replica.
 
-Per request the router hashes the prompt's full blocks once (the chained hashes the engines use) and asks
+Per request the set hashes the prompt's full blocks once (the chained hashes the engines use) and asks
 each replica how many leading ones it published as cached; with the replicas' live load (open requests, KV
 usage and free blocks as of their last poll, less what was sent since) that is the policy's input.
 
@@ -10,51 +10,58 @@ with the request on it (died, hung, engine loop stopped): a request that sent no
 placed again on another replica (`retries` counts them per lost replica); a started stream fails with
 EngineDeadError, which the server turns into an error event and `[DONE]`.
 
-A set that started its own local Ray watches it: when Ray's raylet or GCS process dies, every replica goes with
-it and Ray cannot bring them back, so the set says why (`down_reason`, /health's 503), restarts Ray and launches
-its replicas again.
+A set started on its own local Ray (launch.py) is watched: when Ray's raylet or GCS process dies, every replica
+goes with it and Ray cannot bring them back, so the set says why (`down_reason`, /health's 503) while Ray and its
+replicas are started again.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
-from pagedlm.config import EngineConfig, LoopConfig, ParallelConfig
+from pagedlm.dp.client import RemoteStream, ReplicaClient
+from pagedlm.dp.placement import (
+    REPLICA_POLICIES,
+    LoadStats,
+    NoCandidateError,
+    Placement,
+    ReplicaLoad,
+    ReplicaPolicy,
+)
+from pagedlm.dp.prefix_index import prompt_block_hashes
 from pagedlm.engine.client import EngineClient, StepRecord
 from pagedlm.engine.errors import EngineDeadError, QueueFullError
 from pagedlm.engine.llm_engine import EngineStats
 from pagedlm.engine.protocol import EngineRequest
-from pagedlm.engine.replica import RayCluster, RemoteStream, ReplicaClient, prompt_block_hashes
-from pagedlm.router.policies import (
-    REPLICA_POLICIES,
-    Candidate,
-    LoadStats,
-    NoCandidateError,
-    Policy,
-    RequestFeatures,
-)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Request:
+class ReplicaRequest:
+    """A request as placement sees it: the request, its prompt length and its prompt's block hashes."""
+
     request: EngineRequest
-    features: RequestFeatures
+    prompt_tokens: int
     hashes: list[int]
+
+
+class Watch(Protocol):
+    """What watches the set's Ray (launch.py's `RayWatch`)."""
+
+    def stop(self, timeout: float) -> None: ...
 
 
 class ReplicaSet(EngineClient):
     """`replicas` of one model behind the engine interface the server uses (`EngineClient`: submit / abort / stats /
-    listeners / fail_all / shutdown). policy: a replica policy (default prefix affinity); max_retries: times a
-    request is placed again after losing its replica."""
+    listeners / fail_all / shutdown). policy: a placement policy (default prefix affinity); max_retries: times a
+    request is placed again after losing its replica. `ray_down`: why its Ray is down, while a `watch` restarts
+    it."""
 
-    WATCH_S = 1.0  # how often a set that started its own Ray checks that Ray's processes run
-
-    def __init__(self, replicas: list[ReplicaClient], policy: Policy | str = "prefix", max_retries: int = 2,
+    def __init__(self, replicas: list[ReplicaClient], policy: ReplicaPolicy | str = "prefix", max_retries: int = 2,
                  on_shutdown: Callable[[], None] | None = None) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
@@ -69,12 +76,12 @@ class ReplicaSet(EngineClient):
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._placing = 0
         self._on_shutdown = on_shutdown
-        self._ray_down: str | None = None  # why the local Ray is down, while it is restarted
-        self._closed = threading.Event()
-        self._watch: threading.Thread | None = None
-        self._adopt(replicas)
+        self.ray_down: str | None = None  # why the local Ray is down, while it is restarted
+        self.watch: Watch | None = None
+        self.adopt(replicas)
 
-    def _adopt(self, replicas: list[ReplicaClient]) -> None:
+    def adopt(self, replicas: list[ReplicaClient]) -> None:
+        """Serve with `replicas` (at the start, and in place of lost ones after Ray was restarted)."""
         for c in replicas:
             c.on_lost = self._on_lost
             c.add_listener(self._notify)
@@ -94,8 +101,8 @@ class ReplicaSet(EngineClient):
 
     @property
     def down_reason(self) -> str | None:
-        if self._ray_down is not None:
-            return self._ray_down
+        if self.ray_down is not None:
+            return self.ray_down
         return None if self.is_running else "every replica is down (see the log)"
 
     @property
@@ -136,8 +143,7 @@ class ReplicaSet(EngineClient):
         ids = request.prompt_token_ids
         hashes = (prompt_block_hashes(ids, self.input_processor.info.kv.block_size, request.cache_salt)
                   if self._prefix_caching else [])
-        features = RequestFeatures("", len(ids), request.params.max_tokens or 16, "open", False, False)
-        req = _Request(request, features, hashes)
+        req = ReplicaRequest(request, len(ids), hashes)
         self._placing += 1
         stream.placement = req
         loop.create_task(self._place(stream, req, set(), first=True))
@@ -152,97 +158,12 @@ class ReplicaSet(EngineClient):
             c.fail_all(message)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._closed.set()
-        if self._watch is not None:
-            self._watch.join(timeout)  # a restart under way ends first: Ray is not shut down under it
+        if self.watch is not None:
+            self.watch.stop(timeout)  # a restart under way ends first: Ray is not shut down under it
         for c in self.replicas.values():
             c.shutdown(timeout)
         if self._on_shutdown is not None:
             self._on_shutdown()
-
-    @classmethod
-    def launch(cls, engine: EngineConfig, parallel: ParallelConfig, loop: LoopConfig | None = None,
-               ray_init_kwargs: dict | None = None) -> "ReplicaSet":
-        """Start (or join, with `parallel.ray_address`) Ray, `parallel.data_parallel_size` actors of `engine`
-        and their clients."""
-        import ray
-
-        from pagedlm.engine.replica import connect_ray, launch_replicas
-
-        def start(cluster: RayCluster, tokenizer=None) -> list[ReplicaClient]:
-            actors = []
-            try:
-                actors = launch_replicas(cluster, engine, parallel.data_parallel_size,
-                                         num_threads=parallel.threads_per_replica, loop=loop)
-                clients: list[ReplicaClient] = []
-                for i, actor in enumerate(actors):
-                    clients.append(ReplicaClient(actor, f"{i}", tokenizer or (clients[0].tokenizer if clients
-                                                                              else None),
-                                                 loop=loop, health_timeout=parallel.replica_health_timeout))
-                    logger.info("Replica %d: pid %d on node %s, %d threads", i, clients[-1].pid,
-                                clients[-1].info.node[:12], clients[-1].info.num_threads)
-                return clients
-            except BaseException:
-                for actor in actors:
-                    ray.kill(actor, no_restart=True)
-                cluster.stop()
-                raise
-
-        cluster = connect_ray(parallel.ray_address, **(ray_init_kwargs or {}))
-        rs: ReplicaSet
-
-        def stop() -> None:
-            for c in rs.replicas.values():
-                try:
-                    ray.kill(c.actor, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
-            cluster.stop()
-
-        rs = cls(start(cluster), parallel.replica_policy, on_shutdown=stop)
-        if cluster.started:
-            rs._watch = threading.Thread(target=rs._watch_ray, args=(cluster, start, ray_init_kwargs or {}),
-                                         name="pagedlm-ray-watch", daemon=True)
-            rs._watch.start()
-        return rs
-
-    def _watch_ray(self, cluster: RayCluster, start: Callable[..., list[ReplicaClient]], init_kwargs: dict) -> None:
-        """A thread while this set's own local Ray runs: if Ray's raylet or GCS dies, restart Ray and the
-        replicas (the set answers `down_reason` meanwhile; requests fail over to nothing and get 503)."""
-        import ray
-
-        from pagedlm.engine.replica import connect_ray
-
-        while not self._closed.wait(self.WATCH_S):
-            why = cluster.down_reason()
-            if why is None:
-                continue
-            self._ray_down = f"{why}; restarting Ray and the replicas"
-            logger.error("The local Ray cluster is down (%s): every replica went with it. Restarting Ray and "
-                         "the %d replicas", why, len(self.replicas))
-            old = list(self.replicas.values())
-            for c in old:
-                c.shutdown(timeout=5.0, remote=False)  # its open requests fail (EngineDeadError); its actor is gone
-            delay = 1.0
-            while not self._closed.is_set():
-                try:
-                    ray.shutdown()
-                    fresh = connect_ray(None, **init_kwargs)
-                    cluster.num_cpus, cluster.cpus = fresh.num_cpus, fresh.cpus
-                    clients = start(cluster, old[0].tokenizer)
-                except Exception:  # noqa: BLE001 - try again
-                    logger.exception("Restarting Ray failed; trying again in %.0f s", delay)
-                    self._closed.wait(delay)
-                    delay = min(2 * delay, 30.0)
-                    continue
-                for new, prev in zip(clients, old):
-                    new.restarts, new._base = prev.restarts + 1, (prev.num_rejected, prev.num_failed,
-                                                                  prev.num_stalled)
-                    new.num_rejected, new.num_failed, new.num_stalled = new._base
-                self._adopt(clients)
-                self._ray_down = None
-                logger.warning("Ray and its %d replicas are back", len(clients))
-                break
 
     # --- placement -----------------------------------------------------------------------------------
     @property
@@ -258,16 +179,16 @@ class ReplicaSet(EngineClient):
             out.append(LoadStats(queue_len=open_ - running, running=running, kv_usage=s.kv_cache_usage,
                                  healthy=c.is_running, replica=c.name, free_blocks=s.num_free_blocks,
                                  block_size=c.input_processor.info.kv.block_size,
-                                 prefix_blocks=c.prefix_blocks(hashes)))
+                                 prefix_blocks=c.prefix.prefix_blocks(hashes)))
         return out
 
-    def choose(self, req: _Request, tried: set[str]):
-        cands = [Candidate("replica", stats=s) for s in self.load(req.hashes) if s.replica not in tried]
+    def choose(self, req: ReplicaRequest, tried: set[str]) -> Placement:
+        cands = [ReplicaLoad(s.replica, s) for s in self.load(req.hashes) if s.replica not in tried]
         if not cands:
             raise NoCandidateError("no replica left to try")
-        return self.policy.choose(req.features, cands)
+        return self.policy.choose(req, cands)
 
-    async def _place(self, stream: RemoteStream, req: _Request, tried: set[str], first: bool) -> None:
+    async def _place(self, stream: RemoteStream, req: ReplicaRequest, tried: set[str], first: bool) -> None:
         error: BaseException | None = None
         try:
             while not stream.finished:
@@ -289,7 +210,7 @@ class ReplicaSet(EngineClient):
                     error = e
                     break
                 self.decisions[client.name] += 1
-                client.expect(req.hashes)
+                client.prefix.expect(req.hashes)
                 logger.debug("Request %s -> replica %s: %s", stream.request_id, client.name, decision.reason)
                 error = None
                 break
@@ -298,26 +219,26 @@ class ReplicaSet(EngineClient):
                 self._placing -= 1
         if error is None:
             if first:
-                stream._accept(None)
+                stream.accept(None)
         elif first:
-            stream._accept(error)
+            stream.accept(error)
         else:
-            stream._put(error)
+            stream.put(error)
 
     def _on_lost(self, stream: RemoteStream, error: BaseException) -> None:  # a pump thread
         try:
-            stream._loop.call_soon_threadsafe(self._handle_lost, stream, error, stream.client)
+            stream.call_soon_threadsafe(self._handle_lost, stream, error, stream.client)
         except RuntimeError:
             pass
 
     def _handle_lost(self, stream: RemoteStream, error: BaseException, client: ReplicaClient) -> None:
         """On the stream's loop: retry `stream` elsewhere, or fail it, unless it has moved on already."""
-        req: _Request | None = stream.placement
+        req: ReplicaRequest | None = stream.placement
         if stream.finished or stream.client is not client:
             return
         lost = client.name
         if req is None or not stream.retryable or stream.attempts > self.max_retries:
-            stream._put(error)
+            stream.put(error)
             return
         self.retries[lost] = self.retries.get(lost, 0) + 1
         logger.warning("Request %s lost replica %s before sending anything; placing it again",
