@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pagedlm.spec.proposer import DraftSeq, Proposer
 
-DECAY = 0.8  # weight of the past in the acceptance estimate, per verified draft
+DECAY = 0.8  # weight of the past in the acceptance estimate, per verified draft position
 PRIOR_ALPHA = 0.7
 MIN_TAIL_ACCEPTANCE = 0.2
 PAUSE_STEPS = 8
@@ -64,5 +64,6 @@ class SpecState:
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         trials = num_accepted + (num_accepted < num_draft)
-        self._successes = DECAY * self._successes + num_accepted
-        self._trials = DECAY * self._trials + trials
+        keep = DECAY ** trials
+        self._successes = keep * self._successes + num_accepted
+        self._trials = keep * self._trials + trials
