@@ -104,3 +104,157 @@ def test_greedy_identical_with_prediction_tiny(tiny_model_dir, tiny_reference):
         assert run(llm, [prompt], greedy(prediction=corrupt)) == [expected[k]]
     st = spec_stats(llm)
     assert st.num_accepted_tokens > 0 and st.num_accepted_tokens < st.num_draft_tokens, st
+
+
+def test_greedy_identical_smollm2(smollm2_path):
+    """A real model copies a quoted passage: n-gram drafts are accepted, and the output is the same as without."""
+    prompt = ("Repeat the following sentence exactly.\nSentence: The paged key value cache stores attention keys "
+              "and values in fixed size blocks, so that memory can be shared.\nRepeated: The paged")
+    base = LLM(str(smollm2_path), num_kv_blocks=128, max_num_batched_tokens=32)
+    spec = LLM(str(smollm2_path), num_kv_blocks=128, max_num_batched_tokens=32,
+               speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    params = greedy(max_tokens=32, n=2)
+    assert run(spec, [prompt], params) == run(base, [prompt], params)
+    st = spec_stats(spec)
+    assert st.num_accepted_tokens >= 10, st
+
+
+# --- sampled requests keep the target distribution ------------------------------------------------------------
+def test_rejection_sampling_keeps_the_distribution(tiny_model_dir):
+    """Tokens 2-3 of a sampled request over four allowed tokens, with drafts from a prediction (so every request
+    verifies drafts) and without: a chi-square test over 1600 samples each cannot tell them apart, while the
+    drafts' own distribution is told apart (the test has the power to see a biased acceptance)."""
+    from scipy.stats import chi2_contingency
+
+    allowed = [40, 41, 42, 43]
+    prompt = [5, 6, 7, 8, 9]
+    n_req = 1600
+    prediction = [42, 43, 40, 41, 42, 43, 40, 41]
+    cfg = dict(dtype="float32", num_kv_blocks=2048, max_num_seqs=256, seed=1234)
+    histograms = []
+    for spec in (False, True):
+        llm = LLM(str(tiny_model_dir), **cfg, speculative_config={**NGRAM, "num_speculative_tokens": 2,
+                                                                  "disable_by_batch_size": 4096} if spec else None)
+        params = SamplingParams(temperature=0.7, max_tokens=4, allowed_token_ids=allowed, ignore_eos=True,
+                                prediction=prediction if spec else None)
+        outs = llm.generate([prompt] * n_req, params, use_tqdm=False)
+        histograms.append(Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outs))
+        if spec:
+            st = spec_stats(llm)
+            assert st.num_drafts >= n_req and 0 < st.num_accepted_tokens < st.num_draft_tokens, st
+    cells = sorted(set(histograms[0]) | set(histograms[1]))
+    table = [[h.get(c, 0) + 0.5 for c in cells] for h in histograms]
+    assert chi2_contingency(table)[1] > 0.001, histograms
+    # power: an "accept every draft" sampler would put all mass on the prediction's pairs
+    drafted = Counter(tuple(prediction[i:i + 2]) for i in range(4) for _ in range(n_req // 4))
+    assert chi2_contingency([[histograms[0].get(c, 0) + 0.5 for c in cells],
+                             [drafted.get(c, 0) + 0.5 for c in cells]])[1] < 1e-6
+
+
+# --- the block manager's rollback -----------------------------------------------------------------------------
+class BlockSeq:
+    ids = iter(range(10**6))
+
+    def __init__(self, tokens, cache_salt=None):
+        self.seq_id, self.tokens, self.num_computed_tokens, self.cache_salt = next(self.ids), list(tokens), 0, None
+
+    @property
+    def num_tokens(self):
+        return len(self.tokens)
+
+    def token_slice(self, start, end):
+        return self.tokens[start:end]
+
+
+def check_invariants(bm: BlockManager, seqs):
+    refs = Counter(b for s in seqs for t in bm.block_tables.get(s.seq_id, []) for b in t if b >= 0)
+    for block in range(bm.gpu.num_blocks):
+        assert bm.gpu.ref_counts[block] == refs.get(block, 0), block
+        assert (block in bm.gpu.free_blocks) == (refs.get(block, 0) == 0), block
+    for s in seqs:
+        table = bm.get_block_table(s)
+        assert len(table) == -(-s.num_computed_tokens // bm.block_size), "the tail past the computed tokens stays"
+        for i, block in enumerate(table):  # a cached block holds the sequence's own accepted tokens
+            h = bm.gpu.block_hash[block]
+            if h is not None:
+                assert (i + 1) * bm.block_size <= s.num_computed_tokens
+                assert bm.gpu.block_tokens[block] == s.token_slice(i * bm.block_size, (i + 1) * bm.block_size)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_truncate_rollback_keeps_invariants(seed):
+    """Speculative steps with random draft and accept lengths, forks and frees, with prefix caching: ref counts
+    match the tables, rejected slots return to the pool, only accepted tokens are ever cached, nothing leaks."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=400, block_size=4, enable_prefix_caching=True)
+    live: list[BlockSeq] = []
+    for _ in range(120):
+        op = rng.random()
+        if op < 0.15 or not live:
+            s = BlockSeq([rng.randrange(6) for _ in range(rng.randrange(2, 15))])
+            hit = bm.find_cached_prefix(s)
+            s.num_computed_tokens = len(hit) * bm.block_size
+            bm.allocate(s, s.num_tokens - s.num_computed_tokens, hit)
+            bm.commit(s, s.num_tokens)
+            s.num_computed_tokens = s.num_tokens
+            s.tokens.append(rng.randrange(6))  # the token sampled after the prompt
+            live.append(s)
+        elif op < 0.25:
+            parent = rng.choice(live)
+            child = BlockSeq(parent.tokens)
+            child.num_computed_tokens = parent.num_computed_tokens
+            bm.fork(parent, child)
+            live.append(child)
+        elif op < 0.32:
+            s = live.pop(rng.randrange(len(live)))
+            bm.free(s)
+        else:  # one speculative step: the last token and k drafts, of which `a` are accepted
+            s = rng.choice(live)
+            k = rng.randrange(0, 7)
+            bm.append_slots(s, 1 + k)
+            bm.commit(s, s.num_tokens)
+            a = rng.randrange(0, k + 1)
+            s.tokens += [rng.randrange(6) for _ in range(a + 1)]  # accepted drafts and the token after them
+            s.num_computed_tokens += 1 + a
+            bm.truncate(s, s.num_computed_tokens)
+        check_invariants(bm, live)
+    for s in live:
+        bm.free(s)
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+# --- configuration --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "not valid JSON"),
+    ({"method": "suffix", "num_speculative_tokens": 3}, "not supported yet"),
+    ({"method": "eagle9", "num_speculative_tokens": 3}, "method must be one of"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tokens": 2}, "unknown keys ['draft_tokens']"),
+    ([1, 2], "JSON object"),
+])
+def test_bad_speculative_config_is_a_clear_error(bad, message):
+    with pytest.raises(ValueError, match=None) as e:
+        EngineConfig(speculative_config=bad)
+    assert message in str(e.value)
+
+
+def test_speculative_config_flag():
+    import argparse
+
+    from pagedlm.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig, only=["speculative_config"])
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
+
+
+def test_prediction_is_checked():
+    with pytest.raises(ValueError, match="prediction"):
+        SamplingParams(prediction=[1, -2])
+    with pytest.raises(ValueError, match="beam search"):
+        SamplingParams(prediction="x", use_beam_search=True, max_tokens=4)
