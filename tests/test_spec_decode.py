@@ -258,3 +258,55 @@ def test_prediction_is_checked():
         SamplingParams(prediction=[1, -2])
     with pytest.raises(ValueError, match="beam search"):
         SamplingParams(prediction="x", use_beam_search=True, max_tokens=4)
+
+
+# --- predicted outputs on the server --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from server_utils import InProcessServer
+
+    from pagedlm.config import LoopConfig
+    from pagedlm.engine.async_engine import AsyncLLMEngine
+    from pagedlm.engine.llm_engine import LLMEngine
+    from pagedlm.server.api import build_app
+
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=256),
+                            LoopConfig.offline(log_interval=0))
+    srv = InProcessServer(build_app({"tiny": engine}))
+    yield srv
+    srv.stop()
+    engine.shutdown()
+
+
+def test_prediction_usage_on_the_server(server):
+    body = {"model": "tiny", "prompt": "Once upon a time, there was", "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True}
+    plain = server.post("/v1/completions", json=body).json()
+    assert "completion_tokens_details" not in plain["usage"]
+    text = plain["choices"][0]["text"]
+    tok = server.post("/tokenize", json={"model": "tiny", "prompt": text, "add_special_tokens": False}).json()
+    n_pred = tok["count"]
+    # the answer itself as the prediction: the same answer, and most of the prediction accepted
+    got = server.post("/v1/completions", json={**body, "prediction": {"type": "content", "content": text}}).json()
+    assert got["choices"][0]["text"] == text
+    details = got["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0
+    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] == n_pred
+    # chat, streamed, with a prediction that has nothing to do with the answer: all of it rejected
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    ref = server.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    other = "<|im_start|>" * 5
+    lines = server.post("/v1/chat/completions", json={
+        **chat, "stream": True, "stream_options": {"include_usage": True},
+        "prediction": {"type": "content", "content": [{"type": "text", "text": other}]}}).text.splitlines()
+    import json
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == ref
+    usage = chunks[-1]["usage"]["completion_tokens_details"]
+    assert usage["accepted_prediction_tokens"] == 0 and usage["rejected_prediction_tokens"] == 5
+    metrics = server.metrics()
+    assert metrics["vllm:spec_decode_num_accepted_tokens_total"] >= details["accepted_prediction_tokens"]
+    assert metrics["vllm:spec_decode_num_drafts_total"] > 0
+    bad = server.post("/v1/completions", json={**body, "prediction": {"type": "text", "content": "x"}})
+    assert bad.status_code == 400, bad.text
