@@ -6,7 +6,6 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import EngineConfig, SpeculativeConfig

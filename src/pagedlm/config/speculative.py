@@ -33,8 +33,9 @@ class SpeculativeConfig:
                              f"supported: {list(SPEC_METHODS)}.")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config: method must be one of {list(SPEC_METHODS)}, got {self.method!r}.")
-        for name, lo, hi in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS), ("prompt_lookup_min", 1, MAX_LOOKUP),
-                             ("prompt_lookup_max", 1, MAX_LOOKUP), ("disable_by_batch_size", 1, None)):
+        for name, lo, hi in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+                             ("prompt_lookup_min", 1, MAX_LOOKUP), ("prompt_lookup_max", 1, MAX_LOOKUP),
+                             ("disable_by_batch_size", 1, None)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
                 raise ValueError(f"speculative_config: {name} must be an integer in [{lo}, {hi or 'inf'}], got {v!r}.")

@@ -100,7 +100,8 @@ class ModelServer(TokenizerEndpoints):
             converted = [_prompt_logprobs(out) for out in finals]  # once per prompt, whatever n
             for c in choices:
                 c.prompt_logprobs = converted[c.index // params.n]
-        return json_response(P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=final_usage(finals, params)))
+        return json_response(P.CompletionResponse(id=rid, model=self.name, choices=choices,
+                                                  usage=final_usage(finals, params)))
 
     async def _completion_prompts(self, req: P.CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt

@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict
 
 from pagedlm.outputs import RequestMetrics
 
-
 _REQUEST = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # as protocol.Request
 
 
