@@ -78,15 +78,41 @@ def tiny_reference(tiny_model_dir):
     return prompts, run(llm, prompts, greedy(n=1)), run(llm, prompts, greedy(n=3, max_tokens=16))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=7), dict(enable_prefix_caching=False)],
-                         ids=["default", "chunked-prefill", "no-prefix-cache"])
+@pytest.mark.parametrize("kw", [
+    dict(num_kv_blocks=256), dict(num_kv_blocks=256, max_num_batched_tokens=7),
+    dict(num_kv_blocks=256, enable_prefix_caching=False),
+    dict(num_kv_blocks=64, preemption_mode="recompute", max_num_batched_tokens=64),
+    dict(num_kv_blocks=64, preemption_mode="swap", swap_space=2**20, max_num_batched_tokens=64),
+], ids=["default", "chunked-prefill", "no-prefix-cache", "preempt-recompute", "preempt-swap"])
 def test_greedy_identical_with_ngram_tiny(tiny_model_dir, tiny_reference, kw):
     prompts, expected, expected_n3 = tiny_reference
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config=NGRAM, **kw)
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, speculative_config=NGRAM, **kw)
     assert run(llm, prompts, greedy()) == expected
     assert run(llm, prompts, greedy(n=3, max_tokens=16)) == expected_n3
     st = spec_stats(llm)
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0, st
+    if "preemption_mode" in kw:
+        assert llm.engine.scheduler.num_preemptions > 0, "the test must force preemption"
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_dir(tmp_path_factory):
+    from conftest import build_tiny_gemma3
+
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_spec"), sliding_window=8,
+                             max_position_embeddings=256)
+
+
+def test_greedy_identical_sliding_window(tiny_gemma_dir):
+    """Gemma 3 (two KV cache groups, sliding-window blocks freed as they leave the window) with drafts."""
+    base = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    prompts = [base.get_tokenizer().encode(REPEAT), base.get_tokenizer().encode("Once upon a time, there was " * 3)]
+    expected = run(base, prompts, greedy(max_tokens=32))
+    spec = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config=NGRAM)
+    assert run(spec, prompts, greedy(max_tokens=32)) == expected
+    exact = run(spec, prompts[:1], greedy(max_tokens=32, prediction=expected[0][0]))
+    assert exact == expected[:1]
+    assert spec_stats(spec).num_accepted_tokens > 10
 
 
 def test_greedy_identical_with_prediction_tiny(tiny_model_dir, tiny_reference):
@@ -121,13 +147,13 @@ def test_greedy_identical_smollm2(smollm2_path):
 # --- sampled requests keep the target distribution ------------------------------------------------------------
 def test_rejection_sampling_keeps_the_distribution(tiny_model_dir):
     """Tokens 2-3 of a sampled request over four allowed tokens, with drafts from a prediction (so every request
-    verifies drafts) and without: a chi-square test over 1600 samples each cannot tell them apart, while the
+    verifies drafts) and without: a chi-square test over 1000 samples each cannot tell them apart, while the
     drafts' own distribution is told apart (the test has the power to see a biased acceptance)."""
     from scipy.stats import chi2_contingency
 
     allowed = [40, 41, 42, 43]
     prompt = [5, 6, 7, 8, 9]
-    n_req = 1600
+    n_req = 1000
     prediction = [42, 43, 40, 41, 42, 43, 40, 41]
     cfg = dict(dtype="float32", num_kv_blocks=2048, max_num_seqs=256, seed=1234)
     histograms = []
