@@ -47,16 +47,15 @@ ARTICLE = ("The paged key value cache stores the attention keys and values of ev
 @dataclass
 class Workload:
     name: str
-    messages: list[dict]
+    prompt: str  # a completion prompt: small models copy from them more reliably than they follow chat
     prediction: str | None = None  # with speculation: the request's prediction, else prompt lookup
 
 
 WORKLOADS = [
-    Workload("code-edit+prediction", [{"role": "user", "content": "Rename the function `add` to `plus` everywhere "
-                                       f"in this code and answer with the whole code only.\n\n{CODE}"}], CODE),
-    Workload("quote-summary+ngram", [{"role": "user", "content": f"{ARTICLE}\n\nRepeat the text above word for "
-                                      "word, then summarize it in one sentence."}]),
-    Workload("open-chat+ngram", [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]),
+    Workload("code-edit+prediction", f"# stats.py\n{CODE}\n\n# stats.py, with `add` renamed to `plus`:\n", CODE),
+    Workload("quote-summary+ngram", f"Article: {ARTICLE}\n\nThe article's key sentences, quoted, then a one-line "
+                                    "summary:\n"),
+    Workload("open-chat+ngram", "User: Write a short story about a lighthouse keeper.\nAssistant:"),
 ]
 
 
@@ -68,7 +67,7 @@ def run_once(llm: LLM, w: Workload, speculate: bool, spec: SpeculativeConfig, ma
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                             prediction=w.prediction if speculate else None)
     t0 = time.perf_counter()
-    out = llm.chat(w.messages, params, use_tqdm=False)[0].outputs[0]
+    out = llm.generate(w.prompt, params, use_tqdm=False)[0].outputs[0]
     seconds = time.perf_counter() - t0
     st = engine.spec.stats
     return dict(tokens=out.token_ids, seconds=seconds, drafts=st.num_draft_tokens, accepted=st.num_accepted_tokens)
