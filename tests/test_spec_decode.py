@@ -335,3 +335,17 @@ def test_prediction_usage_on_the_server(server):
     assert metrics["vllm:spec_decode_num_drafts_total"] > 0
     bad = server.post("/v1/completions", json={**body, "prediction": {"type": "text", "content": "x"}})
     assert bad.status_code == 400, bad.text
+
+
+def test_logprobs_and_penalties_as_without_speculation(tiny_model_dir):
+    """Every draft position is sampled with the request's own controls over the output so far (drafts included):
+    penalties, bias and logprobs come out as without speculation."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    prompt = llm.get_tokenizer().encode(REPEAT)
+    params = dict(logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={7: 3.0}, min_tokens=5)
+    ref = llm.generate(prompt, greedy(**params), use_tqdm=False)[0].outputs[0]
+    got = llm.generate(prompt, greedy(prediction=ref.token_ids, **params), use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == ref.token_ids
+    assert [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in got.logprobs] == \
+        [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in ref.logprobs]
+    assert spec_stats(llm).num_accepted_tokens >= len(ref.token_ids) // 2
