@@ -251,7 +251,7 @@ def test_truncate_rollback_keeps_invariants(seed):
 # --- configuration --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, message", [
     ("{not json", "not valid JSON"),
-    ({"method": "suffix", "num_speculative_tokens": 3}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "not supported yet"),
     ({"method": "eagle9", "num_speculative_tokens": 3}, "method must be one of"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
@@ -349,3 +349,31 @@ def test_logprobs_and_penalties_as_without_speculation(tiny_model_dir):
     assert [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in got.logprobs] == \
         [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in ref.logprobs]
     assert spec_stats(llm).num_accepted_tokens >= len(ref.token_ids) // 2
+
+
+# --- suffix drafts ----------------------------------------------------------------------------------------------
+def test_suffix_drafts_from_recent_outputs():
+    from pagedlm.spec.suffix import SuffixCache, SuffixProposer
+
+    cache = SuffixCache(max_requests=2, max_tokens_per_request=6)
+    proposer = SuffixProposer(cache, 1, 3)
+    seq = Seq([1, 2], [30, 31])
+    assert proposer.propose(seq, 4) == []
+    cache.add([9, 30, 31, 32, 33])
+    assert proposer.propose(seq, 4) == [32, 33]  # never past the end of that output
+    cache.add([5, 6])
+    cache.add([7, 8])  # the first output leaves the cache (two kept)
+    assert proposer.propose(seq, 4) == [] and cache.num_tokens == 4
+    cache.add(list(range(100, 120)))  # cut to its last six tokens
+    assert cache.num_tokens == 8
+    assert proposer.propose(Seq([1], [1, 2, 3, 5, 1, 2]), 2) == [3, 5]  # the sequence's own tokens first
+
+
+def test_suffix_method_greedy_identical_and_learns_from_earlier_requests(tiny_model_dir, tiny_reference):
+    prompts, expected, _ = tiny_reference
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4,
+              speculative_config={**NGRAM, "method": "suffix", "prompt_lookup_min": 2})
+    assert run(llm, prompts, greedy()) == expected
+    before = spec_stats(llm).num_accepted_tokens
+    assert run(llm, prompts[1:2], greedy()) == expected[1:2]  # its answer again: drafted from the cache
+    assert spec_stats(llm).num_accepted_tokens - before >= len(expected[1][0]) // 2

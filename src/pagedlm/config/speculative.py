@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram",)
-UNSUPPORTED_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+SPEC_METHODS = ("ngram", "suffix")
+UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 64
 
@@ -16,7 +16,8 @@ MAX_LOOKUP = 64
 class SpeculativeConfig:
     """How sequences speculate (docs/speculative.md). `method` ngram: drafts come from the longest n-gram
     (prompt_lookup_min..prompt_lookup_max tokens) that ends the sequence and occurred earlier in it (vLLM's prompt
-    lookup). `num_speculative_tokens`: the most draft tokens a sequence verifies in one step; with `adaptive`, each
+    lookup); `suffix`: the same, then over the outputs of the last `suffix_decoding_max_cached_requests` requests
+    (spec/suffix.py). `num_speculative_tokens`: the most draft tokens a sequence verifies in one step; with `adaptive`, each
     sequence's k follows its recent acceptance rate. Speculation pauses while more than `disable_by_batch_size`
     sequences run (the step is no longer bound by reading the weights)."""
 
@@ -26,6 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     adaptive: bool = True
     disable_by_batch_size: int = 4
+    suffix_decoding_max_cached_requests: int = 64
 
     def __post_init__(self) -> None:
         if self.method in UNSUPPORTED_METHODS:
@@ -35,7 +37,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method must be one of {list(SPEC_METHODS)}, got {self.method!r}.")
         for name, lo, hi in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
                              ("prompt_lookup_min", 1, MAX_LOOKUP), ("prompt_lookup_max", 1, MAX_LOOKUP),
-                             ("disable_by_batch_size", 1, None)):
+                             ("disable_by_batch_size", 1, None), ("suffix_decoding_max_cached_requests", 0, 4096)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
                 raise ValueError(f"speculative_config: {name} must be an integer in [{lo}, {hi or 'inf'}], got {v!r}.")

@@ -189,7 +189,7 @@ class LLMEngine:
             self.step_sampler.sample(ctx, logits)
         finally:
             self.scheduler.update_from_output(sched, ctx.finished, ctx.num_generated_tokens)
-            self.spec.count(sched)
+            self.spec.count(sched, ctx.finished)
         return self._outputs(ctx)
 
     def _outputs(self, ctx: StepContext) -> list[EngineOutput]:

@@ -5,18 +5,19 @@ back a logits row per draft position (step.py), verifies the drafts (sample.py: 
 and the scheduler keeps the accepted drafts' K/V and returns the rejected tail's slots (`BlockManager.truncate`).
 
 Which sequences speculate: a request with a `prediction` (its tokens are the draft), else, with a
-`SpeculativeConfig`, every request by prompt lookup; never beam searches or constrained requests. No sequence
+`SpeculativeConfig`, every request by prompt lookup (or suffix drafts); never beam searches or constrained requests. No sequence
 speculates in a step that runs more than `disable_by_batch_size` sequences."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from pagedlm.config import SpeculativeConfig
-from pagedlm.engine.scheduler import SchedulerOutput
+from pagedlm.engine.scheduler import FinishedSeq, SchedulerOutput
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedlm.spec.ngram import NgramProposer
 from pagedlm.spec.prediction import PredictionProposer
 from pagedlm.spec.state import SpecState
+from pagedlm.spec.suffix import SuffixCache, SuffixProposer
 
 PREDICTION_TOKENS = 8  # the most draft tokens of a prediction per step without a SpeculativeConfig
 PREDICTION_BATCH_SIZE = 4  # ... and the most running sequences it speculates with
@@ -46,6 +47,8 @@ class SpecDecoder:
         self.config, self.max_model_len = config, max_model_len
         self.stats = SpecStats()
         self._seen = config is not None  # a sequence may speculate (sticky: a prediction was seen)
+        self.suffix_cache = (SuffixCache(config.suffix_decoding_max_cached_requests)
+                             if config is not None and config.method == "suffix" else None)
 
     def state_for(self, req: Request) -> SpecState | None:
         """The speculation of a new sequence of `req` (None: it does not speculate)."""
@@ -59,8 +62,10 @@ class SpecDecoder:
                              len(p._prediction_token_ids))
         if cfg is None:
             return None
-        return SpecState(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), cfg.num_speculative_tokens,
-                         cfg.adaptive)
+        lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        proposer = SuffixProposer(self.suffix_cache, lo, hi) if self.suffix_cache is not None else \
+            NgramProposer(lo, hi)
+        return SpecState(proposer, cfg.num_speculative_tokens, cfg.adaptive)
 
     def propose(self, running: list[Request]) -> None:
         """Each running sequence's draft for the next step (none while the batch is too large)."""
@@ -84,8 +89,13 @@ class SpecDecoder:
             room = min(room, req.params.max_tokens - len(seq.output_token_ids) - 1)
         return room
 
-    def count(self, sched: SchedulerOutput) -> None:
-        """The step `sched` ran: its verified drafts into the counters."""
+    def count(self, sched: SchedulerOutput, finished: list[FinishedSeq]) -> None:
+        """The step `sched` ran: its verified drafts into the counters, the outputs that ended into the suffix
+        cache."""
+        if self.suffix_cache is not None:
+            for f in finished:
+                if f.status is not SequenceStatus.FINISHED_ABORTED:
+                    self.suffix_cache.add(f.seq.output_token_ids)
         st = self.stats
         for s in sched.scheduled:
             if not s.num_draft_tokens:

@@ -14,7 +14,7 @@ class NgramProposer:
     def propose(self, seq: DraftSeq, max_tokens: int) -> list[int]:
         tokens = np.asarray(seq.prompt_token_ids + seq.output_token_ids, dtype=np.int64)
         # the suffix itself ends at len - 1: a match must end before it, with at least one token after
-        i = longest_match(tokens, tokens, self.min_n, self.max_n, len(tokens) - 1)
+        i = longest_match(tokens, tokens, self.min_n, self.max_n, len(tokens) - 1, follow=max_tokens)
         if i is None:
             return []
         return tokens[i + 1:i + 1 + max_tokens].tolist()

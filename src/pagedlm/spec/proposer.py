@@ -19,10 +19,11 @@ class Proposer(Protocol):
 
 
 def longest_match(haystack: np.ndarray, pattern: np.ndarray, min_n: int, max_n: int, end: int,
-                  prefer_from: int | None = None) -> int | None:
+                  prefer_from: int | None = None, follow: int = 1) -> int | None:
     """The position i < `end` in `haystack` where the longest run of `pattern`'s last tokens (at least `min_n`, at
-    most `max_n`) ends: haystack[i - n + 1 .. i] == pattern[-n:]. Ties go to the latest such i, or with
-    `prefer_from` to the first i >= prefer_from (else the latest). None if no run of `min_n` tokens matches."""
+    most `max_n`) ends: haystack[i - n + 1 .. i] == pattern[-n:]. Ties go to runs with `follow` tokens after them
+    in `haystack[:end + 1]` if there are such, then to the latest, or with `prefer_from` to the first
+    i >= prefer_from. None if no run of `min_n` tokens matches."""
     if len(pattern) < min_n or end <= 0:
         return None
     cands = np.flatnonzero(haystack[:end] == pattern[-1])
@@ -41,6 +42,9 @@ def longest_match(haystack: np.ndarray, pattern: np.ndarray, min_n: int, max_n: 
     if best < min_n:
         return None
     top = cands[lengths == best]
+    long = top[top + follow <= end]
+    if long.size:
+        top = long
     if prefer_from is not None:
         later = top[top >= prefer_from]
         if later.size:
