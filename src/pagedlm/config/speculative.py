@@ -17,9 +17,9 @@ class SpeculativeConfig:
     """How sequences speculate (docs/speculative.md). `method` ngram: drafts come from the longest n-gram
     (prompt_lookup_min..prompt_lookup_max tokens) that ends the sequence and occurred earlier in it (vLLM's prompt
     lookup); `suffix`: the same, then over the outputs of the last `suffix_decoding_max_cached_requests` requests
-    (spec/suffix.py). `num_speculative_tokens`: the most draft tokens a sequence verifies in one step; with `adaptive`, each
-    sequence's k follows its recent acceptance rate. Speculation pauses while more than `disable_by_batch_size`
-    sequences run (the step is no longer bound by reading the weights)."""
+    (spec/suffix.py). `num_speculative_tokens`: the most draft tokens a sequence verifies in one step; with
+    `adaptive`, each sequence's k follows its recent acceptance rate. Speculation pauses while more than
+    `disable_by_batch_size` sequences run (the step is no longer bound by reading the weights)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4

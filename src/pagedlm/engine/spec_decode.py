@@ -5,8 +5,8 @@ back a logits row per draft position (step.py), verifies the drafts (sample.py: 
 and the scheduler keeps the accepted drafts' K/V and returns the rejected tail's slots (`BlockManager.truncate`).
 
 Which sequences speculate: a request with a `prediction` (its tokens are the draft), else, with a
-`SpeculativeConfig`, every request by prompt lookup (or suffix drafts); never beam searches or constrained requests. No sequence
-speculates in a step that runs more than `disable_by_batch_size` sequences."""
+`SpeculativeConfig`, every request by prompt lookup (or suffix drafts); never beam searches or constrained
+requests. No sequence speculates in a step that runs more than `disable_by_batch_size` sequences."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,6 +31,17 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def total(cls, parts: list[SpecStats]) -> SpecStats:
+        """Several engines' counters summed (replicas)."""
+        out = cls(sum(p.num_drafts for p in parts), sum(p.num_draft_tokens for p in parts),
+                  sum(p.num_accepted_tokens for p in parts))
+        for p in parts:
+            out.accepted_per_pos += [0] * (len(p.accepted_per_pos) - len(out.accepted_per_pos))
+            for j, n in enumerate(p.accepted_per_pos):
+                out.accepted_per_pos[j] += n
+        return out
 
     @property
     def acceptance_rate(self) -> float:
