@@ -377,3 +377,22 @@ def test_suffix_method_greedy_identical_and_learns_from_earlier_requests(tiny_mo
     before = spec_stats(llm).num_accepted_tokens
     assert run(llm, prompts[1:2], greedy()) == expected[1:2]  # its answer again: drafted from the cache
     assert spec_stats(llm).num_accepted_tokens - before >= len(expected[1][0]) // 2
+
+
+def test_no_speculation_in_large_batches(tiny_model_dir, tiny_reference):
+    """More running sequences than disable_by_batch_size: the step is not weight-bound, nobody drafts."""
+    prompts, _, _ = tiny_reference
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4,
+              speculative_config={**NGRAM, "disable_by_batch_size": 4})
+    run(llm, prompts * 2, greedy())  # six sequences, side by side to the end
+    assert spec_stats(llm).num_drafts == 0
+    run(llm, prompts[:1], greedy())
+    assert spec_stats(llm).num_drafts > 0
+
+
+def test_replica_counters_sum():
+    from pagedlm.engine.spec_decode import SpecStats
+
+    total = SpecStats.total([SpecStats(1, 3, 2, [1, 1]), SpecStats(2, 4, 3, [2, 1, 0])])
+    assert total == SpecStats(3, 7, 5, [3, 2, 0])
+    assert total.mean_accepted_length == pytest.approx(1 + 5 / 3)
