@@ -37,6 +37,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified, over the request's samples
+    spec_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass

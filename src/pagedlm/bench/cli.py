@@ -35,6 +35,14 @@ def add_bench_parser(sub, engine_args: Callable[[argparse.ArgumentParser], None]
     q.add_argument("--prefill-repeats", type=int, default=3)
     q.set_defaults(fn=lambda a: _offline("cmd_latency", a, engine_kwargs))
 
+    q = bsub.add_parser("speculative", help="speculative decoding vs the defaults, single stream, alternated")
+    engine_args(q)
+    q.add_argument("--k", type=int, default=4, help="draft tokens without --speculative-config")
+    q.add_argument("--output-len", type=int, default=128)
+    q.add_argument("--repeats", type=int, default=3, help="runs per mode and workload; medians reported")
+    q.add_argument("--output-json", default=None)
+    q.set_defaults(fn=lambda a: _speculative(a, engine_kwargs))
+
     q = bsub.add_parser("serve", help="load generator for an OpenAI-compatible server")
     q.add_argument("--base-url", default="http://127.0.0.1:8000")
     q.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
@@ -67,6 +75,11 @@ def add_bench_parser(sub, engine_args: Callable[[argparse.ArgumentParser], None]
 def _offline(name: str, args: argparse.Namespace, engine_kwargs) -> int:
     from pagedlm.bench import offline
     return getattr(offline, name)(args, engine_kwargs)
+
+
+def _speculative(args: argparse.Namespace, engine_kwargs) -> int:
+    from pagedlm.bench.speculative import cmd_speculative
+    return cmd_speculative(args, engine_kwargs)
 
 
 def _serve(args: argparse.Namespace) -> int:

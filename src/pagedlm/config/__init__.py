@@ -16,11 +16,12 @@ from pagedlm.config.loop import LoopConfig
 from pagedlm.config.model import ModelConfig
 from pagedlm.config.parallel import ParallelConfig
 from pagedlm.config.router import RouterConfig
+from pagedlm.config.speculative import SpeculativeConfig
 from pagedlm.config.units import DTYPE_NAMES, DTYPES, byte_size, default_dtype, parse_bytes, parse_dtype
 
 __all__ = [
     "DEFAULT_KV_CACHE_MEMORY_FRACTION", "DEFAULT_MODEL", "DTYPES", "DTYPE_NAMES", "KERNEL_MAX_ROWS", "KV_CACHE_DTYPES",
     "LLAMA_STYLE_TYPES", "QUANTIZATION_METHODS", "SUPPORTED_ARCHITECTURES", "EngineConfig", "LoopConfig", "ModelConfig",
-    "ParallelConfig", "RouterConfig", "add_arguments", "byte_size", "check_choices", "default_dtype", "flag_name",
-    "from_args", "option", "parse_bytes", "parse_dtype",
+    "ParallelConfig", "RouterConfig", "SpeculativeConfig", "add_arguments", "byte_size", "check_choices",
+    "default_dtype", "flag_name", "from_args", "option", "parse_bytes", "parse_dtype",
 ]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.config.flags import check_choices, option
+from pagedlm.config.speculative import SpeculativeConfig, parse_speculative_config
 from pagedlm.config.units import DTYPE_NAMES, byte_size, parse_bytes
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
@@ -53,12 +54,17 @@ class EngineConfig:
     kernel_max_rows: int | None = option(
         None, "quantized weights: steps of at most this many rows run the quantized kernels (and the fused decoder "
         "stack), larger ones a dense GEMM (default: measured once per CPU, model/probe.py)")
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None, 'speculative decoding, vLLM\'s JSON shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (docs/speculative.md; requests with a `prediction` '
+        'speculate without it)', parse=parse_speculative_config)
     # per-request limits (a request beyond them is refused with ValueError before anything is allocated)
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs / top_logprobs a request may ask for")
     max_stop_sequences: int = option(32, "most stop strings (and, separately, stop token ids) per request")
     max_stop_length: int = option(256, "longest stop string, in characters")
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.quantization == "none":
             self.quantization = None
         check_choices(self)

@@ -36,6 +36,7 @@ from pagedlm.engine.client import EngineClient, StepRecord
 from pagedlm.engine.errors import EngineDeadError, QueueFullError
 from pagedlm.engine.llm_engine import EngineStats
 from pagedlm.engine.protocol import EngineRequest
+from pagedlm.engine.spec_decode import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ class ReplicaSet(EngineClient):
             prompt_tokens=sum(s.prompt_tokens for s in snaps),
             generation_tokens=sum(s.generation_tokens for s in snaps),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in snaps),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in snaps), moe_expert_tokens=moe)
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in snaps), moe_expert_tokens=moe,
+            spec_decode=SpecStats.total([s.spec_decode for s in snaps]))
 
     def submit(self, request: EngineRequest) -> RemoteStream:
         loop = asyncio.get_running_loop()

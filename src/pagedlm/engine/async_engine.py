@@ -309,5 +309,10 @@ class ThroughputLog:
                     "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                     "Preemptions: %d", (s.prompt_tokens - p0) / dt, (s.generation_tokens - g0) / dt,
                     s.num_running, s.num_swapped, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions)
+        sd = s.spec_decode
+        if sd.num_drafts:
+            logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
+                        "tokens, Avg Draft acceptance rate: %.1f%%", sd.mean_accepted_length, sd.num_accepted_tokens,
+                        sd.num_draft_tokens, 100 * sd.acceptance_rate)
         self._state = (now, s.prompt_tokens, s.generation_tokens)
         self.active = busy

@@ -200,6 +200,13 @@ def prepare_params(params: SamplingParams, vocab_size: int, tokenizer: Tokenizer
                 if ids and ids not in words:
                     words.append(ids)
         params._bad_words_token_ids = words
+    if params.prediction and not params._prediction_token_ids:
+        ids = (tokenizer.encode(params.prediction, add_special_tokens=False) if isinstance(params.prediction, str)
+               else list(params.prediction))
+        if any(t >= vocab for t in ids):
+            raise InvalidRequestError(f"prediction holds token ids this model does not have (vocabulary size "
+                                      f"{vocab}).", "prediction")
+        params._prediction_token_ids = ids
     if params.structured_outputs is not None and params._grammar is None:  # kept for the request's life
         try:
             params._grammar = structured().compile(params.structured_outputs)

@@ -8,7 +8,7 @@ import gc
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -21,6 +21,7 @@ from pagedlm.engine.protocol import EngineOutput, EngineRequest
 from pagedlm.engine.sample import StepSampler
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence
+from pagedlm.engine.spec_decode import SpecDecoder, SpecStats
 from pagedlm.engine.step import StepContext, build_batch
 from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
@@ -50,6 +51,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> tokens per expert
+    spec_decode: SpecStats = field(default_factory=SpecStats)
 
 
 class LLMEngine:
@@ -75,6 +77,7 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, config.block_size, kv.num_cpu_blocks, config.watermark,
                                           config.enable_prefix_caching, spec.sliding_windows)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.input_processor = InputProcessor(EngineInfo.of(self), self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -138,6 +141,7 @@ class LLMEngine:
             gen.manual_seed(req.params.seed + index)
         seq = Sequence(list(req.prompt_token_ids), index=index, generator=gen, cache_salt=req.cache_salt)
         seq.detokenizer = self.output_processor.detokenizer(req)
+        seq.spec = self.spec.state_for(req)
         return seq
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -161,6 +165,7 @@ class LLMEngine:
     # --- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """Run one step; the outputs of the requests it advanced, finished or failed."""
+        self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         try:
             kv = self.runner.kv_cache
@@ -184,6 +189,7 @@ class LLMEngine:
             self.step_sampler.sample(ctx, logits)
         finally:
             self.scheduler.update_from_output(sched, ctx.finished, ctx.num_generated_tokens)
+            self.spec.count(sched, ctx.finished)
         return self._outputs(ctx)
 
     def _outputs(self, ctx: StepContext) -> list[EngineOutput]:
@@ -214,4 +220,5 @@ class LLMEngine:
             num_total_blocks=bm.num_total_blocks, num_preemptions=sch.num_preemptions,
             prompt_tokens=sch.num_prompt_tokens, generation_tokens=sch.num_generation_tokens,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
-            moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in self.runner.moe_blocks})
+            moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in self.runner.moe_blocks},
+            spec_decode=replace(self.spec.stats, accepted_per_pos=list(self.spec.stats.accepted_per_pos)))

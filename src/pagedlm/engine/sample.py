@@ -63,6 +63,7 @@ class StepSampler:
             except Exception as e:  # noqa: BLE001 - isolate the request
                 self.fail(ctx, row.request, e)
         rows, targets, index = [], [], []
+        drafted: dict[int, SampleRow] = {}  # first of a drafted sequence's rows in `targets` -> its SampleRow
         beams: dict[str, list[SampleRow]] = {}
         for row in ctx.batch.samples:
             req = row.request
@@ -83,9 +84,14 @@ class StepSampler:
                 ctx.touched[req.request_id] = req
                 continue
             for seq in seqs:
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator))
-                targets.append((req, seq))
-                index.append(row.index)
+                drafts = row.draft_token_ids if seq is row.seq else []
+                if drafts:
+                    drafted[len(targets)] = row
+                for j in range(len(drafts) + 1):  # the token after each accepted draft prefix
+                    out = seq.output_token_ids + drafts[:j] if j else seq.output_token_ids
+                    rows.append(SamplingRow(req.params, req.prompt_token_ids, out, seq.generator))
+                    targets.append((req, seq))
+                    index.append(row.index + j)
         self._fill_masks(ctx, rows, targets)
         for beam_rows in beams.values():
             req = beam_rows[0].request
@@ -98,13 +104,20 @@ class StepSampler:
         if index != list(range(logits.shape[0])):  # else every row once, in order: no copy of the logits
             logits = logits[index]
         tokens, chosen, top = self._sample_rows(ctx, logits, rows, targets)
-        for k, (req, seq) in enumerate(targets):
-            if req.request_id in ctx.failed:
-                continue
-            try:
-                self._append_token(ctx, req, seq, tokens[k], chosen[k], top[k])
-            except Exception as e:  # noqa: BLE001 - isolate the request
-                self.fail(ctx, req, e)
+        k = 0
+        while k < len(targets):
+            req, seq = targets[k]
+            draft = drafted.get(k)
+            width = 1 + (len(draft.draft_token_ids) if draft is not None else 0)
+            if req.request_id not in ctx.failed:
+                try:
+                    if draft is None:
+                        self._append_token(ctx, req, seq, tokens[k], chosen[k], top[k])
+                    else:
+                        self._append_verified(ctx, draft, tokens[k:k + width], chosen[k:k + width], top[k:k + width])
+                except Exception as e:  # noqa: BLE001 - isolate the request
+                    self.fail(ctx, req, e)
+            k += width
 
     def fail(self, ctx: StepContext, req: Request, error: Exception) -> None:
         """End one request of the step with an error (its blocks freed); the other requests go on."""
@@ -178,8 +191,32 @@ class StepSampler:
                 tokens[k], logprobs[k], top[k] = out.token_ids[j], out.logprobs[j], out.top_logprobs[j]
         return tokens, logprobs, top
 
+    def _append_verified(self, ctx: StepContext, row: SampleRow, tokens: list[int], logprobs: list[float],
+                         top: list[PositionLogprobs | None]) -> None:
+        """Speculative decoding's verification. tokens[j] was sampled from the target distribution after the
+        sequence and drafts[:j]: it is appended, and while it equals drafts[j] the next one is too (at most
+        len(drafts) + 1 tokens: the last is the correction, or the bonus after a fully accepted draft).
+
+        Lossless: a draft token x is accepted exactly when the target's own sample at its position is x, so the
+        appended token has the target's distribution there, p(x) for x and p(y) for every y != x. That is rejection
+        sampling (accept x with probability min(1, p(x)/q(x)), else sample from max(0, p - q)) for a draft q that
+        is certain of x, as n-gram and predicted drafts are; greedy requests get the argmax at every position."""
+        req, seq, drafts = row.request, row.seq, row.draft_token_ids
+        appended = 0
+        for j, token in enumerate(tokens):
+            appended += 1
+            if self._append_token(ctx, req, seq, token, logprobs[j], top[j]) or j == len(drafts) \
+                    or token != drafts[j]:
+                break
+        accepted = appended - 1  # drafts whose K/V the step wrote and the sequence kept
+        row.sched.num_accepted_tokens = accepted
+        seq.spec.record(len(drafts), accepted)
+        req.metrics.spec_draft_tokens += len(drafts)
+        req.metrics.spec_accepted_tokens += accepted
+
     def _append_token(self, ctx: StepContext, req: Request, seq: Sequence, token: int, logprob: float,
-                      top: PositionLogprobs | None) -> None:
+                      top: PositionLogprobs | None) -> bool:
+        """Append `token` to `seq`; True if the sequence ends with it."""
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             error = (seq.matcher.get_error() or "").strip().splitlines()
             raise StructuredOutputError(f"The constraint stopped at output token {len(seq.output_token_ids)}: "
@@ -195,6 +232,7 @@ class StepSampler:
             status = SequenceStatus.FINISHED_STOPPED
         if status is not None:
             ctx.finish(seq, status)
+        return status is not None
 
     def _beam_step(self, ctx: StepContext, req: Request, rows: list[SampleRow], logits: torch.Tensor) -> None:
         """Advance a beam search by one token: the chosen continuations reuse their parent's sequence, or fork it

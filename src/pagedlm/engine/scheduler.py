@@ -22,21 +22,31 @@ from pagedlm.kvcache.block_manager import BlockManager
 
 @dataclass
 class ScheduledSeq:
-    """Tokens start .. start + num_new_tokens of `seq` are computed in this step."""
+    """Tokens start .. start + num_new_tokens of `seq` are computed in this step; the last `num_draft_tokens` of
+    them are draft tokens (speculative decoding), of which verification accepts `num_accepted_tokens`."""
 
     request: Request
     seq: Sequence
     num_new_tokens: int
     start: int = -1  # the sequence's computed tokens when it was scheduled
+    num_draft_tokens: int = -1
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.start < 0:
             self.start = self.seq.num_computed_tokens
+        if self.num_draft_tokens < 0:
+            self.num_draft_tokens = max(0, self.start + self.num_new_tokens - self.seq.num_tokens)
 
     @property
     def completes(self) -> bool:
         """This chunk reaches the end of the sequence's tokens, so a new token is sampled after it."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - self.num_draft_tokens == self.seq.num_tokens
+
+    @property
+    def num_computed_after(self) -> int:
+        """The sequence's computed tokens once the step ran: its chunk, less the draft tokens rejected."""
+        return self.start + self.num_new_tokens - self.num_draft_tokens + self.num_accepted_tokens
 
 
 @dataclass
@@ -98,7 +108,9 @@ class Scheduler:
         """The step `out` scheduled ran: its chunks are computed, the prompts it started and the tokens it
         generated are counted, and its ended sequences finish."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            s.seq.num_computed_tokens = s.num_computed_after
+            if s.num_draft_tokens:  # the rejected drafts' slots go back
+                self.block_manager.truncate(s.seq, s.seq.num_computed_tokens)
         self.num_prompt_tokens += sum(len(r.prompt_token_ids) for r in out.started)
         self.num_generation_tokens += num_generated_tokens
         self.finish(finished)
@@ -153,6 +165,9 @@ class Scheduler:
             if not seqs:
                 kept.append(req)
                 continue
+            if not bm.can_append_slots(seqs, nums):  # draft tokens never preempt anyone: they wait
+                real = [min(n, s.num_uncomputed_tokens) for s, n in zip(seqs, nums)]
+                budget, nums = budget + sum(nums) - sum(real), real
             while not bm.can_append_slots(seqs, nums):
                 victim = queue.pop() if queue else req
                 self._preempt(victim, out)
@@ -162,7 +177,7 @@ class Scheduler:
                 for seq, n in zip(seqs, nums):
                     out.blocks_to_copy += bm.append_slots(seq, n)
                     out.scheduled.append(ScheduledSeq(req, seq, n))
-                    bm.commit(seq, seq.num_computed_tokens + n)
+                    bm.commit(seq, min(seq.num_computed_tokens + n, seq.num_tokens))  # drafts are not cached
                 kept.append(req)
                 continue
             budget += sum(nums)  # req itself was preempted
@@ -237,6 +252,8 @@ class Scheduler:
             n = min(need[seq.seq_id], left)
             if n <= 0:
                 continue
+            if n == 1 and seq.status is SequenceStatus.RUNNING:  # a decode: its draft tokens ride along
+                n += min(len(seq.draft_token_ids), left - 1)
             seqs.append(seq)
             nums.append(n)
             left -= n

@@ -11,6 +11,7 @@ import torch
 from pagedlm.engine.protocol import CompletionDelta
 from pagedlm.outputs import PositionLogprobs, RequestMetrics
 from pagedlm.sampling.params import SamplingParams
+from pagedlm.spec.state import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -57,6 +58,12 @@ class Sequence:
     unsent_text: str = ""
     unsent_logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_sent: bool = False
+    spec: SpecState | None = None  # a speculating sequence's proposer, drafts and acceptance (spec/state.py)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """Tokens proposed to follow this sequence, verified in its next step (speculative decoding)."""
+        return self.spec.draft_token_ids if self.spec is not None else []
 
     @property
     def num_tokens(self) -> int:

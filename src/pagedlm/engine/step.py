@@ -17,10 +17,12 @@ from pagedlm.sampling.structured import PendingMasks
 
 @dataclass
 class SampleRow:
-    """A scheduled chunk that completes its sequence: the next token is sampled from logits row `index`."""
+    """A scheduled chunk that completes its sequence: the next token is sampled from logits row `index`; with
+    `draft_token_ids` (speculative decoding), rows index + 1 .. index + len(draft) follow each draft token."""
 
     sched: ScheduledSeq
     index: int
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request(self) -> Request:
@@ -67,7 +69,9 @@ def build_batch(sched: SchedulerOutput, block_manager: BlockManager) -> StepBatc
     offset = 0
     for s in sched.scheduled:
         req, start = s.request, s.start
-        batch.chunks.append(Chunk(s.seq.token_slice(start, start + s.num_new_tokens), start,
+        real = s.num_new_tokens - s.num_draft_tokens
+        drafts = s.seq.draft_token_ids[:s.num_draft_tokens]
+        batch.chunks.append(Chunk(s.seq.token_slice(start, start + real) + drafts, start,
                                   block_manager.get_block_tables(s.seq)))
         if req.wants_prompt_logprobs and start < len(req.prompt_token_ids):
             first = max(start, len(req.prompt_logprobs) - 1 if req.prompt_logprobs else 0)
@@ -76,8 +80,8 @@ def build_batch(sched: SchedulerOutput, block_manager: BlockManager) -> StepBatc
                 batch.prompt_logprobs.append(PromptLogprobRow(s, len(batch.logits_index), first, end))
                 batch.logits_index.extend(range(offset + first - start, offset + end - start))
         if s.completes:
-            batch.samples.append(SampleRow(s, len(batch.logits_index)))
-            batch.logits_index.append(offset + s.num_new_tokens - 1)
+            batch.samples.append(SampleRow(s, len(batch.logits_index), drafts))
+            batch.logits_index.extend(range(offset + real - 1, offset + s.num_new_tokens))
         offset += s.num_new_tokens
     return batch
 

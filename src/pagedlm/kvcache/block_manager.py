@@ -18,6 +18,11 @@ from typing import Protocol
 
 import numpy as np
 
+from pagedlm.kvcache.capacity import max_blocks_needed, max_tokens_per_seq
+
+__all__ = ["NULL_BLOCK", "BlockManager", "BlockPool", "NoFreeBlocksError", "hash_block", "max_blocks_needed",
+           "max_tokens_per_seq"]
+
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK = -1  # table entry of a freed sliding-window block
@@ -42,32 +47,6 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None = No
     if salt is not None and parent is None:
         h.update(b"salt:" + salt.encode())
     return h.digest()
-
-
-def max_blocks_needed(sliding_windows: list[int | None], block_size: int, prompt_len: int, total_len: int,
-                      width: int = 1, max_chunk: int | None = None) -> int:
-    """Most blocks `width` sequences forked after a prompt of `prompt_len` tokens hold at once while they grow
-    to `total_len` tokens each, prefilled in chunks of at most `max_chunk` tokens (default: in one chunk). A
-    sliding-window group holds at most the window before a chunk, the chunk, and one partly used block."""
-    def blocks(n: int) -> int:
-        return -(-n // block_size)
-
-    full = blocks(total_len) if width == 1 else blocks(prompt_len) + width * (blocks(total_len - prompt_len) + 1)
-    chunk = min(max_chunk or total_len, total_len)
-    return sum(full if w is None else min(full, width * (blocks(chunk + w - 1) + 1)) for w in sliding_windows)
-
-
-def max_tokens_per_seq(sliding_windows: list[int | None], block_size: int, num_blocks: int,
-                       max_chunk: int | None = None) -> int:
-    """The longest single sequence whose blocks fit in `num_blocks` (at most num_blocks x block_size)."""
-    lo, hi = 0, num_blocks * block_size
-    while lo < hi:  # the need grows with the length
-        mid = (lo + hi + 1) // 2
-        if max_blocks_needed(sliding_windows, block_size, mid, mid, 1, max_chunk) <= num_blocks:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -335,6 +314,22 @@ class BlockManager:
                 self.gpu.decref(table[i])
                 table[i] = NULL_BLOCK
                 i -= 1
+
+    def truncate(self, seq: SeqLike, num_tokens: int) -> None:
+        """Drop the sequence's reference to each device block past those holding its first `num_tokens` tokens, in
+        every group (speculative decoding's rejected tail: slots reserved for draft tokens that were not accepted).
+        Those blocks were never committed to the prefix cache (`commit` covers accepted tokens only); the kept last
+        block may hold a rejected token's K/V past `num_tokens`, which the next token at that slot overwrites."""
+        tables = self.block_tables.get(seq.seq_id)
+        if tables is None or seq.seq_id in self.swapped:
+            return
+        keep = self._blocks_for(num_tokens)
+        for table in tables:
+            while len(table) > keep:
+                block = table.pop()
+                if block != NULL_BLOCK:
+                    assert self.gpu.block_hash[block] is None, f"block {block} past token {num_tokens} is cached"
+                    self.gpu.decref(block)
 
     def fork(self, parent: SeqLike, child: SeqLike) -> None:
         """The child shares every block of the parent (ref counts up); copies happen later, on write."""

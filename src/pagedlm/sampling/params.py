@@ -15,6 +15,8 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
 MAX_GRAMMAR_CHARS = 100_000  # JSON schema (serialized), regex, grammar, or all choices together
 MAX_CHOICES = 1024
+MAX_PREDICTION_CHARS = 400_000  # a predicted output (the file being edited), as text ...
+MAX_PREDICTION_TOKENS = 100_000  # ... or as token ids
 MAX_JSON_DEPTH = 128  # nesting of JSON text inside a request (the request body's own parser allows as much)
 
 
@@ -136,6 +138,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never generated (each as a whole token sequence)
     structured_outputs: StructuredOutputsParams | None = None
+    prediction: str | list[int] | None = None  # OpenAI's Predicted Outputs: the expected output (draft tokens)
+    # set by the engine: the prediction as token ids
+    _prediction_token_ids: list[int] = field(default_factory=list, repr=False)
     # set by the engine: bad_words as token sequences (each with and without a leading space, as vLLM does)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # set by the sampler on first use (sampler.allowed_mask): allowed_token_ids as a [vocab] bool tensor
@@ -220,7 +225,7 @@ class SamplingParams:
                 raise bad("max_tokens", "must be set with beam search")
             if self.early_stopping not in (True, False, "never"):
                 raise bad("early_stopping", "must be True, False or 'never'")
-            for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"):
+            for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "prediction"):
                 if getattr(self, name):
                     raise ValueError(f"{name} is not supported with beam search.")
         self._validate_token_controls()
@@ -250,6 +255,15 @@ class SamplingParams:
             if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
                 raise ValueError(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} "
                                  "characters.")
+        if self.prediction is not None:
+            p = self.prediction
+            if isinstance(p, str):
+                if len(p) > MAX_PREDICTION_CHARS:
+                    raise ValueError(f"prediction holds {len(p)} characters; at most {MAX_PREDICTION_CHARS} are "
+                                     "allowed.")
+            elif not isinstance(p, list) or len(p) > MAX_PREDICTION_TOKENS or not all(token_id(t) for t in p):
+                raise ValueError(f"prediction must be a string or a list of at most {MAX_PREDICTION_TOKENS} token "
+                                 "ids.")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams.")

@@ -52,6 +52,11 @@ _ENGINE_FAMILIES: list[tuple[type, str, str, Callable]] = [
     (_C, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
      lambda e, s: s.prefix_cache_queries),
     (_C, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda e, s: s.prefix_cache_hits),
+    (_C, "vllm:spec_decode_num_drafts", "Speculative steps: a sequence verified a draft.",
+     lambda e, s: s.spec_decode.num_drafts),
+    (_C, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", lambda e, s: s.spec_decode.num_draft_tokens),
+    (_C, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     lambda e, s: s.spec_decode.num_accepted_tokens),
     (_G, "pagedlm:kv_blocks_total", "KV-cache blocks on the device.", lambda e, s: s.num_total_blocks),
     (_G, "pagedlm:kv_blocks_free", "Free KV-cache blocks.", lambda e, s: s.num_free_blocks),
     (_G, "pagedlm:kv_blocks_used", "Allocated KV-cache blocks.", lambda e, s: s.num_total_blocks - s.num_free_blocks),
@@ -94,6 +99,12 @@ class _EngineCollector(Collector):
                          lambda e, s: self._retries(e))
             yield family(_G, "pagedlm:replica_healthy", "1 while the replica is up, 0 while it is out.",
                          lambda e, s: float(e.is_running))
+        per_pos = _C("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+                     labels=[*labels, "position"])
+        for key, eng, s in snaps:
+            for pos, n in enumerate(s.spec_decode.accepted_per_pos):
+                per_pos.add_metric([*key, str(pos)], n)
+        yield per_pos
         moe = _C("pagedlm:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer.",
                  labels=[*labels, "layer", "expert"])
         for key, eng, s in snaps:

@@ -34,6 +34,7 @@ from pagedlm.server.streaming import (
     abort_all,
     collect,
     event,
+    final_usage,
     first_outputs,
     merge,
 )
@@ -99,7 +100,8 @@ class ModelServer(TokenizerEndpoints):
             converted = [_prompt_logprobs(out) for out in finals]  # once per prompt, whatever n
             for c in choices:
                 c.prompt_logprobs = converted[c.index // params.n]
-        return json_response(P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=_usage(finals)))
+        return json_response(P.CompletionResponse(id=rid, model=self.name, choices=choices,
+                                                  usage=final_usage(finals, params)))
 
     async def _completion_prompts(self, req: P.CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
@@ -181,7 +183,7 @@ class ModelServer(TokenizerEndpoints):
                                  streams: list[RequestStream], params: SamplingParams) -> AsyncIterator[str]:
         created, n = int(time.time()), params.n
         states = [ChoiceState() for _ in range(len(prompts) * n)]
-        usage = StreamUsage([len(p.token_ids) for p in prompts])
+        usage = StreamUsage([len(p.token_ids) for p in prompts], params)
         async for i, out in merge(streams):
             usage.add(i, out)
             for o in out.outputs:
@@ -242,7 +244,7 @@ class ModelServer(TokenizerEndpoints):
                 index=o.index, message=message, finish_reason=finish, stop_reason=o.stop_reason,
                 logprobs=self._chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None))
         return json_response(P.ChatCompletionResponse(
-            id=rid, model=self.name, choices=choices, usage=_usage([out]),
+            id=rid, model=self.name, choices=choices, usage=final_usage([out], params),
             prompt_logprobs=_prompt_logprobs(out) if req.prompt_logprobs is not None else None))
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs] | None,
@@ -262,7 +264,7 @@ class ModelServer(TokenizerEndpoints):
         created, n = int(time.time()), params.n
         k = (req.top_logprobs or 0) if req.logprobs else None
         states = [ChoiceState() for _ in range(n)]
-        usage = StreamUsage([prompt_len])
+        usage = StreamUsage([prompt_len], params)
 
         def chunk(index: int, delta: P.DeltaMessage, **kw: Any) -> str:
             return event(P.ChatCompletionChunk(id=rid, created=created, model=self.name,
@@ -382,12 +384,6 @@ def _token_str(srv: ModelServer, tid: int, entry: PositionLogprobs) -> str:
 
 def _clamp(logprob: float) -> float:
     return max(logprob, -9999.0) if logprob == logprob else -9999.0
-
-
-def _usage(outputs: list[RequestOutput | None]) -> P.UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
-    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def request_ids(rid: str, num_prompts: int) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, StructuredOutputsParams
+from pagedlm.server.prediction import CompletionTokensDetails, Prediction
 
 _INT64 = 2**63 - 1
 MAX_N = 128
@@ -126,6 +127,7 @@ class SamplingRequest(Request):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    prediction: Prediction | None = None  # OpenAI's Predicted Outputs (server/prediction.py)
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -194,7 +196,8 @@ class SamplingRequest(Request):
                 skip_special_tokens=self.skip_special_tokens, use_beam_search=self.use_beam_search,
                 beam_width=self.beam_width, length_penalty=self.length_penalty, early_stopping=self.early_stopping,
                 logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
-                bad_words=self.bad_words, structured_outputs=self.structured_outputs_params())
+                bad_words=self.bad_words, structured_outputs=self.structured_outputs_params(),
+                prediction=self.prediction.text() or None if self.prediction is not None else None)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -370,6 +373,7 @@ class UsageInfo(Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionLogprobs(Response):

@@ -20,8 +20,10 @@ from starlette.background import BackgroundTask
 from pagedlm.engine.client import RequestStream
 from pagedlm.engine.errors import EngineError
 from pagedlm.engine.protocol import EngineOutput
-from pagedlm.outputs import RequestOutput
+from pagedlm.outputs import RequestMetrics, RequestOutput
+from pagedlm.sampling.params import SamplingParams
 from pagedlm.server.errors import api_error
+from pagedlm.server.prediction import prediction_details
 from pagedlm.server.protocol import APIError, UsageInfo
 
 logger = logging.getLogger(__name__)
@@ -42,20 +44,39 @@ class ChoiceState:
 
 class StreamUsage:
     """A streamed response's token usage so far: each prompt's tokens once its stream has an output, and every
-    generated token."""
+    generated token; with a prediction, its accepted and rejected tokens (server/prediction.py)."""
 
-    def __init__(self, prompt_lens: list[int]) -> None:
+    def __init__(self, prompt_lens: list[int], params: SamplingParams | None = None) -> None:
         self.prompt_lens, self.started = prompt_lens, [False] * len(prompt_lens)
         self.completion_tokens = 0
+        self.params = params
+        self.metrics: list[RequestMetrics | None] = [None] * len(prompt_lens)
 
     def add(self, i: int, out: EngineOutput) -> None:
         self.started[i] = True
         self.completion_tokens += out.num_new_tokens
+        self.metrics[i] = out.metrics or self.metrics[i]
 
     def info(self) -> UsageInfo:
         prompt = sum(n for n, seen in zip(self.prompt_lens, self.started) if seen)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-                         total_tokens=prompt + self.completion_tokens)
+        return usage_info(prompt, self.completion_tokens, self.params, self.metrics)
+
+
+def usage_info(prompt: int, completion: int, params: SamplingParams | None,
+               metrics: list[RequestMetrics | None]) -> UsageInfo:
+    details = None
+    if params is not None and params.prediction:
+        details = prediction_details(len(params._prediction_token_ids), params.n, metrics)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     completion_tokens_details=details)
+
+
+def final_usage(outputs: list[RequestOutput | None], params: SamplingParams | None = None) -> UsageInfo:
+    """The usage of a whole response: its prompts' requests' outputs, all finished."""
+    done = [o for o in outputs if o is not None]
+    prompt = sum(len(o.prompt_token_ids) for o in done)
+    completion = sum(len(c.token_ids) for o in done for c in o.outputs)
+    return usage_info(prompt, completion, params, [o.metrics for o in done])
 
 
 def abort_all(streams: list[RequestStream]) -> None:

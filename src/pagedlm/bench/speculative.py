@@ -1,0 +1,101 @@
+"""Speculative decoding against the defaults, single stream, alternated in one run on one engine (the same weights
+and KV cache; only the drafting differs): code editing with a `prediction` (the original source), a summary that
+quotes its document with prompt lookup, and open-ended chat (little to copy) with prompt lookup. Greedy, so both
+modes produce the same tokens (checked) and the comparison is tokens/s of the same text.
+
+    pagedlm bench speculative --model smollm2-135m --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+from pagedlm.bench.common import format_table, median, write_json
+from pagedlm.config import SpeculativeConfig
+from pagedlm.engine.spec_decode import SpecDecoder
+from pagedlm.llm import LLM
+from pagedlm.sampling.params import SamplingParams
+
+CODE = '''def add(a, b):
+    """Return the sum of a and b."""
+    return a + b
+
+
+def mean(values):
+    """Return the arithmetic mean of a list of numbers."""
+    if not values:
+        raise ValueError("mean of an empty list")
+    total = 0
+    for v in values:
+        total = add(total, v)
+    return total / len(values)
+
+
+def variance(values):
+    """Return the population variance of a list of numbers."""
+    m = mean(values)
+    return mean([(v - m) ** 2 for v in values])
+'''
+ARTICLE = ("The paged key value cache stores the attention keys and values of every sequence in fixed size blocks. "
+           "Blocks are allocated on demand as a sequence grows, and freed as soon as it finishes, so memory is not "
+           "reserved for the longest possible answer. Sequences that share a prompt prefix share its blocks, and a "
+           "block is copied only when one of them writes into it. The scheduler admits new requests while blocks "
+           "remain, and preempts the newest request when they run out.")
+
+
+@dataclass
+class Workload:
+    name: str
+    prompt: str  # a completion prompt: small models copy from them more reliably than they follow chat
+    prediction: str | None = None  # with speculation: the request's prediction, else prompt lookup
+
+
+WORKLOADS = [
+    Workload("code-edit+prediction", f"# stats.py\n{CODE}\n\n# stats.py, with `add` renamed to `plus`:\n", CODE),
+    Workload("quote-summary+ngram", f"Article: {ARTICLE}\n\nThe article's key sentences, quoted, then a one-line "
+                                    "summary:\n"),
+    Workload("open-chat+ngram", "User: Write a short story about a lighthouse keeper.\nAssistant:"),
+]
+
+
+def run_once(llm: LLM, w: Workload, speculate: bool, spec: SpeculativeConfig, max_tokens: int) -> dict:
+    """One greedy answer; with `speculate`, drafted from the prediction or by prompt lookup (a fresh SpecDecoder:
+    its counters are this run's)."""
+    engine = llm.engine
+    engine.spec = SpecDecoder(spec if speculate and w.prediction is None else None, engine.max_model_len)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            prediction=w.prediction if speculate else None)
+    t0 = time.perf_counter()
+    out = llm.generate(w.prompt, params, use_tqdm=False)[0].outputs[0]
+    seconds = time.perf_counter() - t0
+    st = engine.spec.stats
+    return dict(tokens=out.token_ids, seconds=seconds, drafts=st.num_draft_tokens, accepted=st.num_accepted_tokens)
+
+
+def cmd_speculative(args: argparse.Namespace, engine_kwargs) -> int:
+    kwargs = engine_kwargs(args)
+    spec = kwargs.pop("speculative_config", None) or SpeculativeConfig(num_speculative_tokens=args.k)
+    llm = LLM(**kwargs)
+    rows = []
+    for w in WORKLOADS:
+        times = {False: [], True: []}
+        drafts = accepted = 0
+        tokens: dict[bool, list[int]] = {}
+        run_once(llm, w, True, spec, 8)  # warm-up (kernels, caches)
+        for _ in range(args.repeats):
+            for speculate in (False, True):
+                r = run_once(llm, w, speculate, spec, args.output_len)
+                times[speculate].append(len(r["tokens"]) / r["seconds"])
+                tokens[speculate] = r["tokens"]
+                if speculate:
+                    drafts, accepted = drafts + r["drafts"], accepted + r["accepted"]
+        base, fast = median(times[False]), median(times[True])
+        rows.append(dict(workload=w.name, tokens=len(tokens[False]), base=base, spec=fast, speedup=fast / base,
+                         acceptance=accepted / drafts if drafts else 0.0, same=tokens[False] == tokens[True]))
+    print(format_table(rows, [("workload", "workload", ""), ("tokens", "out tok", "d"),
+                              ("base", "default tok/s", ".1f"), ("spec", "spec tok/s", ".1f"),
+                              ("speedup", "speedup", ".2f"), ("acceptance", "accepted", ".0%"),
+                              ("same", "same output", "")]))
+    write_json(args.output_json, dict(config=vars(spec) if spec else None, results=rows))
+    return 0 if all(r["same"] for r in rows) else 1

@@ -1,0 +1,120 @@
+"""Speculative decoding's engine side. Before a step, each running sequence that speculates proposes its draft
+(spec/); the scheduler gives a decoding sequence's draft tokens slots and schedules them with its next token, so
+they go through the step's one forward pass with every other sequence's decode and prefill chunks; the step reads
+back a logits row per draft position (step.py), verifies the drafts (sample.py: `StepSampler._append_verified`),
+and the scheduler keeps the accepted drafts' K/V and returns the rejected tail's slots (`BlockManager.truncate`).
+
+Which sequences speculate: a request with a `prediction` (its tokens are the draft), else, with a
+`SpeculativeConfig`, every request by prompt lookup (or suffix drafts); never beam searches or constrained
+requests. No sequence speculates in a step that runs more than `disable_by_batch_size` sequences."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedlm.config import SpeculativeConfig
+from pagedlm.engine.scheduler import FinishedSeq, SchedulerOutput
+from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedlm.spec.ngram import NgramProposer
+from pagedlm.spec.prediction import PredictionProposer
+from pagedlm.spec.state import SpecState
+from pagedlm.spec.suffix import SuffixCache, SuffixProposer
+
+PREDICTION_TOKENS = 8  # the most draft tokens of a prediction per step without a SpeculativeConfig
+PREDICTION_BATCH_SIZE = 4  # ... and the most running sequences it speculates with
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec_decode counters: steps that verified a draft, draft tokens, accepted tokens (and by position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def total(cls, parts: list[SpecStats]) -> SpecStats:
+        """Several engines' counters summed (replicas)."""
+        out = cls(sum(p.num_drafts for p in parts), sum(p.num_draft_tokens for p in parts),
+                  sum(p.num_accepted_tokens for p in parts))
+        for p in parts:
+            out.accepted_per_pos += [0] * (len(p.accepted_per_pos) - len(out.accepted_per_pos))
+            for j, n in enumerate(p.accepted_per_pos):
+                out.accepted_per_pos[j] += n
+        return out
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per speculating step: the accepted drafts plus the token sampled after them."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int) -> None:
+        self.config, self.max_model_len = config, max_model_len
+        self.stats = SpecStats()
+        self._seen = config is not None  # a sequence may speculate (sticky: a prediction was seen)
+        self.suffix_cache = (SuffixCache(config.suffix_decoding_max_cached_requests)
+                             if config is not None and config.method == "suffix" else None)
+
+    def state_for(self, req: Request) -> SpecState | None:
+        """The speculation of a new sequence of `req` (None: it does not speculate)."""
+        p, cfg = req.params, self.config
+        if p.use_beam_search or p.structured_outputs is not None:
+            return None
+        if p._prediction_token_ids:
+            self._seen = True
+            return SpecState(PredictionProposer(p._prediction_token_ids),
+                             cfg.num_speculative_tokens if cfg else PREDICTION_TOKENS, cfg.adaptive if cfg else True,
+                             len(p._prediction_token_ids))
+        if cfg is None:
+            return None
+        lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        proposer = SuffixProposer(self.suffix_cache, lo, hi) if self.suffix_cache is not None else \
+            NgramProposer(lo, hi)
+        return SpecState(proposer, cfg.num_speculative_tokens, cfg.adaptive)
+
+    def propose(self, running: list[Request]) -> None:
+        """Each running sequence's draft for the next step (none while the batch is too large)."""
+        if not self._seen:
+            return
+        live = [(r, s) for r in running for s in r.live_seqs]
+        limit = self.config.disable_by_batch_size if self.config else PREDICTION_BATCH_SIZE
+        for req, seq in live:
+            if seq.spec is None:
+                continue
+            seq.spec.draft_token_ids = []
+            if len(live) > limit or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            seq.spec.propose(seq, self._room(req, seq))
+
+    def _room(self, req: Request, seq: Sequence) -> int:
+        """Draft tokens that could still be kept: all accepted plus the token after them fit max_tokens and the
+        context."""
+        room = self.max_model_len - seq.num_tokens - 1
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - len(seq.output_token_ids) - 1)
+        return room
+
+    def count(self, sched: SchedulerOutput, finished: list[FinishedSeq]) -> None:
+        """The step `sched` ran: its verified drafts into the counters, the outputs that ended into the suffix
+        cache."""
+        if self.suffix_cache is not None:
+            for f in finished:
+                if f.status is not SequenceStatus.FINISHED_ABORTED:
+                    self.suffix_cache.add(f.seq.output_token_ids)
+        st = self.stats
+        for s in sched.scheduled:
+            if not s.num_draft_tokens:
+                continue
+            st.num_drafts += 1
+            st.num_draft_tokens += s.num_draft_tokens
+            st.num_accepted_tokens += s.num_accepted_tokens
+            if len(st.accepted_per_pos) < s.num_draft_tokens:
+                st.accepted_per_pos += [0] * (s.num_draft_tokens - len(st.accepted_per_pos))
+            for j in range(s.num_accepted_tokens):
+                st.accepted_per_pos[j] += 1
