@@ -1,0 +1,316 @@
+"""The disk tier under the prefix cache: full KV blocks kept as content-addressed run files (disk_format.py)
+under `--kv-cache-dir`, within `--kv-disk-budget`, found again after a restart and by every engine sharing the
+directory.
+
+Contract:
+- The directory is the index. A run file is named by the chain hash of its last block (namespaced by the tier's
+  identity: model, weights, KV dtype and layout), so a lookup probes names, and an engine started later, or another
+  engine writing into the same directory, finds what is there without any shared state. Files live in
+  `DIR/<namespace>/`, mode 0600, under directories of mode 0700 owned by this user.
+- Writes run on a writer thread behind a queue bounded in bytes: `submit` never blocks, and drops a run when the
+  queue is full. A file is written under a temporary name (`.<name>.<pid>.<random>.tmp`, never read) and renamed
+  into place, so a reader sees a whole file or none. fsync policy: none. A killed process cannot leave a torn file
+  under a final name (the rename follows the last write); a power loss can, and the checksums then reject it.
+- Reads (`start_load`) run on a loader thread, one sequential read per run; every record is checked against its
+  blake2b digest, the header against its own, the identity and the size against the tier's. A file that fails is
+  removed and its blocks are recomputed. A file deleted under a reader is a miss (an open file stays readable).
+- The budget is kept by LRU over the whole directory: a hit touches its file's mtime, and when the usage passes the
+  budget the directory is scanned again (other engines' files included) and the oldest files go first.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import stat
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedlm.kvcache.disk_format import SUFFIX, CorruptFileError, RunHeader, digest, file_name, namespace_of
+
+logger = logging.getLogger(__name__)
+
+STALE_TMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
+RESCAN_EVERY = 64  # files written between scans of the directory (other engines' files count toward the budget)
+
+
+def private_dir(path: Path) -> Path:
+    """`path`, created with mode 0700; an existing one must be a directory (not a link) owned by this user."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ValueError(f"KV cache directory {path} is not a directory owned by this user")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+@dataclass
+class DiskTierStats:
+    hit_blocks: int = 0  # blocks loaded from disk
+    lookups: int = 0  # prefixes that missed in memory and were looked up on disk
+    misses: int = 0  # of which nothing was found
+    skipped: int = 0  # of which the load was predicted slower than recomputing
+    bytes_read: int = 0
+    bytes_written: int = 0
+    load_seconds: float = 0.0
+    files_written: int = 0
+    writes_dropped: int = 0  # runs not written: the write queue was full, or the write failed
+    corrupt_files: int = 0  # files rejected (and removed)
+    evicted_files: int = 0
+    usage_bytes: int = 0  # the whole directory, as last counted
+    num_files: int = 0
+
+
+@dataclass
+class LoadResult:
+    """`count` blocks of the chain from the load's `first` block, as records [count, record_bytes]."""
+
+    records: torch.Tensor
+    count: int
+    nbytes: int
+    seconds: float
+
+
+class DiskTier:
+    """Run files of one identity under `root`, within `budget` bytes (the whole directory). Thread-safe."""
+
+    def __init__(self, root: str | Path, budget: int, identity: dict, record_bytes: int,
+                 max_pending_bytes: int = 256 << 20) -> None:
+        self.root = private_dir(Path(root).expanduser())
+        self.identity = identity
+        self.namespace = namespace_of(identity)
+        self.dir = private_dir(self.root / self.namespace[:32])
+        self.budget = budget
+        self.record_bytes = record_bytes
+        self.max_pending_bytes = max(max_pending_bytes, record_bytes)
+        self.stats = DiskTierStats()
+        self.known: set[bytes] = set()  # chain hashes this tier wrote, is writing, or read
+        self._lock = threading.Lock()
+        self._files: OrderedDict[Path, int] = OrderedDict()  # LRU first: path -> size
+        self._blocks: dict[Path, list[bytes]] = {}  # chain hashes of the files this tier wrote or read
+        self._pending_bytes = 0
+        self._since_scan = 0
+        self._scan()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-loader")
+
+    def describe(self) -> str:
+        mine = sum(1 for p in self._files if p.parent == self.dir)
+        return (f"KV disk tier: {self.root} ({self.stats.num_files} files, {self.stats.usage_bytes / 2**30:.2f} of "
+                f"{self.budget / 2**30:.2f} GiB; {mine} files for this model and KV layout, namespace "
+                f"{self.namespace[:12]})")
+
+    def path(self, chain_hash: bytes) -> Path:
+        return self.dir / file_name(self.namespace, chain_hash)
+
+    # --- reads -------------------------------------------------------------------------------------------
+    def probe(self, chain: list[bytes], first: int) -> int:
+        """Blocks from `first` on that are probably on disk (names only: up to the last run file found)."""
+        for j in range(len(chain) - 1, first - 1, -1):
+            if self.path(chain[j]).exists():
+                return j + 1 - first
+        return 0
+
+    def start_load(self, chain: list[bytes], tokens: list[list[int]], first: int, limit: int) -> Future:
+        """Read (on the loader thread) at most `limit` blocks of the chain from block `first` on: a Future of
+        a LoadResult holding the verified prefix of them. `tokens[i]`: the token ids of block i."""
+        return self._loader.submit(self.load, chain, tokens, first, limit)
+
+    def load(self, chain: list[bytes], tokens: list[list[int]], first: int, limit: int) -> LoadResult:
+        t0 = time.perf_counter()
+        end = min(len(chain), first + limit)
+        out = torch.empty((max(end - first, 0), self.record_bytes), dtype=torch.uint8)
+        view = out.numpy()
+        p = j = first
+        while p < end and j < len(chain):
+            path = self.path(chain[j])
+            try:
+                with open(path, "rb", buffering=0, opener=_nofollow) as f:
+                    hdr = self._header(f)
+                    s, last = hdr.start, hdr.start + hdr.count - 1
+                    if s > p or last != j or hdr.hashes != chain[s:j + 1] or hdr.tokens != tokens[s:j + 1]:
+                        j += 1
+                        continue
+                    stop = min(j, end - 1) + 1
+                    f.seek(hdr.data_offset + (p - s) * self.record_bytes)
+                    dst = memoryview(view[p - first:stop - first]).cast("B")
+                    got = 0
+                    while got < len(dst) and (n := f.readinto(dst[got:])):
+                        got += n
+                    good = 0
+                    while good < stop - p and got >= (good + 1) * self.record_bytes and \
+                            digest(view[p - first + good].data) == hdr.digests[p - s + good]:
+                        good += 1
+            except FileNotFoundError:
+                j += 1
+                continue
+            except (CorruptFileError, OSError) as e:
+                self._reject(path, e)
+                break
+            if good < stop - p:
+                self._reject(path, CorruptFileError("record checksum mismatch"))
+                p += good
+                break
+            self._touch(path, hdr.hashes)
+            p = j = stop
+        n = p - first
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self.stats.hit_blocks += n
+            self.stats.bytes_read += n * self.record_bytes
+            self.stats.load_seconds += seconds
+            self.known.update(chain[first:p])
+        return LoadResult(out[:n], n, n * self.record_bytes, seconds)
+
+    def _header(self, f) -> RunHeader:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise CorruptFileError("not a regular file of this user")
+        hdr = RunHeader.decode(f.read, st.st_size)
+        if hdr.namespace != self.namespace or hdr.identity != self.identity or hdr.record_bytes != self.record_bytes:
+            raise CorruptFileError("written for another model, KV dtype or layout")
+        return hdr
+
+    def _reject(self, path: Path, error: Exception) -> None:
+        logger.warning("KV disk tier: %s is unusable (%s); removed, its blocks are recomputed.", path.name, error)
+        with self._lock:
+            self.stats.corrupt_files += 1
+        self._remove(path)
+
+    def _touch(self, path: Path, hashes: list[bytes]) -> None:
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        with self._lock:
+            if path in self._files:
+                self._files.move_to_end(path)
+            self._blocks[path] = hashes
+
+    # --- writes ------------------------------------------------------------------------------------------
+    def submit(self, start: int, hashes: list[bytes], tokens: list[list[int]], records: torch.Tensor) -> bool:
+        """Queue a run of full blocks (chain positions start.., records [n, record_bytes] uint8, owned by the
+        tier from now on) for writing; False (dropped) when the queue holds max_pending_bytes already."""
+        nbytes = records.numel()
+        with self._lock:
+            if self._pending_bytes + nbytes > self.max_pending_bytes:
+                self.stats.writes_dropped += 1
+                return False
+            self._pending_bytes += nbytes
+            self.known.update(hashes)
+        self._queue.put((start, hashes, tokens, records))
+        return True
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until the queued writes are on disk (True) or `timeout` passes."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._queue.put(None)
+        self._loader.shutdown(wait=True, cancel_futures=True)
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            start, hashes, tokens, records = item
+            try:
+                self._write(start, hashes, tokens, records)
+            except OSError as e:
+                logger.warning("KV disk tier: a write failed (%s); the run is not kept.", e)
+                with self._lock:
+                    self.stats.writes_dropped += 1
+                    self.known.difference_update(hashes)
+            finally:
+                with self._lock:
+                    self._pending_bytes -= records.numel()
+
+    def _write(self, start: int, hashes: list[bytes], tokens: list[list[int]], records: torch.Tensor) -> None:
+        arr = records.numpy()
+        hdr = RunHeader(self.namespace, self.identity, start, self.record_bytes, hashes, tokens,
+                        [digest(arr[i].data) for i in range(len(hashes))])
+        final = self.path(hashes[-1])
+        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with open(fd, "wb") as f:
+                f.write(hdr.encode())
+                f.write(arr.data)
+            os.rename(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        size = final.stat().st_size
+        with self._lock:
+            self.stats.files_written += 1
+            self.stats.bytes_written += size
+            self._files.pop(final, None)
+            self._files[final] = size
+            self._blocks[final] = hashes
+            self.stats.usage_bytes = sum(self._files.values())
+            self.stats.num_files = len(self._files)
+            self._since_scan += 1
+            over = self.stats.usage_bytes > self.budget or self._since_scan >= RESCAN_EVERY
+        if over:
+            self._scan()
+            self._evict()
+
+    # --- the directory -----------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Count every run file under the root (LRU order by mtime) and remove dead writers' temporary files."""
+        found = []
+        now = time.time()
+        for sub in self.root.iterdir():
+            if not sub.is_dir() or sub.is_symlink():
+                continue
+            for entry in os.scandir(sub):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                    found.append((st.st_mtime, Path(entry.path), st.st_size))
+                elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
+                    Path(entry.path).unlink(missing_ok=True)
+        found.sort(key=lambda x: x[0])
+        with self._lock:
+            self._files = OrderedDict((p, size) for _, p, size in found)
+            self.stats.usage_bytes = sum(self._files.values())
+            self.stats.num_files = len(self._files)
+            self._since_scan = 0
+
+    def _evict(self) -> None:
+        while True:
+            with self._lock:
+                if self.stats.usage_bytes <= self.budget or not self._files:
+                    return
+                path = next(iter(self._files))
+            self._remove(path)
+            with self._lock:
+                self.stats.evicted_files += 1
+
+    def _remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self._files.pop(path, None)
+            self.known.difference_update(self._blocks.pop(path, ()))
+            self.stats.usage_bytes = sum(self._files.values())
+            self.stats.num_files = len(self._files)
+
+
+def _nofollow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
