@@ -3,19 +3,23 @@ under `--kv-cache-dir`, within `--kv-disk-budget`, found again after a restart a
 directory.
 
 Contract:
-- The directory is the index. A run file is named by the chain hash of its last block (namespaced by the tier's
-  identity: model, weights, KV dtype and layout), so a lookup probes names, and an engine started later, or another
-  engine writing into the same directory, finds what is there without any shared state. Files live in
-  `DIR/<namespace>/`, mode 0600, under directories of mode 0700 owned by this user.
+- The directory is the index. A run file (consecutive blocks of one chain) has one name per block, hard links
+  named by the block's chain hash (namespaced by the tier's identity: model, weights, KV dtype and layout), so a
+  lookup probes names, finds the run that holds its next block wherever that run started or ended, and reads as
+  much of it as its own chain shares; an engine started later, or another engine writing into the same directory,
+  finds what is there without any shared state. Files live in `DIR/<namespace>/`, mode 0600, under directories of
+  mode 0700 owned by this user.
 - Writes run on a writer thread behind a queue bounded in bytes: `submit` never blocks, and drops a run when the
-  queue is full. A file is written under a temporary name (`.<name>.<pid>.<random>.tmp`, never read) and renamed
-  into place, so a reader sees a whole file or none. fsync policy: none. A killed process cannot leave a torn file
-  under a final name (the rename follows the last write); a power loss can, and the checksums then reject it.
+  queue is full. A file is written under a temporary name (`.<name>.<pid>.<random>.tmp`, never read) and linked
+  into place (each link atomic, a name already taken is left to the file holding it), so a reader sees a whole file
+  or none. fsync policy: none. A killed process cannot leave a torn file under a final name (the links follow the
+  last write); a power loss can, and the checksums then reject it.
 - Reads (`start_load`) run on a loader thread, one sequential read per run; every record is checked against its
   blake2b digest, the header against its own, the identity and the size against the tier's. A file that fails is
   removed and its blocks are recomputed. A file deleted under a reader is a miss (an open file stays readable).
-- The budget is kept by LRU over the whole directory: a hit touches its file's mtime, and when the usage passes the
-  budget the directory is scanned again (other engines' files included) and the oldest files go first.
+- The budget is kept by LRU over the whole directory (a file's bytes count once, whatever its names): a hit
+  touches its file's mtime, and when the usage passes the budget the directory is scanned again (other engines'
+  files included) and the oldest files go first, every name of each.
 """
 from __future__ import annotations
 
@@ -70,6 +74,12 @@ class DiskTierStats:
 
 
 @dataclass
+class _File:
+    size: int
+    paths: set[Path]  # its names (hard links), one per block
+
+
+@dataclass
 class LoadResult:
     """`count` blocks of the chain from the load's `first` block, as records [count, record_bytes]."""
 
@@ -94,8 +104,8 @@ class DiskTier:
         self.stats = DiskTierStats()
         self.known: set[bytes] = set()  # chain hashes this tier wrote, is writing, or read
         self._lock = threading.Lock()
-        self._files: OrderedDict[Path, int] = OrderedDict()  # LRU first: path -> size
-        self._blocks: dict[Path, list[bytes]] = {}  # chain hashes of the files this tier wrote or read
+        self._files: OrderedDict[int, _File] = OrderedDict()  # LRU first, by inode
+        self._blocks: dict[int, list[bytes]] = {}  # chain hashes of the files this tier wrote or read, by inode
         self._pending_bytes = 0
         self._since_scan = 0
         self._scan()
@@ -105,7 +115,7 @@ class DiskTier:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-loader")
 
     def describe(self) -> str:
-        mine = sum(1 for p in self._files if p.parent == self.dir)
+        mine = sum(1 for f in self._files.values() if f.paths and next(iter(f.paths)).parent == self.dir)
         return (f"KV disk tier: {self.root} ({self.stats.num_files} files, {self.stats.usage_bytes / 2**30:.2f} of "
                 f"{self.budget / 2**30:.2f} GiB; {mine} files for this model and KV layout, namespace "
                 f"{self.namespace[:12]})")
@@ -115,11 +125,11 @@ class DiskTier:
 
     # --- reads -------------------------------------------------------------------------------------------
     def probe(self, chain: list[bytes], first: int) -> int:
-        """Blocks from `first` on that are probably on disk (names only: up to the last run file found)."""
-        for j in range(len(chain) - 1, first - 1, -1):
-            if self.path(chain[j]).exists():
-                return j + 1 - first
-        return 0
+        """Blocks from `first` on whose names are on disk (consecutive; the files are checked when read)."""
+        j = first
+        while j < len(chain) and self.path(chain[j]).exists():
+            j += 1
+        return j - first
 
     def start_load(self, chain: list[bytes], tokens: list[list[int]], first: int, limit: int) -> Future:
         """Read (on the loader thread) at most `limit` blocks of the chain from block `first` on: a Future of
@@ -131,38 +141,39 @@ class DiskTier:
         end = min(len(chain), first + limit)
         out = torch.empty((max(end - first, 0), self.record_bytes), dtype=torch.uint8)
         view = out.numpy()
-        p = j = first
-        while p < end and j < len(chain):
-            path = self.path(chain[j])
+        p = first
+        while p < end:
+            path = self.path(chain[p])
             try:
                 with open(path, "rb", buffering=0, opener=_nofollow) as f:
-                    hdr = self._header(f)
-                    s, last = hdr.start, hdr.start + hdr.count - 1
-                    if s > p or last != j or hdr.hashes != chain[s:j + 1] or hdr.tokens != tokens[s:j + 1]:
-                        j += 1
-                        continue
-                    stop = min(j, end - 1) + 1
-                    f.seek(hdr.data_offset + (p - s) * self.record_bytes)
-                    dst = memoryview(view[p - first:stop - first]).cast("B")
+                    ino, hdr = self._header(f)
+                    off = p - hdr.start
+                    m = 0  # records from `off` on that belong to this chain
+                    while (p + m < end and 0 <= off + m < hdr.count and hdr.hashes[off + m] == chain[p + m]
+                           and hdr.tokens[off + m] == tokens[p + m]):
+                        m += 1
+                    if m == 0:
+                        raise CorruptFileError("named for a block it does not hold")
+                    f.seek(hdr.data_offset + off * self.record_bytes)
+                    dst = memoryview(view[p - first:p - first + m]).cast("B")
                     got = 0
                     while got < len(dst) and (n := f.readinto(dst[got:])):
                         got += n
                     good = 0
-                    while good < stop - p and got >= (good + 1) * self.record_bytes and \
-                            digest(view[p - first + good].data) == hdr.digests[p - s + good]:
+                    while good < m and got >= (good + 1) * self.record_bytes and \
+                            digest(view[p - first + good].data) == hdr.digests[off + good]:
                         good += 1
             except FileNotFoundError:
-                j += 1
-                continue
+                break
             except (CorruptFileError, OSError) as e:
                 self._reject(path, e)
                 break
-            if good < stop - p:
+            if good < m:
                 self._reject(path, CorruptFileError("record checksum mismatch"))
                 p += good
                 break
-            self._touch(path, hdr.hashes)
-            p = j = stop
+            self._touch(path, ino, hdr.hashes)
+            p += m
         n = p - first
         seconds = time.perf_counter() - t0
         with self._lock:
@@ -172,30 +183,43 @@ class DiskTier:
             self.known.update(chain[first:p])
         return LoadResult(out[:n], n, n * self.record_bytes, seconds)
 
-    def _header(self, f) -> RunHeader:
+    def _header(self, f) -> tuple[int, RunHeader]:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             raise CorruptFileError("not a regular file of this user")
         hdr = RunHeader.decode(f.read, st.st_size)
         if hdr.namespace != self.namespace or hdr.identity != self.identity or hdr.record_bytes != self.record_bytes:
             raise CorruptFileError("written for another model, KV dtype or layout")
-        return hdr
+        return st.st_ino, hdr
 
     def _reject(self, path: Path, error: Exception) -> None:
         logger.warning("KV disk tier: %s is unusable (%s); removed, its blocks are recomputed.", path.name, error)
         with self._lock:
             self.stats.corrupt_files += 1
-        self._remove(path)
+        try:
+            ino = os.lstat(path).st_ino
+        except OSError:
+            return
+        names = {path}  # every name of the file (the scan may not have seen them all)
+        for entry in os.scandir(self.dir):
+            try:
+                if entry.inode() == ino:
+                    names.add(Path(entry.path))
+            except OSError:
+                pass
+        with self._lock:
+            self._files.setdefault(ino, _File(0, set())).paths.update(names)
+        self._remove(ino)
 
-    def _touch(self, path: Path, hashes: list[bytes]) -> None:
+    def _touch(self, path: Path, ino: int, hashes: list[bytes]) -> None:
         try:
             os.utime(path)
         except OSError:
             pass
         with self._lock:
-            if path in self._files:
-                self._files.move_to_end(path)
-            self._blocks[path] = hashes
+            if ino in self._files:
+                self._files.move_to_end(ino)
+            self._blocks[ino] = hashes
 
     # --- writes ------------------------------------------------------------------------------------------
     def submit(self, start: int, hashes: list[bytes], tokens: list[list[int]], records: torch.Tensor) -> bool:
@@ -243,25 +267,31 @@ class DiskTier:
         arr = records.numpy()
         hdr = RunHeader(self.namespace, self.identity, start, self.record_bytes, hashes, tokens,
                         [digest(arr[i].data) for i in range(len(hashes))])
-        final = self.path(hashes[-1])
-        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        names = [self.path(h) for h in hashes]
+        tmp = self.dir / f".{names[-1].stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        linked = set()
         try:
             with open(fd, "wb") as f:
                 f.write(hdr.encode())
                 f.write(arr.data)
-            os.rename(tmp, final)
-        except BaseException:
+                size, ino = os.fstat(f.fileno()).st_size, os.fstat(f.fileno()).st_ino
+            for name in names:
+                try:
+                    os.link(tmp, name)
+                    linked.add(name)
+                except FileExistsError:  # that block is on disk already, in another run
+                    pass
+        finally:
             tmp.unlink(missing_ok=True)
-            raise
-        size = final.stat().st_size
+        if not linked:
+            return
         with self._lock:
             self.stats.files_written += 1
             self.stats.bytes_written += size
-            self._files.pop(final, None)
-            self._files[final] = size
-            self._blocks[final] = hashes
-            self.stats.usage_bytes = sum(self._files.values())
+            self._files[ino] = _File(size, linked)
+            self._blocks[ino] = hashes
+            self.stats.usage_bytes = sum(f.size for f in self._files.values())
             self.stats.num_files = len(self._files)
             self._since_scan += 1
             over = self.stats.usage_bytes > self.budget or self._since_scan >= RESCAN_EVERY
@@ -283,13 +313,16 @@ class DiskTier:
                 except FileNotFoundError:
                     continue
                 if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                    found.append((st.st_mtime, Path(entry.path), st.st_size))
+                    found.append((st.st_mtime, st.st_ino, Path(entry.path), st.st_size))
                 elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
                     Path(entry.path).unlink(missing_ok=True)
         found.sort(key=lambda x: x[0])
+        files: OrderedDict[int, _File] = OrderedDict()
+        for _, ino, path, size in found:
+            files.setdefault(ino, _File(size, set())).paths.add(path)
         with self._lock:
-            self._files = OrderedDict((p, size) for _, p, size in found)
-            self.stats.usage_bytes = sum(self._files.values())
+            self._files = files
+            self.stats.usage_bytes = sum(f.size for f in files.values())
             self.stats.num_files = len(self._files)
             self._since_scan = 0
 
@@ -298,18 +331,19 @@ class DiskTier:
             with self._lock:
                 if self.stats.usage_bytes <= self.budget or not self._files:
                     return
-                path = next(iter(self._files))
-            self._remove(path)
+                ino = next(iter(self._files))
+            self._remove(ino)
             with self._lock:
                 self.stats.evicted_files += 1
 
-    def _remove(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+    def _remove(self, ino: int) -> None:
         with self._lock:
-            self._files.pop(path, None)
-            self.known.difference_update(self._blocks.pop(path, ()))
-            self.stats.usage_bytes = sum(self._files.values())
+            entry = self._files.pop(ino, None)
+            self.known.difference_update(self._blocks.pop(ino, ()))
+            self.stats.usage_bytes = sum(f.size for f in self._files.values())
             self.stats.num_files = len(self._files)
+        for path in entry.paths if entry is not None else ():
+            path.unlink(missing_ok=True)
 
 
 def _nofollow(path: str, flags: int) -> int:
