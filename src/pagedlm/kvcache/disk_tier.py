@@ -275,7 +275,8 @@ class DiskTier:
             with open(fd, "wb") as f:
                 f.write(hdr.encode())
                 f.write(arr.data)
-                size, ino = os.fstat(f.fileno()).st_size, os.fstat(f.fileno()).st_ino
+            st = os.stat(tmp)
+            size, ino = st.st_size, st.st_ino
             for name in names:
                 try:
                     os.link(tmp, name)
