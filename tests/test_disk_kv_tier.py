@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_utils import InProcessServer
 
+from pagedlm.config import LoopConfig
+from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.protocol import OutputAccumulator
 from pagedlm.kvcache.disk_format import RunHeader
 from pagedlm.kvcache.disk_tier import STALE_TMP_SECONDS, DiskTier
 from pagedlm.sampling.params import SamplingParams
+from pagedlm.server.api import build_app
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 BS = 4
@@ -270,3 +274,24 @@ def test_directory_must_be_this_users(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     with pytest.raises(ValueError, match="not a directory owned by this user"):
         _tier(link, 1 << 20)
+
+
+def test_metrics_show_the_disk_tier(tiny_model_dir, prompts, tmp_path):
+    first = engine(tiny_model_dir, tmp_path)
+    generate(first, prompts[:1])
+    first.close()
+    served = AsyncLLMEngine(engine(tiny_model_dir, tmp_path), LoopConfig.offline(log_interval=0))
+    server = InProcessServer(build_app({"tiny": served}))
+    try:
+        r = server.post("/v1/completions", json={"model": "tiny", "prompt": prompts[0], "max_tokens": 2,
+                                                 "temperature": 0})
+        assert r.status_code == 200
+        m = server.wait_idle()
+        assert m["pagedlm:kv_disk_hit_blocks_total"] == disk_blocks(prompts[0])
+        block_bytes = served.engine.runner.kv_spec.bytes_per_block
+        assert m["pagedlm:kv_disk_read_bytes_total"] == disk_blocks(prompts[0]) * block_bytes
+        assert m["pagedlm:kv_disk_lookups_total"] == 1 and m["pagedlm:kv_disk_files"] >= 1
+        assert m["pagedlm:kv_disk_usage_bytes"] > 0
+    finally:
+        server.stop()
+        served.shutdown()
