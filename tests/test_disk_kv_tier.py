@@ -111,6 +111,23 @@ def test_load_waits_aside_while_other_requests_step(tiny_model_dir, prompts, com
     assert eng.get_stats().disk.hit_blocks == disk_blocks(prompts[0])
 
 
+def test_abort_while_loading_leaks_nothing(tiny_model_dir, prompts, tmp_path):
+    first = engine(tiny_model_dir, tmp_path)
+    generate(first, prompts[:1])
+    first.close()
+    eng = engine(tiny_model_dir, tmp_path)
+    eng.add_request("disk", prompts[0], GREEDY)
+    eng.step()
+    assert eng.scheduler.loading and eng.has_unfinished_requests()
+    eng.abort_request("disk")
+    assert not eng.scheduler.loading and not eng.has_unfinished_requests()
+    eng.offload.loads["disk"].future.result()
+    eng.step()  # the finished load is dropped, nothing is allocated for it
+    assert not eng.offload.loads and not eng.offload.tried
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+    assert not eng.block_manager.gpu.cached
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
 def test_damaged_file_is_recomputed_and_removed(tiny_model_dir, prompts, computed, tmp_path, damage):
     first = engine(tiny_model_dir, tmp_path)

@@ -107,6 +107,7 @@ class DiskTier:
         self._files: OrderedDict[int, _File] = OrderedDict()  # LRU first, by inode
         self._blocks: dict[int, list[bytes]] = {}  # chain hashes of the files this tier wrote or read, by inode
         self._pending_bytes = 0
+        self._queued: dict[bytes, int] = {}  # chain hash -> runs queued that hold it
         self._since_scan = 0
         self._scan()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -232,6 +233,8 @@ class DiskTier:
                 return False
             self._pending_bytes += nbytes
             self.known.update(hashes)
+            for h in hashes:
+                self._queued[h] = self._queued.get(h, 0) + 1
         self._queue.put((start, hashes, tokens, records))
         return True
 
@@ -262,6 +265,9 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._pending_bytes -= records.numel()
+                    for h in hashes:
+                        if (left := self._queued.pop(h) - 1) > 0:
+                            self._queued[h] = left
 
     def _write(self, start: int, hashes: list[bytes], tokens: list[list[int]], records: torch.Tensor) -> None:
         arr = records.numpy()
@@ -323,6 +329,10 @@ class DiskTier:
             files.setdefault(ino, _File(size, set())).paths.add(path)
         with self._lock:
             self._files = files
+            # forget what other engines removed: `known` stays bounded by what is on disk or queued
+            self._blocks = {ino: hashes for ino, hashes in self._blocks.items() if ino in files}
+            on_disk = {h for hashes in self._blocks.values() for h in hashes}
+            self.known = {h for h in self.known if h in on_disk or h in self._queued}
             self.stats.usage_bytes = sum(f.size for f in files.values())
             self.stats.num_files = len(self._files)
             self._since_scan = 0
