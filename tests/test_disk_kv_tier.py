@@ -3,7 +3,10 @@ file that is truncated, corrupted, foreign or half written is never used."""
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,6 +175,35 @@ def test_half_written_file_of_a_killed_writer_is_never_read(tiny_model_dir, prom
     os.utime(tmp, (old, old))
     engine(tiny_model_dir, tmp_path)  # the start-up scan removes a dead writer's leftovers
     assert not tmp.exists()
+
+
+_WRITER = """
+import sys, torch
+from pagedlm.kvcache.disk_tier import DiskTier
+tier = DiskTier(sys.argv[1], 1 << 40, {"model": "crash"}, record_bytes=1 << 20)
+for run in range(1 << 20):
+    hashes = [run.to_bytes(8, "little") + bytes([i]) * 24 for i in range(8)]
+    tier.submit(0, hashes, [[run, i] for i in range(8)], torch.randint(0, 255, (8, 1 << 20), dtype=torch.uint8))
+    if run == 2:
+        tier.flush()
+        print("writing", flush=True)
+"""
+
+
+def test_killed_writer_leaves_no_file_read_as_valid_but_whole_ones(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.stdout.readline() == b"writing\n"
+    proc.send_signal(signal.SIGKILL)  # somewhere in the middle of a write
+    proc.wait()
+    tier = DiskTier(tmp_path, 1 << 40, {"model": "crash"}, record_bytes=1 << 20)
+    names = list(tier.dir.glob("*.kv"))
+    assert len(names) >= 3 * 8
+    for name in names:  # every file under a final name is whole and checks out
+        with open(name, "rb") as f:
+            hdr = RunHeader.decode(f.read, os.fstat(f.fileno()).st_size)
+        assert tier.load(hdr.hashes, hdr.tokens, 0, hdr.count).count == hdr.count
+    assert tier.stats.corrupt_files == 0
 
 
 def test_salts_are_isolated(tiny_model_dir, prompts, tmp_path):
