@@ -13,7 +13,7 @@ import pytest
 import torch
 from server_utils import InProcessServer
 
-from pagedlm.config import LoopConfig
+from pagedlm.config import EngineConfig, LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.protocol import OutputAccumulator
@@ -315,6 +315,25 @@ def test_foreign_identity_file_is_rejected(tmp_path):
     os.link(a.path(hashes[0]), b.path(hashes[0]))  # planted under b's name
     assert b.load(hashes, [[7, 0], [7, 1]], 0, 2).count == 0 and b.stats.corrupt_files == 1
     assert not b.path(hashes[0]).exists() and a.probe(hashes, 0) == 2
+
+
+def test_config_is_checked(tmp_path):
+    for bad in ("abc", "0", "-1GiB"):
+        with pytest.raises(ValueError, match="kv_disk_budget|memory size"):
+            EngineConfig(kv_cache_dir=str(tmp_path), kv_disk_budget=bad)
+    with pytest.raises(ValueError, match="kv_cache_dir"):
+        EngineConfig(kv_cache_dir=" ")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="KV cache directory"):
+        _tier(tmp_path / "file", 1 << 20)
+
+
+def test_off_for_sliding_window_models(tmp_path):
+    from conftest import build_tiny_gemma3
+
+    eng = LLMEngine.from_args(str(build_tiny_gemma3(tmp_path / "gemma", sliding_window=8)), dtype="float32",
+                              num_kv_blocks=64, kv_cache_dir=str(tmp_path / "kv"))
+    assert eng.offload is None and eng.get_stats().disk is None
 
 
 def test_directory_must_be_this_users(tmp_path):

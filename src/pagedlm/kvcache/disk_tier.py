@@ -47,8 +47,11 @@ RESCAN_EVERY = 64  # files written between scans of the directory (other engines
 
 def private_dir(path: Path) -> Path:
     """`path`, created with mode 0700; an existing one must be a directory (not a link) owned by this user."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise ValueError(f"KV cache directory {path}: {e.strerror or e}") from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise ValueError(f"KV cache directory {path} is not a directory owned by this user")
     if stat.S_IMODE(st.st_mode) != 0o700:
