@@ -92,6 +92,20 @@ def test_restart_round_trip(tiny_model_dir, prompts, computed, tmp_path, kv_dtyp
     assert mode(os.stat(tmp_path).st_mode) == 0o700 and mode(os.stat(run_files(tmp_path)[0]).st_mode) == 0o600
 
 
+def test_prefix_spread_over_several_run_files_loads_whole(tiny_model_dir, prompts, computed, tmp_path,
+                                                         monkeypatch):
+    import pagedlm.engine.kv_offload as kv_offload
+
+    first = engine(tiny_model_dir, tmp_path)
+    monkeypatch.setattr(kv_offload, "_MAX_RUN_BYTES", 3 * first.runner.kv_spec.bytes_per_block)
+    generate(first, prompts[:1])
+    first.close()
+    assert len(run_files(tmp_path)) >= disk_blocks(prompts[0]) // 3
+    eng = engine(tiny_model_dir, tmp_path)
+    assert close_to(generate(eng, prompts[:1]), computed["float32"][:1])
+    assert eng.get_stats().disk.hit_blocks == disk_blocks(prompts[0])
+
+
 def test_load_waits_aside_while_other_requests_step(tiny_model_dir, prompts, computed, tmp_path):
     first = engine(tiny_model_dir, tmp_path)
     generate(first, prompts[:1])

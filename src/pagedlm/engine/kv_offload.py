@@ -32,6 +32,7 @@ from pagedlm.model.plan import ExecutionPlan
 
 _RATE_EMA = 0.3  # weight of the newest measurement in the read and prefill rates
 _MIN_PREFILL_TOKENS = 64  # steps with fewer tokens say little about the prefill rate
+_MAX_RUN_BYTES = 64 << 20  # the largest run file
 
 
 def model_identity(path: Path, model_config: ModelConfig, plan: ExecutionPlan, spec: KVCacheSpec) -> dict:
@@ -101,6 +102,11 @@ class DiskOffload:
                 self._submit(s.seq, run, hashes, table)
 
     def _submit(self, seq, idx: list[int], hashes: list[bytes], table: list[int]) -> None:
+        most = max(1, _MAX_RUN_BYTES // self.tier.record_bytes)
+        if len(idx) > most:  # files of bounded size, each a small share of the write queue
+            for i in range(0, len(idx), most):
+                self._submit(seq, idx[i:i + most], hashes, table)
+            return
         bs = self.bm.block_size
         blocks = torch.tensor([table[i] for i in idx], dtype=torch.long, device=self.kv.gpu.device)
         records = self.kv.gpu[:, :, blocks].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()

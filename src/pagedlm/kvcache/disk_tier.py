@@ -260,7 +260,7 @@ class DiskTier:
             start, hashes, tokens, records = item
             try:
                 self._write(start, hashes, tokens, records)
-            except OSError as e:
+            except Exception as e:  # the disk full, gone, ...: the engine goes on without this run
                 logger.warning("KV disk tier: a write failed (%s); the run is not kept.", e)
                 with self._lock:
                     self.stats.writes_dropped += 1
