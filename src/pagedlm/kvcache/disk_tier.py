@@ -158,15 +158,7 @@ class DiskTier:
                         m += 1
                     if m == 0:
                         raise CorruptFileError("named for a block it does not hold")
-                    f.seek(hdr.data_offset + off * self.record_bytes)
-                    dst = memoryview(view[p - first:p - first + m]).cast("B")
-                    got = 0
-                    while got < len(dst) and (n := f.readinto(dst[got:])):
-                        got += n
-                    good = 0
-                    while good < m and got >= (good + 1) * self.record_bytes and \
-                            digest(view[p - first + good].data) == hdr.digests[off + good]:
-                        good += 1
+                    good = _read_records(f, hdr, off, view[p - first:p - first + m])
             except FileNotFoundError:
                 break
             except (CorruptFileError, OSError) as e:
@@ -311,25 +303,7 @@ class DiskTier:
 
     # --- the directory -----------------------------------------------------------------------------------
     def _scan(self) -> None:
-        """Count every run file under the root (LRU order by mtime) and remove dead writers' temporary files."""
-        found = []
-        now = time.time()
-        for sub in self.root.iterdir():
-            if not sub.is_dir() or sub.is_symlink():
-                continue
-            for entry in os.scandir(sub):
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                    found.append((st.st_mtime, st.st_ino, Path(entry.path), st.st_size))
-                elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
-                    Path(entry.path).unlink(missing_ok=True)
-        found.sort(key=lambda x: x[0])
-        files: OrderedDict[int, _File] = OrderedDict()
-        for _, ino, path, size in found:
-            files.setdefault(ino, _File(size, set())).paths.add(path)
+        files = scan_runs(self.root)
         with self._lock:
             self._files = files
             # forget what other engines removed: `known` stays bounded by what is on disk or queued
@@ -358,6 +332,45 @@ class DiskTier:
             self.stats.num_files = len(self._files)
         for path in entry.paths if entry is not None else ():
             path.unlink(missing_ok=True)
+
+
+def scan_runs(root: Path) -> OrderedDict[int, _File]:
+    """Every run file under `root` by inode, least recently used (mtime) first; dead writers' temporary files
+    are removed on the way."""
+    found = []
+    now = time.time()
+    for sub in root.iterdir():
+        if not sub.is_dir() or sub.is_symlink():
+            continue
+        for entry in os.scandir(sub):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                found.append((st.st_mtime, st.st_ino, Path(entry.path), st.st_size))
+            elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
+                Path(entry.path).unlink(missing_ok=True)
+    found.sort(key=lambda x: x[0])
+    files: OrderedDict[int, _File] = OrderedDict()
+    for _, ino, path, size in found:
+        files.setdefault(ino, _File(size, set())).paths.add(path)
+    return files
+
+
+def _read_records(f, hdr: RunHeader, off: int, out) -> int:
+    """Read records off.. of the run into `out` ([m, record_bytes] uint8) in one sequential read; how many of
+    them, from the first, match their digests."""
+    f.seek(hdr.data_offset + off * hdr.record_bytes)
+    dst = memoryview(out).cast("B")
+    got = 0
+    while got < len(dst) and (n := f.readinto(dst[got:])):
+        got += n
+    good = 0
+    while (good < len(out) and got >= (good + 1) * hdr.record_bytes
+           and digest(out[good].data) == hdr.digests[off + good]):
+        good += 1
+    return good
 
 
 def _nofollow(path: str, flags: int) -> int:
