@@ -9,8 +9,8 @@ a request waits for its prefix to load, and how loaded blocks become ordinary pr
   (`defer`: the scheduler's `loading` list) while the loader thread reads them; other requests keep stepping. When
   the read is done (`ready`) the blocks are written into fresh KV blocks, registered in the prefix cache and freed
   (cached, as an evicted prefix would be), and the request goes back to the head of the waiting queue, where
-  `find_cached_prefix` finds them: it continues as a normal prefix hit. A request is loaded once; a failed or
-  partial load leaves the rest to be computed.
+  `find_cached_prefix` finds them: it continues as a normal prefix hit. A request is looked up once until it
+  runs; a failed or partial load leaves the rest to be computed.
 - Worth it or not used: a load is skipped when its predicted time (blocks x record size / the measured read rate)
   exceeds the predicted prefill time of those tokens (the measured prefill rate of this engine's steps).
 """
@@ -69,7 +69,7 @@ class DiskOffload:
         spec = kv_cache.spec
         self.record_shape = (spec.layers_per_block, 2, spec.block_size, spec.num_kv_heads, spec.entry_dim)
         self.loads: dict[str, _Load] = {}
-        self.tried: dict[str, Request] = {}  # requests loaded once already, until they run or end
+        self.tried: dict[str, Request] = {}  # requests looked up on disk already, until they run or end
         self.read_rate: float | None = None  # bytes/s
         self.prefill_rate: float | None = None  # tokens/s
 
@@ -134,6 +134,7 @@ class DiskOffload:
         chain = self.bm.seq_hashes.get(seq.seq_id, [])[:n]
         if len(chain) < n:
             return False
+        self.tried[req.request_id] = req  # one lookup per admission, however many steps it waits
         stats = self.tier.stats
         stats.lookups += 1
         avail = min(self.tier.probe(chain, first), self.bm.num_free_blocks - self.bm.watermark_blocks)
@@ -145,7 +146,6 @@ class DiskOffload:
             stats.skipped += 1
             return False
         tokens = [seq.token_slice(i * bs, (i + 1) * bs) for i in range(n)]
-        self.tried[req.request_id] = req
         self.loads[req.request_id] = _Load(req, chain, tokens, first,
                                            self.tier.start_load(chain, tokens, first, avail))
         return True
