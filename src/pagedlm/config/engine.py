@@ -45,6 +45,11 @@ class EngineConfig:
     watermark: float = option(0.01, "share of the KV blocks new requests leave free for running ones")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes (off for models with "
                                          "sliding-window layers: their blocks are freed)")
+    kv_cache_dir: str | None = option(None, "directory of the prefix cache's disk tier: full KV blocks are written "
+                                      "there and found again after a restart or by another engine sharing it "
+                                      "(default: no disk tier)")
+    kv_disk_budget: int | float | str = option("20GiB", "most bytes the files under --kv-cache-dir may take "
+                                               "(least recently used go first)", parse=byte_size)
     seed: int = option(0, "seed of the engine's sampling generator, which requests without their own seed draw from")
     attention_backend: str = option("auto", "auto | reference")
     quantization: str | None = option(None, "weight-only quantization of the linear layers: int8 (per channel) "
@@ -83,6 +88,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if self.kv_cache_dir is not None and not str(self.kv_cache_dir).strip():
+            raise ValueError("kv_cache_dir must be a directory path, got an empty string.")
+        if parse_bytes(self.kv_disk_budget) <= 0:
+            raise ValueError(f"kv_disk_budget must be positive, got {self.kv_disk_budget!r}.")
         for name in ("kv_cache_memory", "swap_space"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name))

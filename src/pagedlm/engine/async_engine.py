@@ -109,6 +109,8 @@ class AsyncLLMEngine(EngineClient):
         if self._thread.is_alive():
             self._inbox.put(_STOP)
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()  # the disk tier's queued writes
 
     def _submit(self, cmd: object) -> None:
         self._inbox.put(cmd)

@@ -15,6 +15,7 @@ import torch
 from pagedlm.config import DEFAULT_MODEL, EngineConfig
 from pagedlm.engine.errors import InvalidRequestError
 from pagedlm.engine.input_processor import EngineInfo, InputProcessor
+from pagedlm.engine.kv_offload import DiskOffload
 from pagedlm.engine.model_runner import ModelRunner
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.engine.protocol import EngineOutput, EngineRequest
@@ -26,6 +27,7 @@ from pagedlm.engine.step import StepContext, build_batch
 from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
 from pagedlm.kvcache.block_manager import BlockManager
+from pagedlm.kvcache.disk_tier import DiskTierStats
 from pagedlm.kvcache.plan import plan_kv_cache
 from pagedlm.kvcache.sizing import AvailableMemory, available_memory
 from pagedlm.model.plan import plan_execution
@@ -50,6 +52,7 @@ class EngineStats:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    disk: DiskTierStats | None = None  # the prefix cache's disk tier (--kv-cache-dir)
     moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> tokens per expert
     spec_decode: SpecStats = field(default_factory=SpecStats)
 
@@ -78,6 +81,8 @@ class LLMEngine:
                                           config.enable_prefix_caching, spec.sliding_windows)
         self.scheduler = Scheduler(config, self.block_manager)
         self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
+        self.offload = self.scheduler.kv_loader = DiskOffload.create(
+            config, path, self.model_config, self.plan, self.block_manager, self.runner.kv_cache)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.input_processor = InputProcessor(EngineInfo.of(self), self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -86,6 +91,10 @@ class LLMEngine:
                                         self.output_processor, self.masks, self._new_seq)
         self._requests: dict[str, Request] = {}
         logger.info("%s", self.memory_report.format())
+        if self.offload is not None:
+            logger.info("%s", self.offload.tier.describe())
+        elif config.kv_cache_dir is not None:
+            logger.info("KV disk tier: off (it needs the prefix cache, which is off).")
         # What start-up built (tokenizer tables, model, plan) lives as long as the engine: out of the cyclic
         # collector's way, whose passes over it cost ~10% of a short step (as vLLM's engine core does).
         gc.collect()
@@ -156,6 +165,14 @@ class LLMEngine:
         self._requests.pop(request_id, None)
         return self.output_processor.make_output(req, True)
 
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop its threads (the engine's KV stays usable in memory)."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = self.scheduler.kv_loader = None
+            self.scheduler.waiting.extendleft(reversed(self.scheduler.loading))  # their blocks are computed
+            self.scheduler.loading.clear()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -173,14 +190,20 @@ class LLMEngine:
             kv.swap_in(sched.blocks_to_swap_in)
             kv.copy_blocks(sched.blocks_to_copy)
             if sched.is_empty:
+                if self.offload is not None and self.offload.loads:
+                    self.offload.wait(0.05)  # nothing runs until a prefix is read
                 return []
             ctx = StepContext(sched, build_batch(sched, self.block_manager))
             self.step_sampler.start_masks(ctx)  # on a worker thread, while the forward pass runs
+            t0 = time.perf_counter()
             try:
                 logits = self.runner.execute(ctx.batch.chunks, ctx.batch.logits_index)
             finally:  # the matchers are the engine thread's again (forks copy them)
                 if ctx.masks is not None:
                     ctx.masks.wait()
+            if self.offload is not None:
+                self.offload.observe_step(sched.num_batched_tokens, time.perf_counter() - t0)
+                self.offload.after_forward(sched.scheduled)
         except BaseException:
             self.scheduler.step_failed(sched)  # its blocks' hashes were registered before their KV was written
             raise
@@ -215,10 +238,11 @@ class LLMEngine:
         sch = self.scheduler
         bm = self.block_manager
         return EngineStats(
-            num_running=sum(len(r.live_seqs) for r in sch.running), num_waiting=len(sch.waiting),
+            num_running=sum(len(r.live_seqs) for r in sch.running), num_waiting=len(sch.waiting) + len(sch.loading),
             num_swapped=len(sch.swapped), kv_cache_usage=bm.usage(), num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_total_blocks, num_preemptions=sch.num_preemptions,
             prompt_tokens=sch.num_prompt_tokens, generation_tokens=sch.num_generation_tokens,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in self.runner.moe_blocks},
+            disk=replace(self.offload.tier.stats) if self.offload is not None else None,
             spec_decode=replace(self.spec.stats, accepted_per_pos=list(self.spec.stats.accepted_per_pos)))

@@ -82,6 +82,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.loading: list[Request] = []  # waiting for their prefix to load from disk (kv_loader)
+        self.kv_loader = None  # a DiskOffload (kv_offload.py): defer(request, hits) -> bool, ready() -> requests
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompts of the requests started (each counted once)
         self.num_generation_tokens = 0
@@ -92,7 +94,7 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> Request | None:
         """Remove the request wherever it is and free its blocks; returns it, or None if unknown."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self.loading):
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
@@ -133,7 +135,7 @@ class Scheduler:
             self.block_manager.uncommit(s.seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
 
     @property
     def num_running_seqs(self) -> int:
@@ -206,6 +208,10 @@ class Scheduler:
             return out
 
         # 3. Waiting requests start (or restart after recompute), chunked under the budget.
+        if self.kv_loader is not None:  # loaded prefixes are in the prefix cache now: those requests go first
+            for req in reversed(self.kv_loader.ready()):
+                self.loading.remove(req)
+                self.waiting.appendleft(req)
         if self.config.scheduling_policy == "priority":
             self.waiting = deque(self._order(self.waiting))
         while self.waiting and budget > 0:
@@ -213,6 +219,9 @@ class Scheduler:
             if self.num_running_seqs + req.num_seqs_reserved > self.config.max_num_seqs:
                 break
             hits = {s.seq_id: [] if req.wants_prompt_logprobs else bm.find_cached_prefix(s) for s in req.live_seqs}
+            if self.kv_loader is not None and self.kv_loader.defer(req, hits):
+                self.loading.append(self.waiting.popleft())
+                continue
             skip = {sid: len(blocks) * bm.block_size for sid, blocks in hits.items()}
             seqs, nums, new_budget = self._chunk(req, budget, skip)
             if not seqs:

@@ -67,6 +67,24 @@ _ENGINE_FAMILIES: list[tuple[type, str, str, Callable]] = [
      lambda e, s: e.num_stalled),
 ]
 
+# the prefix cache's disk tier (--kv-cache-dir): (kind, name, help, DiskTierStats field), shown when an engine has one
+_DISK_FAMILIES = [
+    (_C, "pagedlm:kv_disk_lookups", "Prompts whose prefix missed in memory and was looked up on disk.", "lookups"),
+    (_C, "pagedlm:kv_disk_misses", "Disk lookups that found nothing.", "misses"),
+    (_C, "pagedlm:kv_disk_skipped_loads", "Disk hits recomputed instead: the load was predicted slower.", "skipped"),
+    (_C, "pagedlm:kv_disk_hit_blocks", "KV blocks loaded from disk.", "hit_blocks"),
+    (_C, "pagedlm:kv_disk_read_bytes", "Bytes of KV blocks read from disk.", "bytes_read"),
+    (_C, "pagedlm:kv_disk_written_bytes", "Bytes of KV block files written.", "bytes_written"),
+    (_C, "pagedlm:kv_disk_load_seconds", "Time spent reading KV blocks from disk.", "load_seconds"),
+    (_C, "pagedlm:kv_disk_writes_dropped", "Runs of KV blocks not written (queue full or write error).",
+     "writes_dropped"),
+    (_C, "pagedlm:kv_disk_corrupt_files", "KV block files rejected (truncated, corrupted, foreign) and removed.",
+     "corrupt_files"),
+    (_C, "pagedlm:kv_disk_evicted_files", "KV block files removed to keep the disk budget.", "evicted_files"),
+    (_G, "pagedlm:kv_disk_usage_bytes", "Bytes under the KV cache directory, as last counted.", "usage_bytes"),
+    (_G, "pagedlm:kv_disk_files", "KV block files under the KV cache directory, as last counted.", "num_files"),
+]
+
 
 class _EngineCollector(Collector):
     """Each engine's stats snapshot, one sample per model (label `model_name`) in every family."""
@@ -91,6 +109,9 @@ class _EngineCollector(Collector):
 
         for kind, name, doc, value in _ENGINE_FAMILIES:
             yield family(kind, name, doc, value)
+        if any(s.disk is not None for _, _, s in snaps):
+            for kind, name, doc, attr in _DISK_FAMILIES:
+                yield family(kind, name, doc, lambda e, s, attr=attr: getattr(s.disk, attr) if s.disk else 0)
         if by_replica:
             yield family(_C, "pagedlm:replica_restarts", "Times Ray restarted the replica after it died or hung.",
                          lambda e, s: e.restarts)
