@@ -21,6 +21,7 @@ from pagedlm.engine.protocol import EngineOutput, EngineRequest
 from pagedlm.engine.sample import StepSampler
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence
+from pagedlm.engine.snapshot import BlockMoves
 from pagedlm.engine.step import StepContext, build_batch
 from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
@@ -75,6 +76,7 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, config.block_size, kv.num_cpu_blocks, config.watermark,
                                           config.enable_prefix_caching, spec.sliding_windows)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.block_moves = BlockMoves()  # blocks copied and swapped, for the memory views (snapshot.py)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.input_processor = InputProcessor(EngineInfo.of(self), self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -162,6 +164,7 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         """Run one step; the outputs of the requests it advanced, finished or failed."""
         sched = self.scheduler.schedule()
+        self.block_moves.record(sched)
         try:
             kv = self.runner.kv_cache
             kv.swap_out(sched.blocks_to_swap_out)
