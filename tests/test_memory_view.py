@@ -1,0 +1,353 @@
+"""The memory views (issue 36): the engine snapshot's invariants against the block manager, /debug/state and /ui
+behind the API key, the web view in a real headless Chromium, and `pagedlm top` under a pseudo-terminal."""
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import pty
+import re
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_utils import InProcessServer
+
+from pagedlm.config import LoopConfig
+from pagedlm.engine import snapshot as snapshot_mod
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedlm.engine.snapshot import CACHED, FREE, USED, build_snapshot, expand_runs, run_lengths, seq_snapshots
+from pagedlm.kvcache.block_manager import BlockManager
+from pagedlm.sampling.params import SamplingParams
+from pagedlm.server.api import build_app
+from pagedlm.server.options import ServerConfig
+
+KEY = "memview-key"
+PREFIX = "The quick brown fox jumps over the lazy dog. A paged key value cache stores attention keys. " * 2
+
+
+@given(st.lists(st.integers(0, 3), max_size=200))
+def test_run_lengths_round_trip(values):
+    runs = run_lengths(values)
+    assert expand_runs(runs) == values
+    assert all(runs[i] != runs[i + 2] for i in range(0, len(runs) - 2, 2))  # maximal runs
+
+
+def check_invariants(bm: BlockManager, requests: list[tuple[str, Request]]) -> None:
+    """The snapshot's pool and tables agree with the manager: ref counts equal, every reference is listed in an
+    owner's table (a block with ref count r appears r times among the device tables), states follow."""
+    pool = snapshot_mod.pool_snapshot(bm.gpu)
+    seqs = seq_snapshots(requests, bm)
+    refs, states = expand_runs(pool.ref_runs), expand_runs(pool.state_runs)
+    assert refs == bm.gpu.ref_counts
+    listed = Counter(b for s in seqs if s.status != "swapped" for t in s.block_tables for b in t if b >= 0)
+    assert {b: r for b, r in enumerate(refs) if r} == dict(listed)
+    for b, (state, r) in enumerate(zip(states, refs)):
+        expected = USED if r else CACHED if bm.gpu.block_hash[b] is not None else FREE
+        assert state == expected, (b, state, r)
+    assert pool.num_used + pool.num_free + pool.num_cached == bm.gpu.num_blocks
+    assert pool.num_free + pool.num_cached == bm.gpu.num_free
+    for s in seqs:
+        assert s.block_tables == bm.block_tables.get(s.seq_id, [])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10**6)), max_size=40))
+def test_snapshot_invariants_against_the_block_manager(ops):
+    """Admissions sharing prefixes (prefix cache), forks, decoding (copy-on-write) and frees in any order."""
+    bm = BlockManager(48, 4, enable_prefix_caching=True)
+    reqs: list[Request] = []
+    prefixes = [list(range(100, 111)), list(range(200, 206))]
+    for op, r in ops:
+        live = [(req, s) for req in reqs for s in req.live_seqs]
+        if op == 0 or not live:  # admit a prompt: a shared prefix and a suffix of its own
+            prompt = prefixes[r % 2] + [300 + r % 7] * (1 + r % 5)
+            seq = Sequence(prompt, status=SequenceStatus.RUNNING)
+            hits = bm.find_cached_prefix(seq)
+            n = len(prompt) - len(hits) * 4
+            if not bm.can_allocate([seq], [n], [hits]):
+                continue
+            seq.num_computed_tokens = len(hits) * 4
+            req = Request(f"r{len(reqs)}", None, prompt, SamplingParams(), seqs=[seq])
+            req.num_cached_tokens = len(hits) * 4
+            bm.allocate(seq, n, hits)
+            bm.commit(seq, len(prompt))
+            seq.num_computed_tokens = len(prompt)
+            reqs.append(req)
+        else:
+            req, seq = live[r % len(live)]
+            if op == 1:  # fork
+                child = Sequence(list(seq.prompt_token_ids), index=len(req.seqs), status=SequenceStatus.RUNNING)
+                child.output_token_ids = list(seq.output_token_ids)
+                child.num_computed_tokens = seq.num_computed_tokens
+                bm.fork(seq, child)
+                req.seqs.append(child)
+            elif op == 2:  # decode one token
+                seq.output_token_ids.append(r % 50)
+                if not bm.can_append_slots([seq], [1]):
+                    seq.output_token_ids.pop()
+                    continue
+                bm.append_slots(seq, 1)
+                bm.commit(seq, seq.num_tokens)
+                seq.num_computed_tokens = seq.num_tokens
+            else:  # finish
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                bm.free(seq)
+        check_invariants(bm, [("running", q) for q in reqs])
+    for req in reqs:
+        for seq in req.live_seqs:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            bm.free(seq)
+    pool = snapshot_mod.pool_snapshot(bm.gpu)
+    assert set(expand_runs(pool.state_runs)) <= {FREE, CACHED} and pool.num_used == 0
+    assert seq_snapshots([("running", q) for q in reqs], bm) == []
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> LLMEngine:
+    return LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=96, block_size=8,
+                               enable_prefix_caching=True, seed=0)
+
+
+def test_engine_snapshot_through_forks_and_prefix_hits(engine):
+    """n=4 with a shared prefix, and a second request reusing it: the invariants hold after every step, the
+    forks' copy-on-write and the prefix hits are counted, and at the end every block is free or cached."""
+    tok = engine.tokenizer
+    prompt = tok.encode(PREFIX)
+    engine.add_request("fork", prompt + tok.encode(" one"),
+                       SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=3, ignore_eos=True))
+    started = build_snapshot(engine).counters
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            engine.add_request("reuse", prompt + tok.encode(" two"), SamplingParams(max_tokens=4, ignore_eos=True))
+        snap = build_snapshot(engine)
+        requests = [("running", r) for r in engine.scheduler.running] + [("waiting", r) for r in
+                                                                           engine.scheduler.waiting]
+        check_invariants(engine.block_manager, requests)
+        assert [s.seq_id for s in snap.seqs] == [s.seq_id for _, r in requests for s in r.live_seqs]
+        if steps == 2:
+            tables = [s.block_tables[0] for s in snap.seqs if s.request_id == "fork"]
+            assert len(tables) == 4 and len(set(tables[0][:3])) == 3
+            assert all(t[:3] == tables[0][:3] for t in tables)  # the prompt's blocks are in every owner's table
+    end = build_snapshot(engine)
+    assert end.seqs == [] and end.device.num_used == 0 and end.queues["running"] == 0
+    assert set(expand_runs(end.device.state_runs)) == {FREE, CACHED} and end.device.num_cached > 0
+    assert end.counters["cow_blocks"] > started["cow_blocks"]  # the forks' partly filled last prompt block
+    assert end.counters["prefix_hits"] > started["prefix_hits"]
+    assert end.memory["kv_cache"] > 0 and end.memory["weights"] > 0
+    assert end.to_dict()["device"]["state_runs"] == end.device.state_runs
+
+
+def test_nothing_is_built_while_nobody_watches(tiny_model_dir, monkeypatch):
+    import pagedlm.engine.async_engine as ae
+
+    calls = []
+    real = ae.build_snapshot
+    monkeypatch.setattr(ae, "build_snapshot", lambda e, show_text: calls.append(threading.get_ident()) or
+                        real(e, show_text))
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
+                            LoopConfig.offline(log_interval=0))
+    try:
+        async def run():
+            stream = await engine.add_request("a", "hello there", SamplingParams(max_tokens=8, ignore_eos=True))
+            await stream.result()
+            assert calls == []
+            snap = await engine.snapshot()
+            assert calls == [engine._thread.ident]  # on the engine thread
+            return snap
+
+        snap = asyncio.run(run())
+        assert snap.device.num_used == 0 and snap.counters["generation_tokens"] == 8
+    finally:
+        engine.shutdown()
+    with pytest.raises(Exception, match="shut down"):
+        asyncio.run(engine.snapshot())
+
+
+def test_ui_defaults_to_loopback_binds():
+    assert ServerConfig().serves_ui and ServerConfig(host="::1").serves_ui
+    assert not ServerConfig(host="0.0.0.0").serves_ui
+    assert ServerConfig(host="0.0.0.0", ui=True).serves_ui and not ServerConfig(ui=False).serves_ui
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    """The tiny model behind an API key with the memory views on (prefix caching, 8-token blocks)."""
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=256,
+                                                block_size=8, enable_prefix_caching=True, seed=0),
+                            LoopConfig.offline(log_interval=0))
+    server = InProcessServer(build_app({"tiny": engine}, api_key=KEY, ui=True))
+    server.api_key = KEY
+    yield server
+    server.stop()
+    engine.shutdown()
+
+
+def test_debug_state_needs_the_key_and_ui_assets_do_not(served):
+    assert httpx.get(f"{served.url}/debug/state").status_code == 401
+    assert httpx.get(f"{served.url}/debug/state", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = httpx.get(f"{served.url}/debug/state", headers=served.headers())
+    assert r.status_code == 200 and r.headers["cache-control"] == "no-store"
+    state = r.json()
+    snap = state["models"]["tiny"]["replicas"]["0"]
+    assert snap["device"]["num_blocks"] == 256 and state["router"] is None and state["show_text"] is False
+    page = httpx.get(f"{served.url}/ui")
+    assert page.status_code == 200 and "blockmap" in page.text and "frame-ancestors 'none'" in \
+        page.headers["content-security-policy"]
+    assert httpx.get(f"{served.url}/ui/app.js").status_code == 200
+    assert httpx.get(f"{served.url}/ui/..%2Fapi.py").status_code == 404
+
+
+def test_text_is_hidden_unless_asked(tiny_model_dir):
+    engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
+                            LoopConfig.offline(log_interval=0))
+    hidden = InProcessServer(build_app({"tiny": engine}))
+    shown = InProcessServer(build_app({"tiny": engine}, ui=True, ui_show_text=True))
+    try:
+        assert httpx.get(f"{hidden.url}/debug/state").status_code == 404  # no --ui
+        assert httpx.get(f"{hidden.url}/ui").status_code == 404
+
+        def state_during(server):
+            stop = threading.Event()
+
+            def load():
+                while not stop.is_set():
+                    httpx.post(f"{server.url}/v1/completions", json={"prompt": "secret words", "max_tokens": 64,
+                                                                     "ignore_eos": True}, timeout=60)
+            t = threading.Thread(target=load)
+            t.start()
+            try:
+                for _ in range(200):
+                    seqs = httpx.get(f"{server.url}/debug/state").json()["models"]["tiny"]["replicas"]["0"]["seqs"]
+                    if seqs:
+                        return seqs
+                    time.sleep(0.02)
+            finally:
+                stop.set()
+                t.join()
+            raise AssertionError("no running sequence seen")
+
+        assert "secret words" in state_during(shown)[0]["text"]
+    finally:
+        hidden.stop()
+        shown.stop()
+        engine.shutdown()
+
+
+def _load(server, stop: threading.Event) -> None:
+    """Requests with n=4 and a shared prefix, one after another until `stop`."""
+    i = 0
+    while not stop.is_set():
+        httpx.post(f"{server.url}/v1/completions", headers=server.headers(), timeout=60,
+                   json={"model": "tiny", "prompt": PREFIX + f" question {i}", "n": 4, "max_tokens": 120,
+                         "temperature": 1.0, "ignore_eos": True})
+        i += 1
+
+
+def test_top_under_a_pseudo_terminal(served):
+    stop = threading.Event()
+    load = threading.Thread(target=_load, args=(served, stop))
+    load.start()
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 120, 0, 0))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TERM": "xterm-256color", "PAGEDLM_API_KEY": KEY}
+    env.pop("COLUMNS", None)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedlm.cli", "top", served.url, "--interval", "0.5",
+                                 "--iterations", "6"], stdin=slave, stdout=slave, stderr=slave, env=env)
+        os.close(slave)
+        out = b""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(30) == 0
+    finally:
+        stop.set()
+        load.join()
+        os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode("utf-8", "replace"))
+    assert "pagedlm top · tiny" in text and "KV block pool: 256 blocks of 8 tokens" in text
+    assert "Sequences:" in text and "copy-on-write blocks" in text and "TTFT" in text
+    shared = [int(n) for n in re.findall(r"shared \((\d+)\)", text)]
+    assert len(shared) >= 2 and max(shared) > 0  # refreshed, and the n=4 requests' prefix blocks shown shared
+
+
+def _chromium():
+    binary = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver = shutil.which("chromedriver")
+    if not (binary and driver):
+        pytest.skip("headless Chromium is not installed (Debian: apt-get install chromium chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    from selenium.webdriver.chrome.service import Service
+
+    return webdriver.Chrome(options=opts, service=Service(driver))
+
+
+def test_web_view_in_headless_chromium(served, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = _chromium()
+    stop = threading.Event()
+    load = threading.Thread(target=_load, args=(served, stop))
+    try:
+        browser.get(f"{served.url}/ui")  # no key: the page asks for one
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "keyform").is_displayed())
+        assert "API key required" in browser.find_element(By.ID, "status").text
+        browser.get_log("browser")  # the 401 is expected there; start the console afresh
+        browser.get(f"{served.url}/ui#key={KEY}")
+        load.start()
+        WebDriverWait(browser, 60, poll_frequency=0.1).until(
+            lambda b: int(b.find_element(By.ID, "shared-count").get_attribute("data-shared")) > 0
+            and b.find_elements(By.CSS_SELECTOR, "#seqs .blk.shared"))
+        shared_cells = browser.find_elements(By.CSS_SELECTOR, "#seqs .blk.shared")
+        by_block = Counter(c.get_attribute("data-block") for c in shared_cells)
+        assert max(by_block.values()) >= 2  # one shared block drawn in several sequences' rows
+        assert "key=" not in browser.current_url  # the key left the address bar
+        assert not browser.find_element(By.ID, "keyform").is_displayed()
+        assert "blocks of 8 tokens" in browser.find_element(By.ID, "pool-summary").text
+        path = tmp_path / "memory-view.png"
+        browser.save_screenshot(str(path))
+        artifacts = os.environ.get("PAGEDLM_TEST_ARTIFACTS")
+        if artifacts:
+            Path(artifacts).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, Path(artifacts) / path.name)
+        assert path.stat().st_size > 10_000
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == []
+    finally:
+        stop.set()
+        if load.is_alive():
+            load.join()
+        browser.quit()
