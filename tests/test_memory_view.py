@@ -269,8 +269,8 @@ def test_top_under_a_pseudo_terminal(served):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TERM": "xterm-256color", "PAGEDLM_API_KEY": KEY}
     env.pop("COLUMNS", None)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedlm.cli", "top", served.url, "--interval", "0.5",
-                                 "--iterations", "6"], stdin=slave, stdout=slave, stderr=slave, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "pagedlm.cli", "top", served.url, "--interval", "0.3",
+                                 "--iterations", "4"], stdin=slave, stdout=slave, stderr=slave, env=env)
         os.close(slave)
         out = b""
         deadline = time.monotonic() + 60
@@ -328,15 +328,16 @@ def test_web_view_in_headless_chromium(served, tmp_path):
         browser.get_log("browser")  # the 401 is expected there; start the console afresh
         browser.get(f"{served.url}/ui#key={KEY}")
         load.start()
+        # read the DOM in one script: the page redraws its rows at every poll
+        shown = """return {shared: Number(document.getElementById('shared-count').dataset.shared),
+                           cells: [...document.querySelectorAll('#seqs .blk.shared')].map(e => e.dataset.block)}"""
         WebDriverWait(browser, 60, poll_frequency=0.1).until(
-            lambda b: int(b.find_element(By.ID, "shared-count").get_attribute("data-shared")) > 0
-            and b.find_elements(By.CSS_SELECTOR, "#seqs .blk.shared"))
-        shared_cells = browser.find_elements(By.CSS_SELECTOR, "#seqs .blk.shared")
-        by_block = Counter(c.get_attribute("data-block") for c in shared_cells)
-        assert max(by_block.values()) >= 2  # one shared block drawn in several sequences' rows
+            lambda b: (lambda d: d["shared"] > 0 and max(Counter(d["cells"]).values(), default=0) >= 2)(
+                b.execute_script(shown)))  # a shared block drawn in several sequences' rows
         assert "key=" not in browser.current_url  # the key left the address bar
         assert not browser.find_element(By.ID, "keyform").is_displayed()
         assert "blocks of 8 tokens" in browser.find_element(By.ID, "pool-summary").text
+        time.sleep(1.5)  # a few more polls: the sparklines have a history in the screenshot
         path = tmp_path / "memory-view.png"
         browser.save_screenshot(str(path))
         artifacts = os.environ.get("PAGEDLM_TEST_ARTIFACTS")

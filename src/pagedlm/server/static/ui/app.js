@@ -189,12 +189,16 @@ function renderSeqs(snap) {
   let lastReq = null;
   const seqs = snap.seqs.slice(0, MAX_ROWS);
   for (const s of seqs) {
-    if (lastReq !== null && s.request_id !== lastReq) rows.push(el("div", "group-sep"));
+    if (s.request_id !== lastReq) {
+      const head = el("div", "group-head");
+      head.textContent = s.request_id + (s.num_cached_tokens ? ` · ${s.num_cached_tokens} prompt tokens from the prefix cache` : "");
+      rows.push(head);
+    }
     lastReq = s.request_id;
     const row = el("div", "seq");
     row.dataset.request = s.request_id;
     const label = el("span", "label");
-    label.textContent = `${s.request_id} #${s.index} · ${s.status}`;
+    label.textContent = `#${s.index} ${s.status}`;
     label.title = `${s.num_computed_tokens}/${s.num_tokens} tokens computed, prompt ${s.num_prompt_tokens}, ` +
       `${s.num_cached_tokens} from the prefix cache`;
     row.append(label);
@@ -268,7 +272,7 @@ function renderSparks(hist) {
     let started = false;
     values.forEach((v, k) => {
       if (v === null || v === undefined) return;
-      const x = (k / (HISTORY - 1)) * c.width;
+      const x = c.width - 1 - ((values.length - 1 - k) / (HISTORY - 1)) * (c.width - 2);
       const y = c.height - 2 - (v / max) * (c.height - 4);
       if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
     });
