@@ -22,7 +22,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_utils import InProcessServer
+from server_utils import InProcessServer, routed_server
 
 from pagedlm.config import LoopConfig
 from pagedlm.engine import snapshot as snapshot_mod
@@ -248,6 +248,27 @@ def test_text_is_hidden_unless_asked(tiny_model_dir):
         hidden.stop()
         shown.stop()
         engine.shutdown()
+
+
+def test_debug_state_shows_every_model_and_the_routers_decisions(tiny_model_dir):
+    from pagedlm.router import HeuristicPolicy, ModelEntry, Router
+
+    router = Router([ModelEntry("small"), ModelEntry("big", strong=True)], HeuristicPolicy(0.5))
+    served = []
+    with routed_server(tiny_model_dir, router, ui=True) as (server, engines, route):
+        for prompt in ("Hello!", "```python\ndef f(n):\n    return n\n```\nProve step by step that f is correct."):
+            r = httpx.post(f"{server.url}/v1/completions", json={"model": "auto", "prompt": prompt, "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200
+            served.append(r.headers["x-pagedlm-routed-model"])
+        state = httpx.get(f"{server.url}/debug/state").json()
+    assert set(state["models"]) == {"small", "big"}
+    assert all(m["replicas"]["0"]["device"]["num_blocks"] == 64 for m in state["models"].values())
+    rs = state["router"]
+    assert rs["policy"] == "HeuristicPolicy" and rs["share"]["requests"] == 2
+    assert [d["model"] for d in rs["decisions"]] == served[::-1]  # newest first
+    assert len(rs["decisions"]) == 2 and all(d["threshold"] == 0.5 and d["score"] is not None
+                                               for d in rs["decisions"])
 
 
 def _load(server, stop: threading.Event) -> None:
