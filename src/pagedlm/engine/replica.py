@@ -31,6 +31,7 @@ from pagedlm.engine.errors import EngineDeadError, WireError, as_engine_error, s
 from pagedlm.engine.input_processor import EngineInfo, InputProcessor
 from pagedlm.engine.llm_engine import EngineStats
 from pagedlm.engine.protocol import EngineOutput, EngineRequest, merge_outputs
+from pagedlm.engine.snapshot import EngineSnapshot
 from pagedlm.kvcache.block_manager import hash_block
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,9 @@ class EngineReplica:
     async def ping(self) -> int:
         return os.getpid()
 
+    async def snapshot(self, show_text: bool = False) -> EngineSnapshot:
+        return await self.engine.snapshot(show_text)
+
     async def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -330,6 +334,9 @@ class ReplicaClient(EngineClient):
             self.actor.abort.remote([request_id])
         except Exception:  # noqa: BLE001 - a dead replica frees nothing, and needs nothing freed
             pass
+
+    async def snapshot(self, show_text: bool = False) -> EngineSnapshot:
+        return await self.actor.snapshot.remote(show_text)
 
     def fail_all(self, message: str) -> None:
         try:
