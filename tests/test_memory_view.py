@@ -217,11 +217,12 @@ def test_debug_state_needs_the_key_and_ui_assets_do_not(served):
 def test_text_is_hidden_unless_asked(tiny_model_dir):
     engine = AsyncLLMEngine(LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
                             LoopConfig.offline(log_interval=0))
-    hidden = InProcessServer(build_app({"tiny": engine}))
-    shown = InProcessServer(build_app({"tiny": engine}, ui=True, ui_show_text=True))
+    servers = [InProcessServer(build_app({"tiny": engine}, ui=ui, ui_show_text=show))
+               for ui, show in ((False, False), (True, False), (True, True))]
+    off, hidden, shown = servers
     try:
-        assert httpx.get(f"{hidden.url}/debug/state").status_code == 404  # no --ui
-        assert httpx.get(f"{hidden.url}/ui").status_code == 404
+        assert httpx.get(f"{off.url}/debug/state").status_code == 404  # --no-ui
+        assert httpx.get(f"{off.url}/ui").status_code == 404
 
         def state_during(server):
             stop = threading.Event()
@@ -233,7 +234,7 @@ def test_text_is_hidden_unless_asked(tiny_model_dir):
             t = threading.Thread(target=load)
             t.start()
             try:
-                for _ in range(200):
+                for _ in range(500):
                     seqs = httpx.get(f"{server.url}/debug/state").json()["models"]["tiny"]["replicas"]["0"]["seqs"]
                     if seqs:
                         return seqs
@@ -243,11 +244,30 @@ def test_text_is_hidden_unless_asked(tiny_model_dir):
                 t.join()
             raise AssertionError("no running sequence seen")
 
+        assert all(s["text"] is None for s in state_during(hidden))
         assert "secret words" in state_during(shown)[0]["text"]
     finally:
-        hidden.stop()
-        shown.stop()
+        for server in servers:
+            server.stop()
         engine.shutdown()
+
+
+def test_a_salted_tenants_sequences_are_opaque(engine):
+    """With text shown, a request whose prefix cache is salted (a tenant's key) still shows no text nor hashes."""
+    tok = engine.tokenizer
+    engine.add_request("salted", tok.encode(PREFIX), SamplingParams(max_tokens=2, ignore_eos=True),
+                       cache_salt="tenant-a")
+    engine.add_request("plain", tok.encode(PREFIX + " plain"), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    snap = build_snapshot(engine, show_text=True)
+    by_id = {s.request_id: s for s in snap.seqs}
+    assert by_id["salted"].opaque and by_id["salted"].text is None
+    assert not by_id["plain"].opaque and "lazy dog" in by_id["plain"].text
+    salted_blocks = set(by_id["salted"].block_tables[0])
+    assert not salted_blocks & set(snap.device.hashes)
+    assert set(by_id["plain"].block_tables[0][:3]) <= set(snap.device.hashes)  # full prompt blocks are hashed
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_debug_state_shows_every_model_and_the_routers_decisions(tiny_model_dir):
