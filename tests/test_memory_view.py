@@ -394,3 +394,36 @@ def test_web_view_in_headless_chromium(served, tmp_path):
         if load.is_alive():
             load.join()
         browser.quit()
+
+
+def test_moe_experts_and_router_in_the_terminal_view(tmp_path):
+    """A MoE model's snapshot counts tokens per expert per layer; `pagedlm top`'s panels draw its heatmap and the
+    router's line and decisions (rendered through rich's recording console)."""
+    from rich.console import Console
+    from test_families import build_family
+
+    from pagedlm.router import HeuristicPolicy, ModelEntry, Router
+    from pagedlm.router.policies import Decision
+    from pagedlm.server.top import TopView
+    from pagedlm.server.ui import router_state
+
+    engine = LLMEngine.from_args(str(build_family("qwen2-moe", tmp_path)), dtype="float32", num_kv_blocks=64)
+    prompt = list(range(3, 14))
+    engine.add_request("m", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    snap = build_snapshot(engine)
+    assert list(snap.moe_expert_tokens) == [1] and len(snap.moe_expert_tokens[1]) == 8  # layer 1 has 8 experts
+    assert sum(snap.moe_expert_tokens[1]) == (len(prompt) + 2) * 2  # every token passes top-2 experts once
+    router = Router([ModelEntry("small"), ModelEntry("big", strong=True)], HeuristicPolicy(0.5))
+    router.record_served(Decision("big", "score 0.700 >= threshold 0.500", 0.7, category="strong",
+                                  policy_strong=True))
+    state = {"time": time.time(), "show_text": False, "router": router_state(router),
+             "models": {"moe": {"latency": {"ttft_ms": None, "tpot_ms": None}, "replicas": {"0": snap.to_dict()}}}}
+    console = Console(record=True, width=110, force_terminal=False)
+    console.print(TopView(width=110).render(state))
+    text = console.export_text()
+    heat = [line for line in text.splitlines() if "layer   1" in line]
+    assert len(heat) == 1 and heat[0].count("█") >= 1  # the busiest expert at full shade
+    assert "Router: HeuristicPolicy · threshold 0.500 · strong 100 %" in text
+    assert "score 0.700 >= threshold 0.500" in text and "0.700/0.500" in text
