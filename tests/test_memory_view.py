@@ -210,7 +210,7 @@ def test_debug_state_needs_the_key_and_ui_assets_do_not(served):
     page = httpx.get(f"{served.url}/ui")
     assert page.status_code == 200 and "blockmap" in page.text and "frame-ancestors 'none'" in \
         page.headers["content-security-policy"]
-    assert httpx.get(f"{served.url}/ui/app.js").status_code == 200
+    assert all(httpx.get(f"{served.url}/ui/{name}").status_code == 200 for name in ("app.js", "panels.js", "style.css"))
     assert httpx.get(f"{served.url}/ui/..%2Fapi.py").status_code == 404
 
 
@@ -379,6 +379,8 @@ def test_web_view_in_headless_chromium(served, tmp_path):
         assert "key=" not in browser.current_url  # the key left the address bar
         assert not browser.find_element(By.ID, "keyform").is_displayed()
         assert "blocks of 8 tokens" in browser.find_element(By.ID, "pool-summary").text
+        assert "copy-on-write blocks" in browser.find_element(By.ID, "counters").text  # panels.js drew too
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#sparks canvas")) == 5
         time.sleep(1.5)  # a few more polls: the sparklines have a history in the screenshot
         path = tmp_path / "memory-view.png"
         browser.save_screenshot(str(path))

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pagedlm.router import Router
 
 STATIC = Path(__file__).resolve().parent / "static" / "ui"
-ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+ASSETS = {"app.js": "text/javascript", "panels.js": "text/javascript", "style.css": "text/css"}
 MIN_INTERVAL = 0.2  # seconds between two snapshots of one engine
 SNAPSHOT_TIMEOUT = 10.0  # seconds to wait for an engine between steps (a long prefill step)
 LATENCY_WINDOW = 10.0  # seconds of TTFT / inter-token samples averaged
@@ -132,7 +132,7 @@ def router_state(router: Router) -> dict:
 
 
 def add_ui_routes(app: FastAPI, state: MemoryState) -> None:
-    """GET /debug/state and the web view at /ui (its page and two assets)."""
+    """GET /debug/state and the web view at /ui (its page, scripts and style sheet)."""
 
     @app.get("/debug/state")
     async def debug_state() -> Response:
