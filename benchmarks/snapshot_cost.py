@@ -1,8 +1,11 @@
 """What a memory-view watcher costs the engine: the engine-thread time of one `build_snapshot` (engine/snapshot.py)
 against the decode step it sits between, at batch `--batch` (default 64), and the JSON encoding a server does off
 the engine thread. Every step is timed alone; a snapshot is built after each decode step and timed apart.
+`--pool-only N`: no model; the block pool and tables of a bare BlockManager of N blocks, `--batch` sequences
+holding most of it, with prefix caching (how the snapshot scales with the pool).
 
     .venv/bin/python benchmarks/snapshot_cost.py --batch 64 --max-tokens 32
+    .venv/bin/python benchmarks/snapshot_cost.py --batch 64 --pool-only 100000
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import time
 
 from pagedlm.config import DEFAULT_MODEL
 from pagedlm.engine.llm_engine import LLMEngine
-from pagedlm.engine.snapshot import build_snapshot
+from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedlm.engine.snapshot import build_snapshot, pool_snapshot, seq_snapshots
+from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.sampling.params import SamplingParams
 
 
@@ -25,7 +30,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="pool size (default: sized by the engine)")
     p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--pool-only", type=int, default=0, metavar="N")
     args = p.parse_args()
+    if args.pool_only:
+        return pool_only(args.pool_only, args.batch)
 
     engine = LLMEngine.from_args(args.model, num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(args.batch, 1),
                                  enable_prefix_caching=args.prefix_caching)
@@ -49,6 +57,26 @@ def main() -> None:
     print(json.dumps({"model": args.model, "batch": args.batch, "num_blocks": engine.block_manager.num_total_blocks,
                       "decode_steps": len(steps), "step_ms": round(step, 3), "snapshot_ms": round(snap_t, 3),
                       "snapshot_pct_of_step": round(100 * snap_t / step, 3), "json_encode_ms": round(enc, 3)}))
+
+
+def pool_only(num_blocks: int, batch: int, block_size: int = 16) -> None:
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    per_seq = int(0.9 * num_blocks) // batch * block_size
+    reqs = []
+    for i in range(batch):
+        seq = Sequence([(i * 7919 + j) % 30000 for j in range(per_seq)], status=SequenceStatus.RUNNING)
+        bm.allocate(seq, per_seq)
+        bm.commit(seq, per_seq)
+        seq.num_computed_tokens = per_seq
+        reqs.append(("running", Request(f"r{i}", None, seq.prompt_token_ids, SamplingParams(), seqs=[seq])))
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        pool_snapshot(bm.gpu)
+        seq_snapshots(reqs, bm)
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"num_blocks": num_blocks, "batch": batch, "blocks_in_use": bm.gpu.num_blocks - bm.gpu.num_free,
+                      "snapshot_ms": round(statistics.median(times) * 1000, 3)}))
 
 
 if __name__ == "__main__":

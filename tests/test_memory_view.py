@@ -116,6 +116,27 @@ def test_snapshot_invariants_against_the_block_manager(ops):
     assert seq_snapshots([("running", q) for q in reqs], bm) == []
 
 
+def test_cached_blocks_found_from_either_side():
+    """The snapshot finds cached blocks from the cached set or from the free list, whichever is smaller: both agree
+    with the manager."""
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    seq = Sequence(list(range(20, 34)), status=SequenceStatus.RUNNING)
+    req = Request("r", None, seq.prompt_token_ids, SamplingParams(), seqs=[seq])
+    bm.allocate(seq, 14)
+    bm.commit(seq, 14)
+    other = Sequence(list(range(50, 52)), status=SequenceStatus.RUNNING)
+    bm.allocate(other, 2)  # the last free block
+    bm.free(other)  # back to the free list, with no hash: free, not cached
+    assert len(bm.gpu.cached) > bm.gpu.num_free  # the free-list side
+    check_invariants(bm, [("running", req)])
+    seq.status = SequenceStatus.FINISHED_STOPPED
+    bm.free(seq)
+    assert len(bm.gpu.cached) <= bm.gpu.num_free  # the cached-set side
+    check_invariants(bm, [])
+    pool = snapshot_mod.pool_snapshot(bm.gpu)
+    assert (pool.num_cached, pool.num_free) == (7, 1) and expand_runs(pool.state_runs) == [CACHED] * 7 + [FREE]
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> LLMEngine:
     return LLMEngine.from_args(str(tiny_model_dir), dtype="float32", num_kv_blocks=96, block_size=8,

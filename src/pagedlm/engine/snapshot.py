@@ -120,18 +120,30 @@ class EngineSnapshot:
 
 
 def pool_snapshot(pool: BlockPool, hidden: Iterable[int] = ()) -> PoolSnapshot:
-    """The pool's states and ref counts; `hidden`: blocks whose hashes are not shown (opaque tenants)."""
+    """The pool's states and ref counts; `hidden`: blocks whose hashes are not shown (opaque tenants). Costs a pass
+    over the ref counts, and over the cached or the free blocks, whichever are fewer."""
     refs = np.asarray(pool.ref_counts, dtype=np.int64)
     states = np.where(refs > 0, USED, FREE)
-    cached = np.fromiter(pool.cached.values(), dtype=np.int64, count=len(pool.cached))
-    if cached.size:
-        states[cached[refs[cached] == 0]] = CACHED
+    if len(pool.cached) <= pool.num_free:
+        cached = np.fromiter(pool.cached.values(), dtype=np.int64, count=len(pool.cached))
+        cached = cached[refs[cached] == 0]
+    else:
+        hashed = pool.block_hash
+        cached = np.fromiter((b for b in pool.free_blocks if hashed[b] is not None), dtype=np.int64)
+    states[cached] = CACHED
     hide = set(hidden)
-    shown = [(b, h) for h, b in pool.cached.items() if b not in hide]
-    hashes = {b: h[:4].hex() for b, h in shown[:MAX_HASHES]}
+    hashes: dict[int, str] = {}
+    truncated = False
+    for h, b in pool.cached.items():
+        if b in hide:
+            continue
+        if len(hashes) == MAX_HASHES:
+            truncated = True
+            break
+        hashes[b] = h[:4].hex()
     counts = np.bincount(states, minlength=3)
     return PoolSnapshot(pool.num_blocks, int(counts[FREE]), int(counts[USED]), int(counts[CACHED]),
-                        run_lengths(states), run_lengths(refs), hashes, len(shown) > MAX_HASHES)
+                        run_lengths(states), run_lengths(refs), hashes, truncated)
 
 
 def seq_snapshots(requests: Iterable[tuple[str, Request]], bm: BlockManager, show_text: bool = False,
