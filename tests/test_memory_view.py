@@ -55,6 +55,11 @@ def check_invariants(bm: BlockManager, requests: list[tuple[str, Request]]) -> N
     assert refs == bm.gpu.ref_counts
     listed = Counter(b for s in seqs if s.status != "swapped" for t in s.block_tables for b in t if b >= 0)
     assert {b: r for b, r in enumerate(refs) if r} == dict(listed)
+    if bm.cpu.num_blocks:  # swapped sequences' tables list host blocks
+        host = snapshot_mod.pool_snapshot(bm.cpu)
+        listed = Counter(b for s in seqs if s.status == "swapped" for t in s.block_tables for b in t)
+        assert {b: r for b, r in enumerate(expand_runs(host.ref_runs)) if r} == dict(listed)
+        assert host.num_used == sum(r > 0 for r in bm.cpu.ref_counts)
     for b, (state, r) in enumerate(zip(states, refs)):
         expected = USED if r else CACHED if bm.gpu.block_hash[b] is not None else FREE
         assert state == expected, (b, state, r)
@@ -65,15 +70,26 @@ def check_invariants(bm: BlockManager, requests: list[tuple[str, Request]]) -> N
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10**6)), max_size=40))
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 10**6)), max_size=40))
 def test_snapshot_invariants_against_the_block_manager(ops):
-    """Admissions sharing prefixes (prefix cache), forks, decoding (copy-on-write) and frees in any order."""
-    bm = BlockManager(48, 4, enable_prefix_caching=True)
+    """Admissions sharing prefixes (prefix cache), forks, decoding (copy-on-write), swapping out and in, and frees
+    in any order."""
+    bm = BlockManager(48, 4, num_cpu_blocks=32, enable_prefix_caching=True)
     reqs: list[Request] = []
     prefixes = [list(range(100, 111)), list(range(200, 206))]
     for op, r in ops:
-        live = [(req, s) for req in reqs for s in req.live_seqs]
-        if op == 0 or not live:  # admit a prompt: a shared prefix and a suffix of its own
+        live = [(req, s) for req in reqs for s in req.live_seqs if s.seq_id not in bm.swapped]
+        if op == 4:  # swap a request out, or back in
+            req = reqs[r % len(reqs)] if reqs else None
+            seqs = req.live_seqs if req is not None else []
+            if not seqs:
+                continue
+            if seqs[0].seq_id in bm.swapped:
+                if bm.can_swap_in(seqs):
+                    bm.swap_in(seqs)
+            elif bm.can_swap_out(seqs):
+                bm.swap_out(seqs)
+        elif op == 0 or not live:  # admit a prompt: a shared prefix and a suffix of its own
             prompt = prefixes[r % 2] + [300 + r % 7] * (1 + r % 5)
             seq = Sequence(prompt, status=SequenceStatus.RUNNING)
             hits = bm.find_cached_prefix(seq)
@@ -103,7 +119,9 @@ def test_snapshot_invariants_against_the_block_manager(ops):
                 bm.append_slots(seq, 1)
                 bm.commit(seq, seq.num_tokens)
                 seq.num_computed_tokens = seq.num_tokens
-            else:  # finish
+            else:  # finish (a swapped sequence's host blocks are freed alike)
+                if r % 3 == 0:
+                    seq = next((s for q in reqs for s in q.live_seqs if s.seq_id in bm.swapped), seq)
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 bm.free(seq)
         check_invariants(bm, [("running", q) for q in reqs])
@@ -113,6 +131,7 @@ def test_snapshot_invariants_against_the_block_manager(ops):
             bm.free(seq)
     pool = snapshot_mod.pool_snapshot(bm.gpu)
     assert set(expand_runs(pool.state_runs)) <= {FREE, CACHED} and pool.num_used == 0
+    assert snapshot_mod.pool_snapshot(bm.cpu).num_used == 0
     assert seq_snapshots([("running", q) for q in reqs], bm) == []
 
 

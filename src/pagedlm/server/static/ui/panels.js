@@ -51,12 +51,15 @@ function renderSparks(hist) {
 function renderCounters(snap) {
   const c = snap.counters;
   const mem = snap.memory;
+  const prev = view.prevCounters && view.prevCounters.key === view.model + "/" + view.replica ? view.prevCounters.c : c;
+  view.prevCounters = { key: view.model + "/" + view.replica, c };
+  const since = (k) => (c[k] > prev[k] ? `${c[k]} (+${c[k] - prev[k]})` : String(c[k]));  // since the last poll
   const hitRate = c.prefix_queries ? (100 * c.prefix_hits) / c.prefix_queries : null;
   const rows = [
-    ["preemptions", c.preemptions], ["copy-on-write blocks", c.cow_blocks],
-    ["swapped out / in blocks", `${c.swapped_out_blocks} / ${c.swapped_in_blocks}`],
+    ["preemptions", since("preemptions")], ["copy-on-write blocks", since("cow_blocks")],
+    ["swapped out / in blocks", `${since("swapped_out_blocks")} / ${since("swapped_in_blocks")}`],
     ["prefix cache", snap.prefix_caching ? `${c.prefix_hits} of ${c.prefix_queries} tokens hit (${fmt(hitRate, 1)} %)` : "off"],
-    ["prefix evictions", c.prefix_evictions],
+    ["prefix evictions", since("prefix_evictions")],
     ["prompt / generated tokens", `${c.prompt_tokens} / ${c.generation_tokens}`],
     ["weights", fmtBytes(mem.weights)], ["KV cache", `${fmtBytes(mem.kv_cache)} (${fmtBytes(mem.per_block)} a block)`],
     ["host RSS", fmtBytes(mem.host_rss)],
