@@ -413,15 +413,18 @@ def test_web_view_in_headless_chromium(served, tmp_path):
         # read the DOM in one script: the page redraws its rows at every poll
         shown = """return {shared: Number(document.getElementById('shared-count').dataset.shared),
                            cells: [...document.querySelectorAll('#seqs .blk.shared')].map(e => e.dataset.block)}"""
-        WebDriverWait(browser, 60, poll_frequency=0.1).until(
-            lambda b: (lambda d: d["shared"] > 0 and max(Counter(d["cells"]).values(), default=0) >= 2)(
-                b.execute_script(shown)))  # a shared block drawn in several sequences' rows
+        def shared_shown(b) -> bool:  # a shared block drawn in several sequences' rows
+            d = b.execute_script(shown)
+            return d["shared"] > 0 and max(Counter(d["cells"]).values(), default=0) >= 2
+
+        WebDriverWait(browser, 60, poll_frequency=0.1).until(shared_shown)
         assert "key=" not in browser.current_url  # the key left the address bar
         assert not browser.find_element(By.ID, "keyform").is_displayed()
         assert "blocks of 8 tokens" in browser.find_element(By.ID, "pool-summary").text
         assert "copy-on-write blocks" in browser.find_element(By.ID, "counters").text  # panels.js drew too
         assert len(browser.find_elements(By.CSS_SELECTOR, "#sparks canvas")) == 5
-        time.sleep(1.5)  # a few more polls: the sparklines have a history in the screenshot
+        time.sleep(1.5)  # a few more polls, so that the screenshot's sparklines have a history
+        WebDriverWait(browser, 60, poll_frequency=0.05).until(shared_shown)
         path = tmp_path / "memory-view.png"
         browser.save_screenshot(str(path))
         artifacts = os.environ.get("PAGEDLM_TEST_ARTIFACTS")
@@ -429,6 +432,10 @@ def test_web_view_in_headless_chromium(served, tmp_path):
             Path(artifacts).mkdir(parents=True, exist_ok=True)
             shutil.copy(path, Path(artifacts) / path.name)
         assert path.stat().st_size > 10_000
+        browser.find_element(By.ID, "play-max").clear()
+        browser.find_element(By.ID, "play-max").send_keys("4")
+        browser.find_element(By.CSS_SELECTOR, "#play button[type=submit]").click()  # two prompts, n=4, the key
+        WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "play-out").text.count("⟶") == 8)
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == []
     finally:
