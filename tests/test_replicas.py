@@ -271,6 +271,24 @@ def test_two_replicas_serve_the_same_greedy_answers_as_one_engine(models, server
 
 
 @pytest.mark.slow
+def test_the_memory_view_shows_each_replica(models):
+    """/debug/state (docs/memory-view.md) holds one snapshot per replica, each built in its actor."""
+    from server_utils import InProcessServer
+
+    from pagedlm.server.api import build_app
+
+    srv = InProcessServer(build_app({"tiny": models[1].replicas}, ui=True))
+    try:
+        assert srv.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}).status_code == 200
+        state = httpx.get(f"{srv.url}/debug/state", timeout=60).json()
+    finally:
+        srv.stop()
+    replicas = state["models"]["tiny"]["replicas"]
+    assert sorted(replicas) == sorted(models[1].replicas.replicas) and len(replicas) == 2
+    assert all(r["device"]["num_blocks"] == 128 and r["device"]["num_used"] == 0 for r in replicas.values())
+    assert sum(r["counters"]["generation_tokens"] for r in replicas.values()) >= 4
+
+
 def test_requests_sharing_a_long_system_prompt_land_on_the_replica_that_cached_it(models, server):
     rs = models[1].replicas
     system = ("You are a careful assistant. " + _CORPUS) * 4

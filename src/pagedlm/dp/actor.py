@@ -19,6 +19,7 @@ from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.client import RequestStream, StepRecord
 from pagedlm.engine.errors import WireError, as_engine_error
 from pagedlm.engine.protocol import EngineOutput, EngineRequest, merge_outputs
+from pagedlm.engine.snapshot import EngineSnapshot
 
 
 class EngineReplica:
@@ -146,6 +147,9 @@ class EngineReplica:
 
     async def ping(self) -> int:
         return os.getpid()
+
+    async def snapshot(self, show_text: bool = False) -> EngineSnapshot:
+        return await self.engine.snapshot(show_text)
 
     async def shutdown(self) -> None:
         self.engine.shutdown()

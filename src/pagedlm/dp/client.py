@@ -21,6 +21,7 @@ from pagedlm.engine.errors import EngineDeadError, WireError, stalled_error
 from pagedlm.engine.input_processor import InputProcessor
 from pagedlm.engine.llm_engine import EngineStats
 from pagedlm.engine.protocol import EngineOutput, EngineRequest
+from pagedlm.engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,9 @@ class ReplicaClient(EngineClient):
             self.actor.abort.remote([request_id])
         except Exception:  # noqa: BLE001 - a dead replica frees nothing, and needs nothing freed
             pass
+
+    async def snapshot(self, show_text: bool = False) -> EngineSnapshot:
+        return await self.actor.snapshot.remote(show_text)
 
     def fail_all(self, message: str) -> None:
         try:

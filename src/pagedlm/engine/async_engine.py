@@ -7,6 +7,7 @@ Each request's `EngineOutput` deltas go back to the caller's event loop (`call_s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ from pagedlm.engine.client import EngineClient, RequestStream, StepRecord, deliv
 from pagedlm.engine.errors import EngineDeadError, QueueFullError, RequestFailedError, failed, stalled_error
 from pagedlm.engine.llm_engine import EngineStats, LLMEngine
 from pagedlm.engine.protocol import EngineOutput, EngineRequest
+from pagedlm.engine.snapshot import EngineSnapshot, build_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,12 @@ class _Abort:
 @dataclass
 class _FailAll:
     message: str
+
+
+@dataclass
+class _Snapshot:
+    future: concurrent.futures.Future
+    show_text: bool
 
 
 _STOP = object()
@@ -104,6 +112,16 @@ class AsyncLLMEngine(EngineClient):
         """Fail every open request with RequestFailedError(message) (e.g. at the end of a graceful shutdown)."""
         self._submit(_FailAll(message))
 
+    async def snapshot(self, show_text: bool = False) -> EngineSnapshot:
+        """The engine's memory state, built on the engine thread before its next step (snapshot.py)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._closing:
+            if self._dead is None:
+                self._submit(_Snapshot(future, show_text))
+            else:
+                future.set_exception(self._dead_error())
+        return await asyncio.wrap_future(future)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; open requests fail with EngineDeadError."""
         if self._thread.is_alive():
@@ -160,6 +178,8 @@ class AsyncLLMEngine(EngineClient):
                         break
                     if isinstance(cmd, _Add):
                         self._call(cmd.stream, cmd.stream.accept, err)
+                    elif isinstance(cmd, _Snapshot) and cmd.future.set_running_or_notify_cancel():
+                        cmd.future.set_exception(err)
 
     def _dead_error(self) -> EngineDeadError:
         if isinstance(self._dead, EngineDeadError):
@@ -195,6 +215,13 @@ class AsyncLLMEngine(EngineClient):
                 return cmds
 
     def _apply(self, cmd: object, record: StepRecord) -> None:
+        if isinstance(cmd, _Snapshot):
+            if cmd.future.set_running_or_notify_cancel():  # nobody waits any more: nothing is built
+                try:
+                    cmd.future.set_result(build_snapshot(self.engine, cmd.show_text))
+                except Exception as e:  # noqa: BLE001 - the watcher gets the error, the loop goes on
+                    cmd.future.set_exception(e)
+            return
         if isinstance(cmd, _FailAll):
             for rid in list(self._streams):
                 self.num_failed += 1

@@ -23,6 +23,7 @@ from pagedlm.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from pagedlm.engine.input_processor import InputProcessor
     from pagedlm.engine.llm_engine import EngineStats
+    from pagedlm.engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 MAX_PENDING = 64  # outputs a stream keeps apart before merging them
@@ -275,6 +276,11 @@ class EngineClient:
 
     def fail_all(self, message: str) -> None:
         """Fail every open request with RequestFailedError(message)."""
+        raise NotImplementedError
+
+    async def snapshot(self, show_text: bool = False) -> EngineSnapshot:
+        """The engine's memory state (engine/snapshot.py), built between two steps; NotImplementedError where the
+        engine cannot show it (a replica set shows each of its `replicas`)."""
         raise NotImplementedError
 
     def shutdown(self, timeout: float = 10.0) -> None:

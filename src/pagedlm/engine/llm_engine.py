@@ -22,6 +22,7 @@ from pagedlm.engine.protocol import EngineOutput, EngineRequest
 from pagedlm.engine.sample import StepSampler
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence
+from pagedlm.engine.snapshot import BlockMoves
 from pagedlm.engine.spec_decode import SpecDecoder, SpecStats
 from pagedlm.engine.step import StepContext, build_batch
 from pagedlm.hub.registry import resolve_model
@@ -83,6 +84,7 @@ class LLMEngine:
         self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
         self.offload = self.scheduler.kv_loader = DiskOffload.create(
             config, path, self.model_config, self.plan, self.block_manager, self.runner.kv_cache)
+        self.block_moves = BlockMoves()  # blocks copied and swapped, for the memory views (snapshot.py)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.input_processor = InputProcessor(EngineInfo.of(self), self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -184,6 +186,7 @@ class LLMEngine:
         """Run one step; the outputs of the requests it advanced, finished or failed."""
         self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        self.block_moves.record(sched)
         try:
             kv = self.runner.kv_cache
             kv.swap_out(sched.blocks_to_swap_out)

@@ -68,6 +68,7 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[list[int] | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
+        self.num_evicted = 0  # cached prefixes dropped (their block reused, or unregistered)
         # KV events for a router (vLLM's BlockStored / BlockRemoved): (stored?, hash) per change of `cached`,
         # recorded only while a consumer set it to a list; it drains them (`drain_events`).
         self.events: list[tuple[bool, bytes]] | None = None
@@ -126,6 +127,7 @@ class BlockPool:
     def _evict(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:
+            self.num_evicted += 1
             del self.cached[h]
             self.block_hash[block] = None
             self.block_tokens[block] = None

@@ -11,6 +11,7 @@ a `SpendLedger`, a request near a spend cap goes to a cheaper model and one past
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -70,6 +71,7 @@ class Router:
         self._down_until: dict[str, float] = {}
         self.budget = budget
         self.served = ShareMonitor(share_window)
+        self.recent: deque[tuple[float, Decision, float | None]] = deque(maxlen=64)  # (time, served, threshold)
 
     @property
     def calibrator(self) -> ShareCalibrator | None:
@@ -175,6 +177,7 @@ class Router:
     def record_served(self, d: Decision) -> None:
         """Count a request served as `d` decided (for the realised strong share)."""
         m = self.models[d.model]
+        self.recent.append((time.time(), d, getattr(self.policy, "threshold", None)))
         self.served.record(d.policy_strong, m.strong, d.category, d.tier, m.rank)
 
     def settle(self, d: Decision, prompt_tokens: int, completion_tokens: int) -> None:

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI) over one engine (`EngineClient`) per served model.
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize,
-/tokenizer_info, /version. Errors use OpenAI's JSON shape. A request whose client disconnects is aborted
-at once (streaming or not), and every path out of a handler aborts what it queued.
+/tokenizer_info, /version, and with `ui` the memory views (/debug/state, /ui: ui.py). Errors use OpenAI's JSON
+shape. A request whose client disconnects is aborted at once (streaming or not), and every path out of a handler
+aborts what it queued.
 
 A request names its model (none: the first served one). With an `AutoRoute`, the route's name (`auto`) lets
 the router choose; a model that refuses (queue full), fails or is down before anything reached the client is
@@ -60,6 +61,7 @@ from pagedlm.server.responses import add_responses_routes
 from pagedlm.server.routing import AutoRoute
 from pagedlm.server.stages import StagePools
 from pagedlm.server.tools import TOOL_PARSERS, tool_support
+from pagedlm.server.ui import MemoryState, add_ui_routes
 from pagedlm.server.wire import error_response, json_response, parse_request
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
               stage_queue: int = DEFAULT_STAGE_QUEUE, responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
               responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL,
               embedders: Mapping[str, EmbeddingEngine] | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, ui: bool = False, ui_show_text: bool = False) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -99,6 +101,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     responses_store_size, responses_store_ttl: the Responses API's stored responses per key, and for how long.
     embedders: the embedding models, by name (/v1/embeddings, /api/embed; names distinct from `engines`').
     reasoning_parser: split `<think>` reasoning out of chat answers (reasoning.REASONING_PARSERS; None: not).
+    ui: serve the memory views (GET /debug/state, the web view at /ui; ui.py); ui_show_text: they show text.
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
@@ -204,6 +207,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     async def tokenizer_info(model: str | None = None) -> Response:
         return JSONResponse(front.server(model).tokenizer_info())
 
+    if ui:
+        add_ui_routes(app, MemoryState(engines, route.router if route is not None else None, ui_show_text))
     bridge = Bridge(front)
     add_ollama_routes(app, bridge)
     add_anthropic_routes(app, bridge)

@@ -6,7 +6,6 @@ one server; with more than one, requests for `--router-name` (`auto`) are routed
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import socket
@@ -14,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedlm.config import RouterConfig, add_arguments
-from pagedlm.server.options import API_KEY_ENV, ServeConfig, ServerConfig
+from pagedlm.server.options import API_KEY_ENV, ServeConfig, ServerConfig, is_loopback
 from pagedlm.server.tools import BUILTIN_TEMPLATES
 
 __all__ = ["API_KEY_ENV", "ServeConfig", "ServerConfig", "add_serve_parser", "apply_config", "serve"]
@@ -102,11 +101,11 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
                         stage_threads=srv.stage_threads, stage_queue=srv.stage_queue,
                         responses_store_size=srv.responses_store_size,
                         responses_store_ttl=srv.responses_store_ttl, embedders=embedders,
-                        reasoning_parser=srv.reasoning_parser)
+                        reasoning_parser=srv.reasoning_parser, ui=srv.serves_ui, ui_show_text=srv.ui_show_text)
         url = _url(sock)
         served = ", ".join([*engines, *([route.name] if route else []), *embedders])
-        logger.info("Serving %s at %s (OpenAI API: %s/v1)%s", served, url, url,
-                    ", API key required" if api_keys else "")
+        logger.info("Serving %s at %s (OpenAI API: %s/v1)%s%s", served, url, url,
+                    ", API key required" if api_keys else "", f"; memory view: {url}/ui" if srv.serves_ui else "")
         if second is not None:
             logger.info("Ollama's port: the same API at %s", _url(second))
         if route is not None:
@@ -174,11 +173,7 @@ def allowed_hosts(srv: ServerConfig) -> list[str] | None:
     check is on (DNS rebinding); bound elsewhere, only when --allowed-hosts is given."""
     if srv.allowed_hosts is not None:
         return _names(srv.allowed_hosts)
-    try:
-        loopback = srv.host == "localhost" or ipaddress.ip_address(srv.host).is_loopback
-    except ValueError:
-        loopback = False
-    return [] if loopback else None
+    return [] if is_loopback(srv.host) else None
 
 
 def model_specs(model: list[str] | None, served_model_name: str | None = None) -> list[tuple[str, str]]:

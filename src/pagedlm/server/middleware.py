@@ -9,7 +9,8 @@ from pagedlm.server.limits import KeyLeases
 from pagedlm.server.protocol import APIError
 from pagedlm.server.wire import error_response
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/api/version"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/api/version", "/ui"})
+PUBLIC_PREFIXES = ("/ui/",)  # the web view's page and assets hold no data (server/ui.py)
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -36,7 +37,7 @@ class Guard:
         if self.allowed_hosts is not None and not host_allowed(headers.get("host", ""), self.allowed_hosts):
             return await error(APIError(400, "Invalid Host header (see --allowed-hosts).", code="invalid_host"))
         lease = None
-        if self.api_keys and scope["path"] not in PUBLIC_PATHS:
+        if self.api_keys and path not in PUBLIC_PATHS and not path.startswith(PUBLIC_PREFIXES):
             key = self._key(headers.get("authorization", ""), headers.get("x-api-key"))
             if key is None:
                 return await error(APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>` "

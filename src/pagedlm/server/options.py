@@ -4,6 +4,7 @@ the router's (RouterConfig) and the replicas' (ParallelConfig)."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,14 @@ def _size(value: str) -> int:
 
 
 TOOLS = "tool calling"
+UI = "memory views (see docs/memory-view.md)"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -111,8 +120,18 @@ class ServerConfig:
                                         group=LIMITS)
     shutdown_timeout: float = option(30.0, "on SIGTERM, seconds running requests may finish before they are ended "
                                      "with an error", group=LIMITS)
+    ui: bool | None = option(None, "serve the memory views, read-only: the web view at /ui and GET /debug/state (for "
+                             "`pagedlm top`), behind --api-key like the API (default: on when bound to a loopback "
+                             "address, off otherwise)", group=UI)
+    ui_show_text: bool = option(False, "the memory views show the sequences' text (every API key sees every "
+                                "tenant's, except tenants salted by --prefix-cache-per-key)", group=UI)
     config: str | None = option(None, "YAML file of these options (keys: option names without --); command-line "
                                 "flags win", group=ROUTING)
+
+    @property
+    def serves_ui(self) -> bool:
+        """--ui, or by default whether the bind address is loopback."""
+        return self.ui if self.ui is not None else is_loopback(self.host)
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -1,0 +1,197 @@
+"""The engine's memory state as one compact, typed snapshot (`EngineSnapshot`), for the memory views (/debug/state,
+/ui, `pagedlm top`).
+
+Contract: `build_snapshot` runs on the engine thread between two steps, and only when a watcher asks
+(AsyncLLMEngine.snapshot): nothing is built while nobody watches. It copies what it reads (plain lists and ints),
+so the snapshot may be serialised on another thread while the engine steps on.
+
+The block pool is run-length encoded (`[value, count, value, count, ...]`): a pool of 100k blocks whose blocks come
+in runs costs a few numbers, not 100k. A block's state is FREE (no KV kept), USED (ref count > 0) or CACHED (free,
+but its KV and prefix hash are kept until the block is allocated again). Who owns a block is read from the
+sequences' block tables: a block with ref count r appears r times among the tables of the sequences on the device.
+Counters are cumulative since the engine started; a watcher takes differences between two snapshots.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pagedlm.engine.llm_engine import LLMEngine
+    from pagedlm.engine.scheduler import SchedulerOutput
+    from pagedlm.engine.sequence import Request
+    from pagedlm.kvcache.block_manager import BlockManager, BlockPool
+
+FREE, USED, CACHED = 0, 1, 2
+STATE_NAMES = ("free", "used", "cached")
+MAX_HASHES = 4096  # hash display ids sent per pool; beyond, `hashes` is cut (`hashes_truncated`)
+MAX_TEXT_CHARS = 200  # of a sequence's text, with --ui-show-text
+
+
+def run_lengths(values: Sequence[int] | np.ndarray) -> list[int]:
+    """`values` as [value, count, value, count, ...] (consecutive equal values merged)."""
+    a = np.asarray(values, dtype=np.int64)
+    if a.size == 0:
+        return []
+    starts = np.flatnonzero(np.r_[True, a[1:] != a[:-1]])
+    counts = np.diff(np.r_[starts, a.size])
+    return np.column_stack([a[starts], counts]).ravel().tolist()
+
+
+def expand_runs(runs: Sequence[int]) -> list[int]:
+    """The inverse of `run_lengths`."""
+    return [v for i in range(0, len(runs), 2) for v in [runs[i]] * runs[i + 1]]
+
+
+@dataclass
+class BlockMoves:
+    """Blocks the engine copied (copy-on-write) or swapped, counted from each step's scheduler output."""
+
+    copied: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
+
+    def record(self, sched: SchedulerOutput) -> None:
+        self.copied += len(sched.blocks_to_copy)
+        self.swapped_out += len(sched.blocks_to_swap_out)
+        self.swapped_in += len(sched.blocks_to_swap_in)
+
+
+@dataclass
+class PoolSnapshot:
+    """One block pool (device or host)."""
+
+    num_blocks: int
+    num_free: int
+    num_used: int
+    num_cached: int  # free blocks that keep a cached prefix
+    state_runs: list[int]  # run-length encoded FREE / USED / CACHED per block
+    ref_runs: list[int]  # run-length encoded reference count per block
+    hashes: dict[int, str] = field(default_factory=dict)  # block -> display id of its prefix hash (hex prefix)
+    hashes_truncated: bool = False
+
+
+@dataclass
+class SeqSnapshot:
+    """One live sequence that holds (or waits for) blocks."""
+
+    request_id: str
+    index: int  # sample index in its request
+    seq_id: int
+    status: str  # running | swapped | waiting
+    num_prompt_tokens: int
+    num_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int  # prompt tokens its request took from the prefix cache
+    block_tables: list[list[int]]  # one per KV cache group; -1: a freed sliding-window block; host blocks if swapped
+    opaque: bool = False  # its tenant salts the prefix cache: no text, no hashes
+    text: str | None = None  # prompt + output so far (cut), only when the server shows text
+
+
+@dataclass
+class EngineSnapshot:
+    """What a memory view shows of one engine; `to_dict` is its JSON shape."""
+
+    time: float  # wall clock (seconds since the epoch)
+    block_size: int
+    kv_dtype: str
+    num_groups: int
+    prefix_caching: bool
+    device: PoolSnapshot
+    host: PoolSnapshot | None  # the swap space (None: none)
+    seqs: list[SeqSnapshot]
+    queues: dict[str, int]  # running / waiting / swapped requests, running sequences
+    counters: dict[str, int]  # cumulative: preemptions, copy-on-write and swapped blocks, prefix cache, tokens
+    memory: dict[str, int | None]  # bytes: weights, kv cache, per block, host RSS
+    moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> cumulative tokens/expert
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["moe_expert_tokens"] = {str(k): v for k, v in self.moe_expert_tokens.items()}
+        for pool in (d["device"], d["host"]):
+            if pool is not None:
+                pool["hashes"] = {str(k): v for k, v in pool["hashes"].items()}
+        return d
+
+
+def pool_snapshot(pool: BlockPool, hidden: Iterable[int] = ()) -> PoolSnapshot:
+    """The pool's states and ref counts; `hidden`: blocks whose hashes are not shown (opaque tenants). Costs a pass
+    over the ref counts, and over the cached or the free blocks, whichever are fewer."""
+    refs = np.asarray(pool.ref_counts, dtype=np.int64)
+    states = np.where(refs > 0, USED, FREE)
+    if len(pool.cached) <= pool.num_free:
+        cached = np.fromiter(pool.cached.values(), dtype=np.int64, count=len(pool.cached))
+        cached = cached[refs[cached] == 0]
+    else:
+        hashed = pool.block_hash
+        cached = np.fromiter((b for b in pool.free_blocks if hashed[b] is not None), dtype=np.int64)
+    states[cached] = CACHED
+    hide = set(hidden)
+    hashes: dict[int, str] = {}
+    truncated = False
+    for h, b in pool.cached.items():
+        if b in hide:
+            continue
+        if len(hashes) == MAX_HASHES:
+            truncated = True
+            break
+        hashes[b] = h[:4].hex()
+    counts = np.bincount(states, minlength=3)
+    return PoolSnapshot(pool.num_blocks, int(counts[FREE]), int(counts[USED]), int(counts[CACHED]),
+                        run_lengths(states), run_lengths(refs), hashes, truncated)
+
+
+def seq_snapshots(requests: Iterable[tuple[str, Request]], bm: BlockManager, show_text: bool = False,
+                  detokenize=None) -> list[SeqSnapshot]:
+    """The live sequences of `requests` ((status, request) pairs) with their block tables."""
+    out = []
+    for status, req in requests:
+        for seq in req.live_seqs:
+            tables = [list(t) for t in bm.block_tables.get(seq.seq_id, ())]
+            opaque = req.cache_salt is not None
+            text = None
+            if show_text and not opaque and detokenize is not None:
+                text = detokenize(seq.token_ids()[-MAX_TEXT_CHARS:])[-MAX_TEXT_CHARS:]
+            out.append(SeqSnapshot(req.request_id, seq.index, seq.seq_id,
+                                   "swapped" if seq.seq_id in bm.swapped else status, len(seq.prompt_token_ids),
+                                   seq.num_tokens, seq.num_computed_tokens, req.num_cached_tokens, tables, opaque,
+                                   text))
+    return out
+
+
+def host_rss() -> int | None:
+    """This process's resident set size in bytes (None where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def build_snapshot(engine: LLMEngine, show_text: bool = False) -> EngineSnapshot:
+    """The engine's memory state now. Engine thread only, between steps."""
+    bm, sch = engine.block_manager, engine.scheduler
+    requests = ([("running", r) for r in sch.running] + [("swapped", r) for r in sch.swapped]
+                + [("waiting", r) for r in sch.waiting])
+    tok = engine.tokenizer
+    seqs = seq_snapshots(requests, bm, show_text, lambda ids: tok.decode(ids))
+    hidden = {b for s in seqs if s.opaque and s.status != "swapped" for t in s.block_tables for b in t}
+    report, moves = engine.memory_report, engine.block_moves
+    return EngineSnapshot(
+        time=time.time(), block_size=bm.block_size, kv_dtype=report.dtype, num_groups=bm.num_groups,
+        prefix_caching=bm.enable_prefix_caching, device=pool_snapshot(bm.gpu, hidden),
+        host=pool_snapshot(bm.cpu) if bm.cpu.num_blocks else None, seqs=seqs,
+        queues=dict(running=len(sch.running), waiting=len(sch.waiting), swapped=len(sch.swapped),
+                    running_seqs=sum(len(r.live_seqs) for r in sch.running)),
+        counters=dict(preemptions=sch.num_preemptions, cow_blocks=moves.copied, swapped_out_blocks=moves.swapped_out,
+                      swapped_in_blocks=moves.swapped_in, prefix_queries=bm.prefix_queries,
+                      prefix_hits=bm.prefix_hits, prefix_evictions=bm.gpu.num_evicted,
+                      prompt_tokens=sch.num_prompt_tokens, generation_tokens=sch.num_generation_tokens),
+        memory=dict(weights=report.weight_bytes, kv_cache=report.kv_cache_bytes, per_block=report.bytes_per_block,
+                    host_rss=host_rss()),
+        moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in engine.runner.moe_blocks})
