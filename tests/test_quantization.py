@@ -312,10 +312,10 @@ def test_quantized_engine_is_batch_invariant(tiny_model_dir, setting):
 @pytest.mark.slow
 def test_perplexity_bounds_on_smollm2(smollm2_path, smollm2_hf, tmp_path):
     """Perplexity of SmolLM2 (fp32) on a fixed 2,100-token text: the default path of this CPU (whatever the plan
-    picks, in big steps and in steps of 16 tokens, which take the quantized kernels where the plan has them), and
-    that of the same weights saved as a bf16 HF checkpoint (bf16 weights with fp32 activations where the CPU has
-    AVX512-BF16), and int8 KV within 1% of the unquantized cache, fp8 KV within 2%, int8/int4 weights within 5%
-    (the checkpoint itself is Q4_1/Q8_0)."""
+    picks, in big steps and in steps of 16 tokens, which take the quantized kernels where the plan has them) within
+    1.5%, that of the same weights saved as a bf16 HF checkpoint (bf16 weights with fp32 activations where the CPU
+    has AVX512-BF16) within 1%, int8 KV within 1% of the unquantized cache, fp8 KV within 2%, int8/int4 weights
+    within 5% (the checkpoint itself is Q4_1/Q8_0)."""
     import json
     import shutil
 
@@ -345,7 +345,10 @@ def test_perplexity_bounds_on_smollm2(smollm2_path, smollm2_hf, tmp_path):
         del llm
     assert 5 < ppl["base"] < 60, ppl
     assert ppl["kv-int8"] <= ppl["base"] * 1.01, ppl
-    assert ppl["default"] <= ppl["base"] * 1.01 and ppl["default-small-steps"] <= ppl["base"] * 1.01, ppl
+    # The default path stacks two roundings: the bf16 KV cache and, where the probe gives every step to the
+    # kernels (Zen 4: kernel_max_rows unlimited), the file's Q4_1 blocks against int8-quantized activations, as
+    # llama.cpp runs them. Measured on a Zen 4: 22.85 in big steps, 22.91 in steps of 16 (bf16 KV alone 22.74).
+    assert ppl["default"] <= ppl["base"] * 1.015 and ppl["default-small-steps"] <= ppl["base"] * 1.015, ppl
     assert ppl["default-hf-bf16"] <= ppl["base"] * 1.01, ppl
     assert ppl["kv-fp8"] <= ppl["base"] * 1.02, ppl
     assert ppl["w-int8"] <= ppl["base"] * 1.05 and ppl["w-int4"] <= ppl["base"] * 1.05, ppl
