@@ -1,5 +1,5 @@
 """Model resolution and routing: each request's model is resolved to its `ModelServer`; a request for the
-`AutoRoute`'s name is routed, with fallback (a model that refuses, fails or is down before anything reached the
+`Dispatcher`'s name (the auto model) is routed, with fallback (a model that refuses, fails or is down before anything reached the
 client is replaced by the router's fallback) and, under a cascade policy, answered by the weak model first."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pagedlm.server.metrics import ServerMetrics
 from pagedlm.server.openai_handlers import ModelServer, request_ids
 from pagedlm.server.protocol import RETRY_AFTER_S, APIError, Unavailable, shutting_down
 from pagedlm.server.reasoning import ThinkParser, split_reasoning
-from pagedlm.server.routing import AutoRoute
+from pagedlm.server.dispatch import Dispatcher
 from pagedlm.server.streaming import DONE, event
 from pagedlm.server.wire import parse_request
 
@@ -36,7 +36,7 @@ UNKNOWN_FIELDS_HEADER = "x-pagedlm-unknown-fields"
 class Frontend:
     """Resolves each request's model and, for the route name, routes it (with fallback)."""
 
-    def __init__(self, servers: dict[str, ModelServer], metrics: ServerMetrics, route: AutoRoute | None,
+    def __init__(self, servers: dict[str, ModelServer], metrics: ServerMetrics, route: Dispatcher | None,
                  strict_request_fields: bool = False, allow_client_priority: bool = False) -> None:
         self.servers, self.metrics, self.route = servers, metrics, route
         self.stages = next(iter(servers.values())).stages  # the app's, shared by its models
@@ -164,7 +164,7 @@ class Frontend:
         """`run(srv, req=..., rid=...)` on the routed model (with fallback); in cascade mode, a request whose
         answer has one choice is answered by the weak model first (see `_cascade`)."""
         route = self.route
-        decision = await self._decide(route.route(r.text, r.max_tokens, r.key, r.cost_tokens))
+        decision = await self._decide(route.decide(r.text, r.max_tokens, r.key, r.cost_tokens))
         if (cascade and isinstance(route.router.policy, CascadePolicy) and req.n == 1 and not req.use_beam_search
                 and not route.router.models[decision.model].strong):
             response, decision = await self._cascade(r, req, run, decision)
