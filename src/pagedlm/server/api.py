@@ -11,10 +11,11 @@ replaced by the router's fallback. The choice is in the `x-pagedlm-routed-model`
 headers and in the body's `model`; a routed request past every spend cap gets 429 (`budget_exceeded`).
 
 This file wires the app: routes, exception handlers (every error in OpenAI's shape) and middleware. The rest:
-frontend.py (model resolution, routing with fallback and cascade), openai_handlers.py (one model's endpoints),
-streaming.py (engine streams to responses and SSE), middleware.py (Host, key, Content-Type, body size checks),
-wire.py (request bodies in, JSON out), errors.py (engine errors as OpenAI errors). Engines are seen only through
-their `EngineClient` contract (engine/client.py).
+frontend.py (parsing, admission, model resolution), auto.py (the auto model: the router's choice, fallback,
+cascade), dispatch.py (the router's decisions and the engines' live load), endpoints/ (one model's endpoints, their
+typed results, rendered as JSON or SSE), streaming.py (engine streams as the endpoints read them), middleware.py
+(Host, key, Content-Type, body size checks), wire.py (request bodies in, JSON out), errors.py (engine errors as
+OpenAI errors). Engines are seen only through their `EngineClient` contract (engine/client.py).
 """
 from __future__ import annotations
 
@@ -49,12 +50,12 @@ from pagedlm.server.anthropic import add_anthropic_routes
 from pagedlm.server.bridge import Bridge
 from pagedlm.server.dispatch import Dispatcher
 from pagedlm.server.embeddings import EmbeddingRequest, add_embedding_routes
+from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.limits import KeyLeases, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.ollama import add_ollama_routes
-from pagedlm.server.openai_handlers import ModelServer
 from pagedlm.server.protocol import APIError, shutting_down
 from pagedlm.server.reasoning import REASONING_PARSERS
 from pagedlm.server.response_store import ResponseStore
@@ -122,15 +123,15 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     app = FastAPI(title="pagedlm", version=__version__, on_shutdown=[stages.shutdown])
     metrics = ServerMetrics(engines, router=dispatcher.router if dispatcher is not None else None,
                              stages=stages)
-    servers = {}
+    models = {}
     for name, engine in engines.items():
         tools = tool_support(engine.input_processor.tokenizer.hf.chat_template, tool_call_parser)
         logger.info("%s: %s", name, tools.summary)
-        servers[name] = srv = ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
-                                          limits, stages)
-        srv.tool_template = tools.template
-    front = Frontend(servers, metrics, dispatcher, strict_request_fields, allow_client_priority)
-    app.state.server = front
+        models[name] = model = ServedModel(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
+                                           limits, stages)
+        model.tool_template = tools.template
+    front = Frontend(models, metrics, dispatcher, strict_request_fields, allow_client_priority)
+    app.state.frontend = front
     front.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     app.add_middleware(Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts,
@@ -161,10 +162,10 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     async def health() -> Response:
         if front.draining:
             raise shutting_down()
-        down = [f"{name}: {why}" for name, srv in front.servers.items() if (why := srv.engine.down_reason)]
+        down = [f"{name}: {why}" for name, m in front.models.items() if (why := m.engine.down_reason)]
         if down:
             raise APIError(503, f"Not serving ({'; '.join(down)}).", type="server_error")
-        stuck = [n for n, srv in front.servers.items() if 0 < health_step_timeout < srv.engine.step_stuck_for]
+        stuck = [n for n, m in front.models.items() if 0 < health_step_timeout < m.engine.step_stuck_for]
         if stuck:
             raise APIError(503, f"An engine step has run longer than {health_step_timeout:g} s with requests "
                                 f"waiting ({', '.join(stuck)}).", type="server_error")
@@ -198,16 +199,17 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         req = await parse_request(request, P.TokenizeRequest, stages)
-        return await stages.run("tokenize" if req.messages is None else "chat", front.server(req.model).tokenize, req)
+        model = front.model(req.model)
+        return json_response(await stages.run("tokenize" if req.messages is None else "chat", model.tokenize, req))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = await parse_request(request, P.DetokenizeRequest, stages)
-        return await stages.run("tokenize", front.server(req.model).detokenize, req)
+        return json_response(await stages.run("tokenize", front.model(req.model).detokenize, req))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(model: str | None = None) -> Response:
-        return JSONResponse(front.server(model).tokenizer_info())
+        return JSONResponse(front.model(model).tokenizer_info())
 
     if ui:
         add_ui_routes(app, MemoryState(engines, dispatcher.router if dispatcher is not None else None, ui_show_text))

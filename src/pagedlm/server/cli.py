@@ -114,7 +114,7 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
                                 request_read_timeout=srv.request_read_timeout,
                                 access_log=not srv.disable_access_log, shutdown_timeout=srv.shutdown_timeout)
         ensure_open_files(srv.max_connections)
-        GracefulServer(config, app.state.server, srv.shutdown_timeout).run(
+        GracefulServer(config, app.state.frontend, srv.shutdown_timeout).run(
             sockets=[sock] if second is None else [sock, second])
     finally:
         if dispatcher is not None:
