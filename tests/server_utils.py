@@ -96,23 +96,23 @@ class InProcessServer(_Endpoint):
 def routed_server(model_dir: Path, router, names: tuple[str, ...] = ("small", "big"),
                   **app_kwargs) -> Iterator[tuple[InProcessServer, dict, Any]]:
     """Tiny engines named `names` (default "small" and "big"; float32, 64 KV blocks, 8 waiting at most), behind
-    `router` as the `model: "auto"` route, served in process: yields (server, engines, route) and shuts them all
-    down after."""
+    `router` as the auto model (`model: "auto"`), served in process: yields (server, engines, dispatcher) and shuts
+    them all down after."""
     from pagedlm.config import LoopConfig
     from pagedlm.engine.async_engine import AsyncLLMEngine
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
-    from pagedlm.server.routing import AutoRoute
+    from pagedlm.server.dispatch import Dispatcher
 
     engines = {name: AsyncLLMEngine(LLMEngine.from_args(str(model_dir), dtype="float32", num_kv_blocks=64),
                                     LoopConfig.offline(max_waiting=8, log_interval=0)) for name in names}
-    route = AutoRoute(router, engines)
-    server = InProcessServer(build_app(engines, route=route, **app_kwargs))
+    dispatcher = Dispatcher(router, engines)
+    server = InProcessServer(build_app(engines, dispatcher=dispatcher, **app_kwargs))
     try:
-        yield server, engines, route
+        yield server, engines, dispatcher
     finally:
         server.stop()
-        route.shutdown()
+        dispatcher.shutdown()
         for e in engines.values():
             e.shutdown()
 

@@ -122,3 +122,19 @@ def test_the_check_sees_a_violation(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from pagedlm.server.api import build_app\n    import pagedlm.router.policies\n")
     assert _imports(f) == {"server", "router"} and _imports(f, depth=2) == {"server.api", "router.policies"}
+
+
+def test_the_endpoints_of_a_served_model_define_distinct_names():
+    """`ServedModel` joins one class per endpoint (server/endpoints/) over `EndpointBase`, all on one object: a
+    method two of them define would silently replace the other's."""
+    defined: dict[str, str] = {}
+    for path in sorted((SRC / "server" / "endpoints").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.ClassDef) or not (
+                    node.name == "EndpointBase" or any(getattr(b, "id", None) == "EndpointBase" for b in node.bases)):
+                continue
+            for f in node.body:
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("__"):
+                    assert f.name not in defined, f"{node.name}.{f.name} also in {defined[f.name]}"
+                    defined[f.name] = node.name
+    assert {"EndpointBase", "CompletionsEndpoint", "ChatEndpoint", "TokenizeEndpoint"} <= set(defined.values())

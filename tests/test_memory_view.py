@@ -315,7 +315,7 @@ def test_debug_state_shows_every_model_and_the_routers_decisions(tiny_model_dir)
 
     router = Router([ModelEntry("small"), ModelEntry("big", strong=True)], HeuristicPolicy(0.5))
     served = []
-    with routed_server(tiny_model_dir, router, ui=True) as (server, engines, route):
+    with routed_server(tiny_model_dir, router, ui=True) as (server, engines, _):
         for prompt in ("Hello!", "```python\ndef f(n):\n    return n\n```\nProve step by step that f is correct."):
             r = httpx.post(f"{server.url}/v1/completions", json={"model": "auto", "prompt": prompt, "max_tokens": 2},
                            timeout=60)

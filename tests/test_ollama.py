@@ -15,7 +15,7 @@ from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
-from pagedlm.server.openai_handlers import ModelServer
+from pagedlm.server.endpoints import ServedModel
 
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "num_predict": 12}
@@ -98,7 +98,7 @@ def forced_calls(monkeypatch):
     """A random model never picks a tool by itself: every chat request with tools runs as tool_choice "required"
     (the grammar of the calls, on the real engine and parser; Ollama's API has no tool_choice to ask for it), with
     the parameters closed (the client drops additionalProperties, and a random model adds keys for ever)."""
-    run = ModelServer.chat_completions
+    run = ServedModel.chat_completions
 
     async def required(self, request, req, *args, **kw):
         if req.tools:
@@ -108,7 +108,7 @@ def forced_calls(monkeypatch):
             req = req.model_copy(update={"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
         return await run(self, request, req, *args, **kw)
 
-    monkeypatch.setattr(ModelServer, "chat_completions", required)
+    monkeypatch.setattr(ServedModel, "chat_completions", required)
 
 
 def test_tool_calls_and_round_trip(server, client, forced_calls):

@@ -13,7 +13,7 @@ from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.server.api import build_app
-from pagedlm.server.openai_handlers import ModelServer
+from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.protocol import StructuredOutputs
 from pagedlm.server.reasoning import ThinkParser
 
@@ -77,13 +77,13 @@ def test_chat_completions_reasoning_content(servers):
 @pytest.fixture
 def forced_thought(monkeypatch):
     """The other APIs have no regex constraint to ask for: every chat request runs with the thought's."""
-    run = ModelServer.chat_completions
+    run = ServedModel.chat_completions
 
     async def forced(self, request, req, *args, **kw):
         thought = StructuredOutputs.model_validate(FORCE["structured_outputs"])
         return await run(self, request, req.model_copy(update={"structured_outputs": thought}), *args, **kw)
 
-    monkeypatch.setattr(ModelServer, "chat_completions", forced)
+    monkeypatch.setattr(ServedModel, "chat_completions", forced)
 
 
 def test_other_apis_show_the_reasoning(servers, forced_thought):

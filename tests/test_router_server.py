@@ -103,11 +103,11 @@ def inproc(tiny_model_dir):
 
 @pytest.fixture()
 def env(inproc, monkeypatch):
-    server, engines, route = inproc
-    monkeypatch.setattr(route.router, "slo", None)
-    yield server, engines, route
-    for name in route.router.models:
-        route.router.report_success(name)
+    server, engines, dispatcher = inproc
+    monkeypatch.setattr(dispatcher.router, "slo", None)
+    yield server, engines, dispatcher
+    for name in dispatcher.router.models:
+        dispatcher.router.report_success(name)
 
 
 def refuse(monkeypatch, engine: AsyncLLMEngine) -> None:
@@ -172,10 +172,10 @@ def test_every_model_refusing_is_a_503(env, monkeypatch):
 
 
 def test_sla_choices_under_load(env, monkeypatch):
-    server, _, route = env
-    monkeypatch.setattr(route.router, "slo", SLO(ttft_s=0.5, max_queue=10))
+    server, _, dispatcher = env
+    monkeypatch.setattr(dispatcher.router, "slo", SLO(ttft_s=0.5, max_queue=10))
     busy = {"big": LoadStats(queue_len=12, running=4)}
-    monkeypatch.setattr(route, "load", lambda: busy)
+    monkeypatch.setattr(dispatcher, "load", lambda: busy)
     (model, reason), models, detail = complete(server, HARD)
     assert (model, reason, models) == ("small", "load", {"small"}) and "overloaded" in detail
     busy["big"] = LoadStats(queue_len=3, ttft_s=0.4)  # predicted TTFT 1.6 s > 0.5 s
@@ -193,23 +193,23 @@ def test_learned_policy_runs_on_the_router_thread(env, monkeypatch, tmp_path):
     from pagedlm.router import ClassifierPolicy
     from pagedlm.router.classifier import FAST_EMBEDDER, WeakCorrectClassifier
 
-    server, _, route = env
+    server, _, dispatcher = env
     rng = np.random.default_rng(0)
     clf = WeakCorrectClassifier.fit(rng.normal(size=(200, 384)).astype(np.float32), rng.random(200) < 0.5,
                                     embedder=FAST_EMBEDDER)
     policy, threads = ClassifierPolicy(clf, threshold=-1.0), []  # every score is >= -1: strong
     score = policy.score
     monkeypatch.setattr(policy, "score", lambda f: threads.append(threading.current_thread().name) or score(f))
-    monkeypatch.setattr(route.router, "policy", policy)
+    monkeypatch.setattr(dispatcher.router, "policy", policy)
     (model, reason), models, detail = complete(server, EASY, chat=True)
     assert (model, reason, models) == ("big", "strong", {"big"}) and "ClassifierPolicy" in detail
     assert threads and all(t.startswith("pagedlm-router") for t in threads)
 
 
 def test_load_tracker_reads_the_engines(env):
-    server, _, route = env
+    server, _, dispatcher = env
     complete(server, EASY)
-    stats = route.load()
+    stats = dispatcher.load()
     assert set(stats) == {"small", "big"} and all(s.healthy for s in stats.values())
     assert stats["small"].ttft_s is not None and stats["small"].queue_len == 0
 

@@ -167,8 +167,8 @@ def test_chat_message_without_content_is_400(server):
 
 
 def test_draining_server_refuses_new_work(server):
-    front = server.server.config.app.state.server if hasattr(server.server.config.app, "state") else None
-    front = front or server.server.config.loaded_app.app.state.server
+    front = server.server.config.app.state.frontend if hasattr(server.server.config.app, "state") else None
+    front = front or server.server.config.loaded_app.app.state.frontend
     front.begin_shutdown()
     try:
         r = completion(server)

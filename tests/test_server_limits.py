@@ -278,7 +278,7 @@ def test_a_flood_of_slow_constraints_stalls_no_other_stage(engine, monkeypatch):
 
     monkeypatch.setattr(processor_module, "prepare_params", slow)
     app = build_app({"tiny": engine}, stage_threads=2, stage_queue=3)
-    srv, stages = InProcessServer(app), app.state.server.stages
+    srv, stages = InProcessServer(app), app.state.frontend.stages
     results: list[httpx.Response] = []
 
     def constrained(i: int) -> None:

@@ -18,7 +18,7 @@ from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 from pagedlm.server import MAX_PROMPT_LOGPROB_ENTRIES
-from pagedlm.server import openai_handlers as handlers
+from pagedlm.server.endpoints import logprobs as logprob_format
 from pagedlm.server.api import UNKNOWN_FIELDS_HEADER, build_app
 
 SCHEMA = {
@@ -209,10 +209,10 @@ def test_prompt_logprobs_bounded_and_converted_once(server, monkeypatch):
     chat = post(server, "/v1/chat/completions", {"messages": MSGS, "n": 2, "prompt_logprobs": 20, "max_tokens": 1})
     assert chat.status_code == 200 and len(chat.json()["prompt_logprobs"]) > 5  # one copy per response in chat
     converted, echoed = [], []
-    real_convert, real_echo = handlers._prompt_logprobs, handlers.ModelServer._add_completion_logprobs
-    monkeypatch.setattr(handlers, "_prompt_logprobs", lambda out: converted.append(1) or real_convert(out))
-    monkeypatch.setattr(handlers.ModelServer, "_add_completion_logprobs",
-                        lambda self, lp, ids, *a: echoed.append(len(ids)) or real_echo(self, lp, ids, *a))
+    real_convert, real_echo = logprob_format.prompt, logprob_format.add_completion
+    monkeypatch.setattr(logprob_format, "prompt", lambda out: converted.append(1) or real_convert(out))
+    monkeypatch.setattr(logprob_format, "add_completion",
+                        lambda tok, lp, ids, *a: echoed.append(len(ids)) or real_echo(tok, lp, ids, *a))
     r = post(server, "/v1/completions", {"prompt": prompt[:20], "n": 4, "prompt_logprobs": 2, "echo": True,
                                          "logprobs": 1, "max_tokens": 0}).json()
     plps = [c["prompt_logprobs"] for c in r["choices"]]

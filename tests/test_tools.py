@@ -208,7 +208,7 @@ def test_round_trip_renders_the_history(servers):
     final = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, temperature=0, max_tokens=8,
                                            extra_body={"ignore_eos": True})
     assert final.choices[0].finish_reason == "length" and final.choices[0].message.content
-    srv = servers[0].server.config.app.state.server.servers["tiny"]
+    srv = servers[0].server.config.app.state.frontend.models["tiny"]
     from pagedlm.server import protocol as P
 
     msgs = [P.ChatMessage.model_validate(m) for m in history]
@@ -275,7 +275,7 @@ def test_tools_work_without_flags_on_a_template_without_tools(tiny_2k_model_dir)
                             LoopConfig.offline(log_interval=0))
     server = InProcessServer(build_app({"tiny": engine}))
     try:
-        srv = server.server.config.app.state.server.servers["tiny"]
+        srv = server.server.config.app.state.frontend.models["tiny"]
         assert srv.tok.hf.chat_template == TINY_CHAT_TEMPLATE
         msgs = [P.ChatMessage.model_validate(m) for m in MSGS]
         with_tools = srv.tok.decode(srv.chat_prompt(msgs, True, TOOLS), skip_special_tokens=False)

@@ -1,7 +1,7 @@
 """Router decision latency under load: `python -m pagedlm.bench.router_latency [--router router.pt] [options]`.
 
 Requests arrive open-loop (Poisson, `--rate` a second, for `--seconds`) and each is routed by `Router.route` on one
-worker thread, as the server's `AutoRoute` does; a decision's latency runs from its arrival to its result, so time
+worker thread, as the server's `Dispatcher` does; a decision's latency runs from its arrival to its result, so time
 spent queued behind earlier decisions counts. Policies: the heuristic, the learned router of `--router` (if given),
 and three tiers over the same score, each live-calibrated. `--cpus 0,1` pins the process to those cores (default:
 the first two), and torch runs on one thread. Prints one JSON line per policy: decisions, achieved rate, median /

@@ -62,10 +62,10 @@ class AnthropicAPI:
         req, unknown = await self.bridge.parse(request, A.CountTokensRequest)
         chat = chat_request(A.chat_fields(req), P.ChatCompletionRequest)
         chat.check_supported()
-        if self.front.is_routed(chat.model):
+        if self.front.is_auto(chat.model):
             raise APIError(400, "Count tokens with a served model's name (the router's models tokenize "
                                 "differently).", param="model")
-        srv = self.front.server(chat.model)
+        srv = self.front.model(chat.model)
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools_active else None
         ids = await self.front.stages.run("chat", srv.chat_prompt, chat.messages, True, tools)
         return reply(JSONResponse({}), {"input_tokens": len(ids)}, unknown)

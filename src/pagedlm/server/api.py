@@ -5,16 +5,17 @@ Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
 shape. A request whose client disconnects is aborted at once (streaming or not), and every path out of a handler
 aborts what it queued.
 
-A request names its model (none: the first served one). With an `AutoRoute`, the route's name (`auto`) lets
+A request names its model (none: the first served one). With a `Dispatcher`, its name (`auto`, the auto model) lets
 the router choose; a model that refuses (queue full), fails or is down before anything reached the client is
 replaced by the router's fallback. The choice is in the `x-pagedlm-routed-model` / `x-pagedlm-route-reason`
 headers and in the body's `model`; a routed request past every spend cap gets 429 (`budget_exceeded`).
 
 This file wires the app: routes, exception handlers (every error in OpenAI's shape) and middleware. The rest:
-frontend.py (model resolution, routing with fallback and cascade), openai_handlers.py (one model's endpoints),
-streaming.py (engine streams to responses and SSE), middleware.py (Host, key, Content-Type, body size checks),
-wire.py (request bodies in, JSON out), errors.py (engine errors as OpenAI errors). Engines are seen only through
-their `EngineClient` contract (engine/client.py).
+frontend.py (parsing, admission, model resolution), auto.py (the auto model: the router's choice, fallback,
+cascade), dispatch.py (the router's decisions and the engines' live load), endpoints/ (one model's endpoints, their
+typed results, rendered as JSON or SSE), streaming.py (engine streams as the endpoints read them), middleware.py
+(Host, key, Content-Type, body size checks), wire.py (request bodies in, JSON out), errors.py (engine errors as
+OpenAI errors). Engines are seen only through their `EngineClient` contract (engine/client.py).
 """
 from __future__ import annotations
 
@@ -47,18 +48,18 @@ from pagedlm.server import protocol as P
 from pagedlm.server import responses_protocol as R
 from pagedlm.server.anthropic import add_anthropic_routes
 from pagedlm.server.bridge import Bridge
+from pagedlm.server.dispatch import Dispatcher
 from pagedlm.server.embeddings import EmbeddingRequest, add_embedding_routes
+from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.limits import KeyLeases, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.ollama import add_ollama_routes
-from pagedlm.server.openai_handlers import ModelServer
 from pagedlm.server.protocol import APIError, shutting_down
 from pagedlm.server.reasoning import REASONING_PARSERS
 from pagedlm.server.response_store import ResponseStore
 from pagedlm.server.responses import add_responses_routes
-from pagedlm.server.routing import AutoRoute
 from pagedlm.server.stages import StagePools
 from pagedlm.server.tools import TOOL_PARSERS, tool_support
 from pagedlm.server.ui import MemoryState, add_ui_routes
@@ -70,7 +71,7 @@ __all__ = ["UNKNOWN_FIELDS_HEADER", "build_app"]
 
 
 def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] | None = None,
-              max_body_bytes: int = 8 * 2**20, route: AutoRoute | None = None, *,
+              max_body_bytes: int = 8 * 2**20, dispatcher: Dispatcher | None = None, *,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
               strict_request_fields: bool = False, tool_call_parser: str | None = None,
@@ -84,6 +85,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
+    dispatcher: serves the auto model (its router's models must be among `engines`); None: no auto model.
     max_prompts_per_request: bound on prompts x n (or beam_width) of one request.
     allowed_origins: origins given CORS access (default none: browsers cannot read responses).
     allowed_hosts: if not None, Host headers other than loopback names and these are refused (DNS rebinding);
@@ -119,16 +121,17 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
     stages = StagePools(stage_threads, stage_queue)
     app = FastAPI(title="pagedlm", version=__version__, on_shutdown=[stages.shutdown])
-    metrics = ServerMetrics(engines, router=route.router if route is not None else None, stages=stages)
-    servers = {}
+    metrics = ServerMetrics(engines, router=dispatcher.router if dispatcher is not None else None,
+                             stages=stages)
+    models = {}
     for name, engine in engines.items():
         tools = tool_support(engine.input_processor.tokenizer.hf.chat_template, tool_call_parser)
         logger.info("%s: %s", name, tools.summary)
-        servers[name] = srv = ModelServer(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
-                                          limits, stages)
-        srv.tool_template = tools.template
-    front = Frontend(servers, metrics, route, strict_request_fields, allow_client_priority)
-    app.state.server = front
+        models[name] = model = ServedModel(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
+                                           limits, stages)
+        model.tool_template = tools.template
+    front = Frontend(models, metrics, dispatcher, strict_request_fields, allow_client_priority)
+    app.state.frontend = front
     front.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     app.add_middleware(Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts,
@@ -159,10 +162,10 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     async def health() -> Response:
         if front.draining:
             raise shutting_down()
-        down = [f"{name}: {why}" for name, srv in front.servers.items() if (why := srv.engine.down_reason)]
+        down = [f"{name}: {why}" for name, m in front.models.items() if (why := m.engine.down_reason)]
         if down:
             raise APIError(503, f"Not serving ({'; '.join(down)}).", type="server_error")
-        stuck = [n for n, srv in front.servers.items() if 0 < health_step_timeout < srv.engine.step_stuck_for]
+        stuck = [n for n, m in front.models.items() if 0 < health_step_timeout < m.engine.step_stuck_for]
         if stuck:
             raise APIError(503, f"An engine step has run longer than {health_step_timeout:g} s with requests "
                                 f"waiting ({', '.join(stuck)}).", type="server_error")
@@ -196,19 +199,20 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         req = await parse_request(request, P.TokenizeRequest, stages)
-        return await stages.run("tokenize" if req.messages is None else "chat", front.server(req.model).tokenize, req)
+        model = front.model(req.model)
+        return json_response(await stages.run("tokenize" if req.messages is None else "chat", model.tokenize, req))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = await parse_request(request, P.DetokenizeRequest, stages)
-        return await stages.run("tokenize", front.server(req.model).detokenize, req)
+        return json_response(await stages.run("tokenize", front.model(req.model).detokenize, req))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(model: str | None = None) -> Response:
-        return JSONResponse(front.server(model).tokenizer_info())
+        return JSONResponse(front.model(model).tokenizer_info())
 
     if ui:
-        add_ui_routes(app, MemoryState(engines, route.router if route is not None else None, ui_show_text))
+        add_ui_routes(app, MemoryState(engines, dispatcher.router if dispatcher is not None else None, ui_show_text))
     bridge = Bridge(front)
     add_ollama_routes(app, bridge)
     add_anthropic_routes(app, bridge)

@@ -52,7 +52,7 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
     from pagedlm.server.api import build_app
     from pagedlm.server.http import ensure_open_files, uvicorn_config
     from pagedlm.server.limits import RequestLimits
-    from pagedlm.server.routing import AutoRoute
+    from pagedlm.server.dispatch import Dispatcher
     from pagedlm.server.shutdown import GracefulServer
 
     srv, loop, parallel = cfg.server, cfg.loop, cfg.parallel
@@ -63,7 +63,7 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
     second = ollama_socket(srv.host, srv.ollama_port)
     engines: dict[str, EngineClient] = {}
     embedders: dict = {}
-    route = None
+    dispatcher = None
     try:
         for spec in srv.embedding_model or []:
             from pagedlm.engine.embedding_engine import EmbeddingEngine
@@ -85,11 +85,11 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
                 engine.tokenizer.hf.chat_template = template
             engines[name] = AsyncLLMEngine(engine, loop)
         if router is not None:
-            route = AutoRoute(router, engines, cfg.router.router_name)
-            route.warm_up()
+            dispatcher = Dispatcher(router, engines, cfg.router.router_name)
+            dispatcher.warm_up()
         if srv.prefix_cache_per_key and not api_keys:
             logger.warning("--prefix-cache-per-key does nothing without API keys")
-        app = build_app(engines, api_keys, srv.max_body_bytes, route,
+        app = build_app(engines, api_keys, srv.max_body_bytes, dispatcher,
                         max_prompts_per_request=srv.max_prompts_per_request,
                         allowed_origins=_names(srv.allowed_origins), allowed_hosts=allowed_hosts(srv),
                         prefix_cache_per_key=srv.prefix_cache_per_key,
@@ -103,22 +103,22 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
                         responses_store_ttl=srv.responses_store_ttl, embedders=embedders,
                         reasoning_parser=srv.reasoning_parser, ui=srv.serves_ui, ui_show_text=srv.ui_show_text)
         url = _url(sock)
-        served = ", ".join([*engines, *([route.name] if route else []), *embedders])
+        served = ", ".join([*engines, *([dispatcher.name] if dispatcher else []), *embedders])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s%s", served, url, url,
                     ", API key required" if api_keys else "", f"; memory view: {url}/ui" if srv.serves_ui else "")
         if second is not None:
             logger.info("Ollama's port: the same API at %s", _url(second))
-        if route is not None:
-            logger.info("Routing `%s` with %s", route.name, describe_router(router))
+        if dispatcher is not None:
+            logger.info("Routing `%s` with %s", dispatcher.name, describe_router(router))
         config = uvicorn_config(app, max_connections=srv.max_connections,
                                 request_read_timeout=srv.request_read_timeout,
                                 access_log=not srv.disable_access_log, shutdown_timeout=srv.shutdown_timeout)
         ensure_open_files(srv.max_connections)
-        GracefulServer(config, app.state.server, srv.shutdown_timeout).run(
+        GracefulServer(config, app.state.frontend, srv.shutdown_timeout).run(
             sockets=[sock] if second is None else [sock, second])
     finally:
-        if route is not None:
-            route.shutdown()
+        if dispatcher is not None:
+            dispatcher.shutdown()
         for engine in reversed(engines.values()):  # the first replica set stops a Ray it started: last
             engine.shutdown()
         for embedder in embedders.values():

@@ -56,7 +56,7 @@ class EmbeddingsAPI:
             name = next(iter(self.embedders))
         if name in self.embedders:
             return name, self.embedders[name]
-        if name in self.front.servers or self.front.is_routed(name):
+        if name in self.front.models or self.front.is_auto(name):
             raise APIError(400, f"`{name}` is a generation model: embeddings come from an embedding model (served "
                                 "with --embedding-model); pooling a generation model's hidden states is not "
                                 "supported.", param="model")

@@ -16,7 +16,7 @@ from pagedlm.server.protocol import RETRY_AFTER_S, APIError
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Bounds on one request that a ModelServer checks before the expensive step they bound."""
+    """Bounds on one request that a served model's endpoints check before the expensive step they bound."""
 
     max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES  # messages of a chat (or /tokenize) request, before rendering
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # characters of a prompt (a rendered chat), before tokenizing

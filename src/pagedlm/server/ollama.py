@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedlm import __version__
 from pagedlm.server import ollama_protocol as O
 from pagedlm.server.bridge import Bridge, answer, reply, restream, streaming
-from pagedlm.server.openai_handlers import ModelServer
+from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.protocol import APIError
 from pagedlm.server.sse import StreamFailed, chunks
 
@@ -45,15 +45,15 @@ class OllamaAPI:
     def resolve(self, model: str | None) -> str:
         """The served name of an Ollama model name (`tiny` or `tiny:latest`); 404 in Ollama's words."""
         for name in (model, (model or "").removesuffix(":latest")):
-            if name in self.front.servers or self.front.is_routed(name):
+            if name in self.front.models or self.front.is_auto(name):
                 return name
         raise APIError(404, f'model "{model}" not found, try pulling it first', param="model",
                        code="model_not_found")
 
     def max_model_len(self, name: str) -> int:
-        if self.front.is_routed(name):
-            return self.front.route.max_model_len
-        return self.front.server(name).processor.max_model_len
+        if self.front.is_auto(name):
+            return self.front.dispatcher.max_model_len
+        return self.front.model(name).processor.max_model_len
 
     # --- generation ---
     async def chat(self, request: Request) -> Response:
@@ -140,22 +140,22 @@ class OllamaAPI:
 
     # --- models ---
     async def tags(self) -> Response:
-        return JSONResponse({"models": [self._entry(n, srv) for n, srv in self.front.servers.items()]})
+        return JSONResponse({"models": [self._entry(n, m) for n, m in self.front.models.items()]})
 
     async def ps(self) -> Response:
-        return JSONResponse({"models": [{**self._entry(n, srv), "expires_at": _EPOCH_FAR, "size_vram": 0,
-                                         "context_length": srv.processor.max_model_len}
-                                        for n, srv in self.front.servers.items()]})
+        return JSONResponse({"models": [{**self._entry(n, m), "expires_at": _EPOCH_FAR, "size_vram": 0,
+                                         "context_length": m.processor.max_model_len}
+                                        for n, m in self.front.models.items()]})
 
     async def show(self, request: Request) -> Response:
         req, _ = await self.bridge.parse(request, O.ShowRequest)
         if not (req.model or req.name):
             raise APIError(400, "model is required", param="model")
         name = self.resolve(req.model or req.name)
-        if self.front.is_routed(name):
-            raise APIError(400, f"`{name}` is the router: it chooses one of {sorted(self.front.servers)}.",
+        if self.front.is_auto(name):
+            raise APIError(400, f"`{name}` is the router: it chooses one of {sorted(self.front.models)}.",
                            param="model")
-        srv = self.front.server(name)
+        srv = self.front.model(name)
         info = srv.processor.info
         family = _family(info.family)
         template = srv.tok.hf.chat_template or ""
@@ -170,7 +170,7 @@ class OllamaAPI:
     async def version(self) -> Response:
         return JSONResponse({"version": __version__})
 
-    def _entry(self, name: str, srv: ModelServer) -> dict[str, Any]:
+    def _entry(self, name: str, srv: ServedModel) -> dict[str, Any]:
         path = srv.processor.info.model_path
         size = _size(path)
         digest = hashlib.sha256(f"{name}\0{path}\0{size}".encode()).hexdigest()  # an id, not a content hash
@@ -178,7 +178,7 @@ class OllamaAPI:
                 "details": _details(srv)}
 
 
-def _details(srv: ModelServer) -> dict[str, Any]:
+def _details(srv: ServedModel) -> dict[str, Any]:
     info = srv.processor.info
     family = _family(info.family)
     return {"parent_model": "", "format": "gguf" if info.model_path.suffix == ".gguf" else "safetensors",

@@ -336,7 +336,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None  # tokenizing.TEMPLATE_KWARGS
+    chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None  # endpoints.base.TEMPLATE_KWARGS
 
     @property
     def tools_active(self) -> bool:

@@ -1,21 +1,15 @@
-"""Streaming plumbing between engine streams and HTTP responses: merging a request's streams of `EngineOutput`
-deltas, collecting each stream's whole `RequestOutput`, aborting on client disconnect, a choice's and a stream's
-state (what was sent, usage so far), and the SSE response (which closes a stream its client stopped reading).
-The engine cuts stop strings and holds back what could still become one: a response only appends deltas."""
+"""A request's engine streams as the endpoints read them: merging its streams of `EngineOutput` deltas, collecting
+each stream's whole `RequestOutput`, aborting on client disconnect, a choice's and a stream's state (what was
+sent, usage so far). The engine cuts stop strings and holds back what could still become one: a response only
+appends deltas. The SSE response itself is endpoints/render.py's."""
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
-from starlette.background import BackgroundTask
 
 from pagedlm.engine.client import RequestStream
 from pagedlm.engine.errors import EngineError
@@ -25,9 +19,6 @@ from pagedlm.sampling.params import SamplingParams
 from pagedlm.server.errors import api_error
 from pagedlm.server.prediction import prediction_details
 from pagedlm.server.protocol import APIError, UsageInfo
-
-logger = logging.getLogger(__name__)
-DONE = "data: [DONE]\n\n"
 
 
 @dataclass
@@ -160,59 +151,3 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> None:
         task.result()
     except EngineError as e:
         raise api_error(e) from None
-
-
-def event(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
-
-
-def event_error(e: APIError) -> str:
-    return f"data: {json.dumps(e.body())}\n\n"
-
-
-async def until_done(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
-    """`events`, then `[DONE]`; an engine failure ends them early with an error event and `[DONE]`. The streams
-    are aborted at the end."""
-    try:
-        async for ev in events:
-            yield ev
-        yield DONE
-    except EngineError as e:
-        yield event_error(api_error(e))
-        yield DONE
-    finally:
-        abort_all(streams)
-
-
-class EventStream(StreamingResponse):
-    """An SSE response of `events` and `[DONE]` (`until_done`) that aborts `streams` when it ends, and ends
-    (closing the connection) once an output of its streams has waited unread longer than `stall_timeout` (the
-    engine's; 0: never): a client that stopped reading then holds nothing."""
-
-    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream], stall_timeout: float) -> None:
-        super().__init__(until_done(events, streams), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"}, background=BackgroundTask(abort_all, streams))
-        self.streams = streams
-        self.timeout = stall_timeout
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.timeout <= 0:
-            return await super().__call__(scope, receive, send)
-
-        def stalled() -> bool:
-            now = time.monotonic()
-            return any(s.stalled(self.timeout, now) for s in self.streams)
-
-        async def receive_or_stall() -> dict:  # Starlette ends the response when this says "disconnect"
-            msg = asyncio.ensure_future(receive())
-            while not msg.done():
-                await asyncio.wait({msg}, timeout=min(self.timeout, 1.0))
-                if not msg.done() and stalled():
-                    msg.cancel()
-                    logger.warning("Closing a stream whose client stopped reading (%s)", self.streams[0].request_id)
-                    abort_all(self.streams)
-                    return {"type": "http.disconnect"}
-            return msg.result()
-
-        await super().__call__(scope, receive_or_stall, send)
-

@@ -39,3 +39,8 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
 def error_response(e: APIError, path: str = "") -> Response:
     """`e` as a response in the shape of the API serving `path` (api_errors.py; default OpenAI's)."""
     return JSONResponse(error_body(e, path), status_code=e.status, headers=e.headers)
+
+
+def header_text(text: str, limit: int = 512) -> str:
+    """`text` as a response header's value: printable ASCII (others become `?`), at most `limit` characters."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]

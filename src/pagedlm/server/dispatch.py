@@ -1,4 +1,5 @@
-"""The `auto` route: a `Router` over the served engines, fed with their live load.
+"""The dispatcher: the server's side of the `Router` (router/), which places each request for the auto model's
+name (`auto`) on one of the served engines. It feeds the router the engines' live load and asks it for decisions.
 
 Decisions run on one worker thread (a learned policy embeds the prompt there, off the event loop, and calls
 into the embedding model never overlap). Each engine gets a `LoadTracker` listener for its recent latencies, and
@@ -20,7 +21,7 @@ from typing import TypeVar
 from pagedlm.engine.client import EngineClient, StepRecord
 from pagedlm.router import BudgetExceededError, Decision, LoadStats, Router
 
-DEFAULT_ROUTE_NAME = "auto"
+DEFAULT_AUTO_NAME = "auto"
 R = TypeVar("R")
 
 
@@ -63,16 +64,16 @@ class _InFlight:
     completion_tokens: int = 0
 
 
-class AutoRoute:
-    """Requests for model `name` go where `router` decides among `engines` (every router model must be
-    served). `route` / `fallback` raise NoCandidateError when no model can take the request."""
+class Dispatcher:
+    """Requests for model `name` (the auto model) go where `router` decides among `engines` (every router model
+    must be served). `decide` / `fallback` raise NoCandidateError when no model can take the request."""
 
-    def __init__(self, router: Router, engines: Mapping[str, EngineClient], name: str = DEFAULT_ROUTE_NAME) -> None:
+    def __init__(self, router: Router, engines: Mapping[str, EngineClient], name: str = DEFAULT_AUTO_NAME) -> None:
         missing = sorted(set(router.models) - set(engines))
         if missing:
             raise ValueError(f"the router names models that are not served: {missing}")
         if name in engines:
-            raise ValueError(f"the route name {name!r} is also a model name")
+            raise ValueError(f"{name!r} names both the auto model and a served model")
         self.router, self.name = router, name
         self.trackers = {m: LoadTracker(engines[m]) for m in router.models}
         self.max_model_len = min(engines[m].max_model_len for m in router.models)
@@ -85,7 +86,7 @@ class AutoRoute:
     def load(self) -> dict[str, LoadStats]:
         return {m: t.stats() for m, t in self.trackers.items()}
 
-    async def route(self, prompt: str, max_tokens: int | None, api_key: str | None = None,
+    async def decide(self, prompt: str, max_tokens: int | None, api_key: str | None = None,
                     cost_tokens: tuple[int, int] | None = None) -> Decision:
         return await self._run(functools.partial(self.router.route, api_key=api_key, cost_tokens=cost_tokens),
                                prompt, max_tokens, self.load())
