@@ -67,6 +67,29 @@ def check_invariants(bm: BlockManager, requests: list[tuple[str, Request]]) -> N
     assert pool.num_free + pool.num_cached == bm.gpu.num_free
     for s in seqs:
         assert s.block_tables == bm.block_tables.get(s.seq_id, [])
+    check_tree(seqs, requests)
+
+
+def check_tree(seqs, requests: list[tuple[str, Request]], forks: dict[int, tuple[int, int]] | None = None) -> None:
+    """Each request's sequences are listed as a tree: a parent is a listed sequence of the same request, before its
+    children, and shares the child's first `forked_at` tokens. With `forks` (child -> (parent, tokens) as forked),
+    the parent is the nearest live ancestor and `forked_at` the fewest tokens shared along the way."""
+    live = {s.seq_id: s for _, r in requests for s in r.live_seqs}
+    listed = {s.seq_id: (i, s) for i, s in enumerate(seqs)}
+    for i, s in enumerate(seqs):
+        if s.parent is None:
+            assert s.forked_at == 0
+            continue
+        j, p = listed[s.parent]
+        assert j < i and p.request_id == s.request_id
+        assert live[s.seq_id].token_ids()[:s.forked_at] == live[s.parent].token_ids()[:s.forked_at]
+    if forks is not None:
+        for s in seqs:
+            parent, at = forks.get(s.seq_id, (None, 0))
+            while parent is not None and parent not in live:
+                parent, shared = forks.get(parent, (None, 0))
+                at = min(at, shared)
+            assert (s.parent, s.forked_at) == (parent, at if parent is not None else 0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -77,6 +100,7 @@ def test_snapshot_invariants_against_the_block_manager(ops):
     bm = BlockManager(48, 4, num_cpu_blocks=32, enable_prefix_caching=True)
     reqs: list[Request] = []
     prefixes = [list(range(100, 111)), list(range(200, 206))]
+    forks: dict[int, tuple[int, int]] = {}  # child -> (parent, tokens shared), as forked
     for op, r in ops:
         live = [(req, s) for req in reqs for s in req.live_seqs if s.seq_id not in bm.swapped]
         if op == 4:  # swap a request out, or back in
@@ -109,6 +133,8 @@ def test_snapshot_invariants_against_the_block_manager(ops):
                 child = Sequence(list(seq.prompt_token_ids), index=len(req.seqs), status=SequenceStatus.RUNNING)
                 child.output_token_ids = list(seq.output_token_ids)
                 child.num_computed_tokens = seq.num_computed_tokens
+                child.parent_seq_id, child.forked_at = seq.seq_id, seq.num_tokens
+                forks[child.seq_id] = (seq.seq_id, seq.num_tokens)
                 bm.fork(seq, child)
                 req.seqs.append(child)
             elif op == 2:  # decode one token
@@ -119,12 +145,15 @@ def test_snapshot_invariants_against_the_block_manager(ops):
                 bm.append_slots(seq, 1)
                 bm.commit(seq, seq.num_tokens)
                 seq.num_computed_tokens = seq.num_tokens
-            else:  # finish (a swapped sequence's host blocks are freed alike)
+            else:  # finish (a swapped sequence's host blocks are freed alike); beams drop their ended sequences
                 if r % 3 == 0:
-                    seq = next((s for q in reqs for s in q.live_seqs if s.seq_id in bm.swapped), seq)
+                    req, seq = next(((q, s) for q in reqs for s in q.live_seqs if s.seq_id in bm.swapped), (req, seq))
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 bm.free(seq)
+                if r % 2:
+                    req.keep_seqs(req.live_seqs)
         check_invariants(bm, [("running", q) for q in reqs])
+        check_tree(seq_snapshots([("running", q) for q in reqs], bm), [("running", q) for q in reqs], forks)
     for req in reqs:
         for seq in req.live_seqs:
             seq.status = SequenceStatus.FINISHED_STOPPED
@@ -133,6 +162,39 @@ def test_snapshot_invariants_against_the_block_manager(ops):
     assert set(expand_runs(pool.state_runs)) <= {FREE, CACHED} and pool.num_used == 0
     assert snapshot_mod.pool_snapshot(bm.cpu).num_used == 0
     assert seq_snapshots([("running", q) for q in reqs], bm) == []
+
+
+def test_forks_of_ended_sequences_hang_from_their_nearest_live_ancestor():
+    """a -> b -> c and a -> d: when b ends, c is listed under a, sharing the fewer tokens of the two forks; whether
+    b is kept among the request's sequences (n > 1 samples) or dropped (beams: `keep_seqs`)."""
+    for drop in (False, True):
+        bm = BlockManager(16, 4)
+        a = Sequence(list(range(10, 19)), status=SequenceStatus.RUNNING)
+        req = Request("r", None, a.prompt_token_ids, SamplingParams(), seqs=[a])
+        bm.allocate(a, 9)
+        a.num_computed_tokens = 9
+
+        def fork(parent: Sequence, tokens: list[int]) -> Sequence:
+            child = Sequence(list(parent.prompt_token_ids), index=len(req.seqs), status=SequenceStatus.RUNNING,
+                             output_token_ids=list(parent.output_token_ids), num_computed_tokens=parent.num_tokens,
+                             parent_seq_id=parent.seq_id, forked_at=parent.num_tokens)
+            bm.fork(parent, child)
+            req.seqs.append(child)
+            child.output_token_ids += tokens
+            return child
+
+        b = fork(a, [1, 2])
+        c = fork(b, [3])
+        d = fork(a, [4])
+        b.status = SequenceStatus.FINISHED_STOPPED
+        bm.free(b)
+        if drop:
+            req.keep_seqs([a, c, d])
+            assert req.seqs == [a, c, d] and (c.parent_seq_id, c.forked_at) == (a.seq_id, 9)
+        seqs = seq_snapshots([("running", req)], bm)
+        assert [(s.index, s.parent, s.forked_at) for s in seqs] == [(0, None, 0), (2, a.seq_id, 9),
+                                                                    (3, a.seq_id, 9)]
+        check_tree(seqs, [("running", req)])
 
 
 def test_cached_blocks_found_from_either_side():
@@ -167,8 +229,8 @@ def test_engine_snapshot_through_forks_and_prefix_hits(engine):
     forks' copy-on-write and the prefix hits are counted, and at the end every block is free or cached."""
     tok = engine.tokenizer
     prompt = tok.encode(PREFIX)
-    engine.add_request("fork", prompt + tok.encode(" one"),
-                       SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=3, ignore_eos=True))
+    forked = prompt + tok.encode(" one")
+    engine.add_request("fork", forked, SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=3, ignore_eos=True))
     started = build_snapshot(engine).counters
     steps = 0
     while engine.has_unfinished_requests():
@@ -185,6 +247,10 @@ def test_engine_snapshot_through_forks_and_prefix_hits(engine):
             tables = [s.block_tables[0] for s in snap.seqs if s.request_id == "fork"]
             assert len(tables) == 4 and len(set(tables[0][:3])) == 3
             assert all(t[:3] == tables[0][:3] for t in tables)  # the prompt's blocks are in every owner's table
+            root, *children = [s for s in snap.seqs if s.request_id == "fork"]
+            assert root.parent is None and [c.index for c in children] == [1, 2, 3]
+            assert {(c.parent, c.forked_at) for c in children} == {(root.seq_id, len(forked))}  # after the prefill
+            assert snap.to_dict()["seqs"][1]["parent"] == root.seq_id
     end = build_snapshot(engine)
     assert end.seqs == [] and end.device.num_used == 0 and end.queues["running"] == 0
     assert set(expand_runs(end.device.state_runs)) == {FREE, CACHED} and end.device.num_cached > 0
@@ -192,6 +258,49 @@ def test_engine_snapshot_through_forks_and_prefix_hits(engine):
     assert end.counters["prefix_hits"] > started["prefix_hits"]
     assert end.memory["kv_cache"] > 0 and end.memory["weights"] > 0
     assert end.to_dict()["device"]["state_runs"] == end.device.state_runs
+
+
+def test_a_beam_search_is_a_tree_whose_parents_are_listed(engine):
+    """Beams fork (chosen twice) and end every step: each listed beam's parent is a listed beam of the request (its
+    nearest live ancestor), and the full blocks of the tokens they share are the same blocks in both tables."""
+    engine.add_request("beam", engine.tokenizer.encode(PREFIX),
+                       SamplingParams(use_beam_search=True, beam_width=4, max_tokens=10, ignore_eos=True))
+    size, forked = engine.block_manager.block_size, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        snap = build_snapshot(engine)
+        requests = [("running", r) for r in engine.scheduler.running]
+        check_invariants(engine.block_manager, requests)
+        by_id = {s.seq_id: s for s in snap.seqs}
+        assert len({s.index for s in snap.seqs}) == len(snap.seqs)  # each beam's label is its own
+        for s in snap.seqs:
+            if s.parent is not None:
+                forked += 1
+                k = s.forked_at // size
+                assert k >= 3 and s.block_tables[0][:k] == by_id[s.parent].block_tables[0][:k]
+    assert forked > 0
+
+
+def test_top_draws_the_sequences_as_a_tree():
+    """The terminal view's sequence rows: each request's root, then its forks with tree glyphs and the tokens they
+    share with their parent."""
+    from rich.console import Console
+
+    from pagedlm.server.top import TopView
+
+    def seq(rid, index, seq_id, parent=None, at=0):
+        return {"request_id": rid, "index": index, "seq_id": seq_id, "status": "running", "num_tokens": 40,
+                "num_computed_tokens": 40, "block_tables": [[seq_id]], "opaque": False, "text": None,
+                "parent": parent, "forked_at": at}
+
+    seqs = [seq("a", 0, 10), seq("a", 1, 11, 10, 30), seq("a", 3, 13, 11, 35), seq("a", 2, 12, 10, 30),
+            seq("b", 0, 20)]
+    snap = {"device": {"ref_runs": [1, 32]}, "seqs": seqs, "queues": {"running": 2, "waiting": 0, "swapped": 0}}
+    console = Console(record=True, width=100, force_terminal=False)
+    console.print(TopView(width=100).seqs_panel(snap))
+    rows = [line[2:].split("running")[0].rstrip() for line in console.export_text().splitlines()
+            if "running  " in line]  # less the panel's border
+    assert rows == ["a #0", "├─ #1 @30", "│  └─ #3 @35", "└─ #2 @30", "b #0"]
 
 
 def test_nothing_is_built_while_nobody_watches(tiny_model_dir, monkeypatch):
@@ -306,6 +415,9 @@ def test_a_salted_tenants_sequences_are_opaque(engine):
     salted_blocks = set(by_id["salted"].block_tables[0])
     assert not salted_blocks & set(snap.device.hashes)
     assert set(by_id["plain"].block_tables[0][:3]) <= set(snap.device.hashes)  # full prompt blocks are hashed
+    texts = snap.device.texts  # each block's tokens, the opaque tenant's none
+    assert not salted_blocks & set(texts) and "lazy dog" in "".join(texts[b] for b in by_id["plain"].block_tables[0])
+    assert build_snapshot(engine).device.texts == {}  # text not shown
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -377,6 +489,7 @@ def test_top_under_a_pseudo_terminal(served):
     assert "Sequences:" in text and "copy-on-write blocks" in text and "TTFT" in text
     shared = [int(n) for n in re.findall(r"shared \((\d+)\)", text)]
     assert len(shared) >= 2 and max(shared) > 0  # refreshed, and the n=4 requests' prefix blocks shown shared
+    assert re.search(r"├─ #1 @\d+", text) and re.search(r"└─ #3 @\d+", text)  # the samples forked from #0
 
 
 def _chromium():
@@ -418,6 +531,16 @@ def test_web_view_in_headless_chromium(served, tmp_path):
             return d["shared"] > 0 and max(Counter(d["cells"]).values(), default=0) >= 2
 
         WebDriverWait(browser, 60, poll_frequency=0.1).until(shared_shown)
+        rows = """return [...document.querySelectorAll('#seqs .seq')].map(
+                      r => [r.dataset.seq, r.dataset.parent || null, r.querySelector('.tree').textContent])"""
+
+        def forks_shown(b) -> bool:  # an n=4 request: three rows under the row of their parent
+            shown = b.execute_script(rows)
+            parents = Counter(p for _, p, _ in shown if p is not None)
+            return any(n == 3 and p in {s for s, _, _ in shown} for p, n in parents.items()) and \
+                [t for _, p, t in shown if p is not None][-3:] == ["├─ ", "├─ ", "└─ "]
+
+        WebDriverWait(browser, 60, poll_frequency=0.1).until(forks_shown)
         assert "key=" not in browser.current_url  # the key left the address bar
         assert not browser.find_element(By.ID, "keyform").is_displayed()
         assert "blocks of 8 tokens" in browser.find_element(By.ID, "pool-summary").text

@@ -133,12 +133,14 @@ class StepSampler:
     def _fork(self, req: Request, parent: Sequence) -> Sequence:
         """A new sample of `req` that continues `parent`: its tokens, score and grammar state, sharing all its
         KV blocks (copied on write). Forks the `n` samples after the prefill, and beams chosen twice. The parent
-        was sampled for in this step, so all its tokens are computed once the step is done, and the child's too."""
-        child = self.new_seq(req, len(req.seqs))
+        was sampled for in this step, so all its tokens are computed once the step is done, and the child's too.
+        Its index is new in the request (beams drop their ended sequences: their count would repeat one)."""
+        child = self.new_seq(req, max(s.index for s in req.seqs) + 1)
         child.output_token_ids = list(parent.output_token_ids)
         child.cumulative_logprob = parent.cumulative_logprob
         child.num_computed_tokens = parent.num_tokens
         child.status = SequenceStatus.RUNNING
+        child.parent_seq_id, child.forked_at = parent.seq_id, parent.num_tokens
         if parent.matcher is not None:
             child.matcher = parent.matcher.deep_copy()
         self.bm.fork(parent, child)
@@ -248,6 +250,6 @@ class StepSampler:
         for seq, cand in targets:
             seq.output_token_ids.append(cand.token)
             seq.cumulative_logprob = cand.logprob
-        req.seqs = [seq for seq, _ in targets] or parents
+        req.keep_seqs([seq for seq, _ in targets] or parents)
         if req.beam.done:  # nothing was chosen: every beam finished above
             req.beam_outputs = self.output_processor.beam_outputs(req)

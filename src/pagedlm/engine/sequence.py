@@ -40,7 +40,9 @@ _seq_ids = itertools.count()
 class Sequence:
     """One token stream. `num_computed_tokens` of its tokens have K/V in the cache. What its request's outputs have
     not carried yet: the tokens from `num_sent_tokens` on, `unsent_text` (the new text, and text held back that
-    could still become a stop string) and `unsent_logprobs`; `finish_sent` once its end was sent."""
+    could still become a stop string) and `unsent_logprobs`; `finish_sent` once its end was sent. A sequence forked
+    from another (a sample of n > 1, a beam chosen twice) records it: `parent_seq_id`, and `forked_at`, the tokens
+    they shared then."""
 
     prompt_token_ids: list[int]
     index: int = 0  # sample index within its request
@@ -59,6 +61,8 @@ class Sequence:
     unsent_logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_sent: bool = False
     spec: SpecState | None = None  # a speculating sequence's proposer, drafts and acceptance (spec/state.py)
+    parent_seq_id: int | None = None  # the sequence it was forked from (None: its request's first)
+    forked_at: int = 0  # tokens (prompt and output) it shared with its parent when forked
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -120,6 +124,18 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.status.finished for s in self.seqs)
+
+    def keep_seqs(self, kept: list[Sequence]) -> None:
+        """Keep only the sequences `kept` (a beam step's). One whose parent is dropped is re-hung from its nearest
+        kept ancestor (the tokens it shares with that one: the fewest along the way), so every recorded parent
+        stays among `seqs`."""
+        ids = {s.seq_id for s in kept}
+        dropped = {s.seq_id: s for s in self.seqs if s.seq_id not in ids}
+        for seq in kept:
+            while seq.parent_seq_id in dropped:
+                parent = dropped[seq.parent_seq_id]
+                seq.parent_seq_id, seq.forked_at = parent.parent_seq_id, min(seq.forked_at, parent.forked_at)
+        self.seqs = kept
 
     @property
     def num_seqs_reserved(self) -> int:

@@ -10,12 +10,17 @@ in runs costs a few numbers, not 100k. A block's state is FREE (no KV kept), USE
 but its KV and prefix hash are kept until the block is allocated again). Who owns a block is read from the
 sequences' block tables: a block with ref count r appears r times among the tables of the sequences on the device.
 Counters are cumulative since the engine started; a watcher takes differences between two snapshots.
+
+Each request's sequences are listed as a tree (`seq_tree`): a parent before its children. A sequence's `parent` is
+the live sequence it was forked from (n > 1 samples after the prefill, beams chosen twice), or, where that one has
+ended, its nearest live ancestor; `forked_at` is the tokens they share (the fewest along the way).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,12 +30,14 @@ if TYPE_CHECKING:
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.engine.scheduler import SchedulerOutput
     from pagedlm.engine.sequence import Request
+    from pagedlm.engine.sequence import Sequence as Seq
     from pagedlm.kvcache.block_manager import BlockManager, BlockPool
 
 FREE, USED, CACHED = 0, 1, 2
 STATE_NAMES = ("free", "used", "cached")
 MAX_HASHES = 4096  # hash display ids sent per pool; beyond, `hashes` is cut (`hashes_truncated`)
 MAX_TEXT_CHARS = 200  # of a sequence's text, with --ui-show-text
+MAX_BLOCK_TEXTS = 1024  # blocks whose tokens' text is sent, with --ui-show-text (decoded on the engine thread)
 
 
 def run_lengths(values: Sequence[int] | np.ndarray) -> list[int]:
@@ -74,6 +81,7 @@ class PoolSnapshot:
     ref_runs: list[int]  # run-length encoded reference count per block
     hashes: dict[int, str] = field(default_factory=dict)  # block -> display id of its prefix hash (hex prefix)
     hashes_truncated: bool = False
+    texts: dict[int, str] = field(default_factory=dict)  # block -> its tokens' text (only when the server shows text)
 
 
 @dataclass
@@ -91,6 +99,8 @@ class SeqSnapshot:
     block_tables: list[list[int]]  # one per KV cache group; -1: a freed sliding-window block; host blocks if swapped
     opaque: bool = False  # its tenant salts the prefix cache: no text, no hashes
     text: str | None = None  # prompt + output so far (cut), only when the server shows text
+    parent: int | None = None  # seq_id of the listed sequence it was forked from (its nearest live ancestor)
+    forked_at: int = 0  # tokens it shares with `parent` (0 without one)
 
 
 @dataclass
@@ -116,6 +126,7 @@ class EngineSnapshot:
         for pool in (d["device"], d["host"]):
             if pool is not None:
                 pool["hashes"] = {str(k): v for k, v in pool["hashes"].items()}
+                pool["texts"] = {str(k): v for k, v in pool["texts"].items()}
         return d
 
 
@@ -146,12 +157,41 @@ def pool_snapshot(pool: BlockPool, hidden: Iterable[int] = ()) -> PoolSnapshot:
                         run_lengths(states), run_lengths(refs), hashes, truncated)
 
 
+def seq_tree(req: Request) -> list[tuple[Seq, int | None, int]]:
+    """The request's live sequences in tree order (a parent before its children, siblings by sample index), each
+    with its parent's seq_id (its nearest live ancestor; None: a root) and the tokens they share."""
+    live = req.live_seqs
+    if len(live) == 1 and live[0].parent_seq_id is None:  # most requests: one sequence, never forked
+        return [(live[0], None, 0)]
+    by_id = {s.seq_id: s for s in req.seqs}
+    children: dict[int | None, list[tuple[Seq, int]]] = {}
+    for seq in live:
+        parent, at = by_id.get(seq.parent_seq_id), seq.forked_at
+        while parent is not None and parent.status.finished:
+            parent, at = by_id.get(parent.parent_seq_id), min(at, parent.forked_at)
+        pid = parent.seq_id if parent is not None else None
+        children.setdefault(pid, []).append((seq, at if pid is not None else 0))
+    out: list[tuple[Seq, int | None, int]] = []
+    stack: list[tuple[Seq, int | None, int]] = []
+
+    def push(pid: int | None) -> None:
+        stack.extend((s, pid, at) for s, at in sorted(children.get(pid, ()), key=lambda c: -c[0].index))
+
+    push(None)
+    while stack:
+        seq, pid, at = stack.pop()
+        out.append((seq, pid, at))
+        push(seq.seq_id)
+    return out
+
+
 def seq_snapshots(requests: Iterable[tuple[str, Request]], bm: BlockManager, show_text: bool = False,
                   detokenize=None) -> list[SeqSnapshot]:
-    """The live sequences of `requests` ((status, request) pairs) with their block tables."""
+    """The live sequences of `requests` ((status, request) pairs) with their block tables, each request's as a tree
+    (`seq_tree`)."""
     out = []
     for status, req in requests:
-        for seq in req.live_seqs:
+        for seq, parent, forked_at in seq_tree(req):
             tables = [list(t) for t in bm.block_tables.get(seq.seq_id, ())]
             opaque = req.cache_salt is not None
             text = None
@@ -160,8 +200,31 @@ def seq_snapshots(requests: Iterable[tuple[str, Request]], bm: BlockManager, sho
             out.append(SeqSnapshot(req.request_id, seq.index, seq.seq_id,
                                    "swapped" if seq.seq_id in bm.swapped else status, len(seq.prompt_token_ids),
                                    seq.num_tokens, seq.num_computed_tokens, req.num_cached_tokens, tables, opaque,
-                                   text))
+                                   text, parent, forked_at))
     return out
+
+
+def block_texts(requests: Iterable[tuple[str, Request]], bm: BlockManager,
+                decode_batch: Callable[[list[list[int]]], list[str]]) -> dict[int, str]:
+    """Device block -> the text of the tokens whose K/V it holds, read from its first listed owner (none of opaque
+    tenants' or swapped sequences' blocks); at most MAX_BLOCK_TEXTS blocks, decoded in one batch."""
+    def token_runs() -> Iterator[tuple[int, list[int]]]:
+        seen: set[int] = set()
+        for _, req in requests:
+            if req.cache_salt is not None:
+                continue
+            for seq in req.live_seqs:
+                if seq.seq_id in bm.swapped:
+                    continue
+                n, size = seq.num_computed_tokens, bm.block_size
+                for table in bm.block_tables.get(seq.seq_id, ()):
+                    for j, b in enumerate(table[:-(-n // size)]):
+                        if b >= 0 and b not in seen:
+                            seen.add(b)
+                            yield b, seq.token_slice(j * size, min(n, (j + 1) * size))
+
+    runs = list(itertools.islice(token_runs(), MAX_BLOCK_TEXTS))
+    return dict(zip((b for b, _ in runs), decode_batch([ids for _, ids in runs]))) if runs else {}
 
 
 def host_rss() -> int | None:
@@ -181,10 +244,13 @@ def build_snapshot(engine: LLMEngine, show_text: bool = False) -> EngineSnapshot
     tok = engine.tokenizer
     seqs = seq_snapshots(requests, bm, show_text, lambda ids: tok.decode(ids))
     hidden = {b for s in seqs if s.opaque and s.status != "swapped" for t in s.block_tables for b in t}
+    device = pool_snapshot(bm.gpu, hidden)
+    if show_text:
+        device.texts = block_texts(requests, bm, lambda runs: tok.decode_batch(runs, skip_special_tokens=False))
     report, moves = engine.memory_report, engine.block_moves
     return EngineSnapshot(
         time=time.time(), block_size=bm.block_size, kv_dtype=report.dtype, num_groups=bm.num_groups,
-        prefix_caching=bm.enable_prefix_caching, device=pool_snapshot(bm.gpu, hidden),
+        prefix_caching=bm.enable_prefix_caching, device=device,
         host=pool_snapshot(bm.cpu) if bm.cpu.num_blocks else None, seqs=seqs,
         queues=dict(running=len(sch.running), waiting=len(sch.waiting), swapped=len(sch.swapped),
                     running_seqs=sum(len(r.live_seqs) for r in sch.running)),

@@ -56,6 +56,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Each of `batch` decoded on its own, in one call to the Rust tokenizer where there is one (for display:
+        no clean-up of tokenization spaces)."""
+        batch = [list(ids) for ids in batch]
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
+        return self.hf.batch_decode(batch, skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, chat_template: str | None = None,
                             **template_vars: Any) -> str:

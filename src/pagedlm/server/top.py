@@ -45,6 +45,28 @@ def fetch_state(url: str, api_key: str | None, timeout: float = 10.0) -> dict:
         raise RuntimeError(f"{url}: {e.reason}") from None
 
 
+def tree_prefixes(seqs: list[dict]) -> list[str]:
+    """Each sequence's tree glyphs, for sequences in the snapshot's tree order (a parent before its children):
+    '' for a root, else one '│  ' or '   ' per ancestor below the root and '├─ ' or '└─ ' for itself."""
+    left: dict[int, int] = {}  # parent seq_id -> children not drawn yet
+    for s in seqs:
+        if s.get("parent") is not None:
+            left[s["parent"]] = left.get(s["parent"], 0) + 1
+    below: dict[int, str] = {}  # seq_id -> what its children's glyphs start with
+    out = []
+    for s in seqs:
+        parent = s.get("parent")
+        if parent is None or parent not in below:
+            below[s["seq_id"]] = ""
+            out.append("")
+            continue
+        left[parent] -= 1
+        last = left[parent] == 0
+        out.append(below[parent] + ("└─ " if last else "├─ "))
+        below[s["seq_id"]] = below[parent] + ("   " if last else "│  ")
+    return out
+
+
 def sparkline(values: list[float | None], width: int = 30) -> str:
     vals = [v for v in values[-width:]]
     finite = [v for v in vals if v is not None]
@@ -120,9 +142,9 @@ class TopView:
     def seqs_panel(self, snap: dict, max_rows: int = 16) -> Panel:
         refs = expand_runs(snap["device"]["ref_runs"])
         table = Table(expand=True, box=None, pad_edge=False)
-        for col in ("sequence", "status", "tokens", "blocks (shared in orange)"):
+        for col in ("sequence (@ forked at token)", "status", "tokens", "blocks (shared in orange)"):
             table.add_column(col, no_wrap=True, overflow="ellipsis", ratio=3 if col.startswith("blocks") else None)
-        for s in snap["seqs"][:max_rows]:
+        for s, tree in list(zip(snap["seqs"], tree_prefixes(snap["seqs"])))[:max_rows]:
             cells = Text()
             for b in (s["block_tables"][0] if s["block_tables"] else [])[:64]:
                 on_device = s["status"] != "swapped" and b >= 0
@@ -130,7 +152,9 @@ class TopView:
                              else "grey35")
             if s.get("text"):
                 cells.append(f"| {s['text']}", style="dim")
-            table.add_row(f"{s['request_id']} #{s['index']}", s["status"] + (" · opaque" if s["opaque"] else ""),
+            label = Text(f"{s['request_id']} #{s['index']}") if not tree else Text.assemble(
+                (tree, "grey50"), f"#{s['index']}", (f" @{s['forked_at']}", "dim"))
+            table.add_row(label, s["status"] + (" · opaque" if s["opaque"] else ""),
                           f"{s['num_computed_tokens']}/{s['num_tokens']}", cells)
         q = snap["queues"]
         title = (f"Sequences: {len(snap['seqs'])} · running {q['running']} · waiting {q['waiting']} · "

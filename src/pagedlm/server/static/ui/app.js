@@ -144,7 +144,7 @@ function renderPool(snap) {
   }
   let shared = 0;
   for (let b = 0; b < n; b++) if (refs[b] > 1) shared++;
-  view.blocks = { states, refs, owners, hashes: pool.hashes, n };
+  view.blocks = { states, refs, owners, hashes: pool.hashes, texts: pool.texts || {}, n };
   $("shared-count").dataset.shared = String(shared);
   $("shared-count").textContent = shared + " shared block" + (shared === 1 ? "" : "s");
   $("pool-summary").textContent = `${n} blocks of ${snap.block_size} tokens (${snap.kv_dtype}) · ` +
@@ -176,8 +176,10 @@ function blockTip(b) {
   const st = ["free", "in use", "cached"][v.states[b]];
   const own = v.owners.get(b) || [];
   const hash = v.hashes[String(b)];
+  const text = v.texts[String(b)];
   return `block ${b} · ${st}\nref count ${v.refs[b]}` + (hash ? `\nprefix hash ${hash}` : "") +
-    (own.length ? `\nsequences: ${own.slice(0, 12).join(", ")}${own.length > 12 ? " …" : ""}` : "");
+    (own.length ? `\nsequences: ${own.slice(0, 12).join(", ")}${own.length > 12 ? " …" : ""}` : "") +
+    (text !== undefined ? `\ntokens: ${JSON.stringify(text)}` : "");
 }
 
 function showTip(ev, text) {
@@ -189,13 +191,34 @@ function showTip(ev, text) {
   tip.style.top = ev.clientY + 14 + "px";
 }
 
+// Each sequence's tree glyphs; `seqs` in the snapshot's tree order (a parent before its children).
+function treePrefixes(seqs) {
+  const left = new Map();  // parent seq_id -> children not drawn yet
+  for (const s of seqs) {
+    if (s.parent !== null && s.parent !== undefined) left.set(s.parent, (left.get(s.parent) || 0) + 1);
+  }
+  const below = new Map();  // seq_id -> what its children's glyphs start with
+  return seqs.map((s) => {
+    if (s.parent === null || s.parent === undefined || !below.has(s.parent)) {
+      below.set(s.seq_id, "");
+      return "";
+    }
+    left.set(s.parent, left.get(s.parent) - 1);
+    const last = left.get(s.parent) === 0;
+    below.set(s.seq_id, below.get(s.parent) + (last ? "   " : "│  "));
+    return below.get(s.parent) + (last ? "└─ " : "├─ ");
+  });
+}
+
 function renderSeqs(snap) {
   const box = $("seqs");
   const refs = view.blocks.refs;
   const rows = [];
   let lastReq = null;
+  const trees = treePrefixes(snap.seqs);
+  const byId = new Map(snap.seqs.map((s) => [s.seq_id, s]));
   const seqs = snap.seqs.slice(0, MAX_ROWS);
-  for (const s of seqs) {
+  for (const [k, s] of seqs.entries()) {
     if (s.request_id !== lastReq) {
       const head = el("div", "group-head");
       head.textContent = s.request_id + (s.num_cached_tokens ? ` · ${s.num_cached_tokens} prompt tokens from the prefix cache` : "");
@@ -204,10 +227,16 @@ function renderSeqs(snap) {
     lastReq = s.request_id;
     const row = el("div", "seq");
     row.dataset.request = s.request_id;
+    row.dataset.seq = String(s.seq_id);
+    const parent = s.parent === null || s.parent === undefined ? null : byId.get(s.parent);
+    if (parent) row.dataset.parent = String(s.parent);
     const label = el("span", "label");
-    label.textContent = `#${s.index} ${s.status}`;
+    const tree = el("span", "tree");
+    tree.textContent = trees[k];
+    label.append(tree, `#${s.index} ${s.status}`);
     label.title = `${s.num_computed_tokens}/${s.num_tokens} tokens computed, prompt ${s.num_prompt_tokens}, ` +
-      `${s.num_cached_tokens} from the prefix cache`;
+      `${s.num_cached_tokens} from the prefix cache` +
+      (parent ? `\nforked from #${parent.index}, sharing its first ${s.forked_at} tokens` : "");
     row.append(label);
     const cells = el("span", "cells");
     const table = s.block_tables[0] || [];
@@ -224,7 +253,8 @@ function renderSeqs(snap) {
     row.append(cells);
     const info = el("span", "text");
     info.textContent = `${s.num_computed_tokens}/${s.num_tokens} tok` + (table.length > MAX_CELLS ? ` (+${table.length - MAX_CELLS} blocks)` : "") +
-      (s.opaque ? " · tenant opaque" : "") + (s.text ? " · " + s.text : "");
+      (parent ? ` · forked at token ${s.forked_at}` : "") + (s.opaque ? " · tenant opaque" : "") +
+      (s.text ? " · " + s.text : "");
     row.append(info);
     rows.push(row);
   }
