@@ -251,7 +251,12 @@ def test_truncate_rollback_keeps_invariants(seed):
 # --- configuration --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, message", [
     ("{not json", "not valid JSON"),
-    ({"method": "draft_model", "num_speculative_tokens": 3}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "needs model"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "not supported yet"),
+    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size must be 1"),
+    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 3, "quantization": "q3"}, "quantization"),
+    ({"method": "ngram", "model": "m", "num_speculative_tokens": 3}, "only for method 'draft_model'"),
     ({"method": "eagle9", "num_speculative_tokens": 3}, "method must be one of"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),

@@ -3,7 +3,12 @@ and KV cache; only the drafting differs): code editing with a `prediction` (the 
 quotes its document with prompt lookup, and open-ended chat (little to copy) with prompt lookup. Greedy, so both
 modes produce the same tokens (checked) and the comparison is tokens/s of the same text.
 
+With `--speculative-config '{"method": "draft_model", ...}'` the draft model drafts in every workload (no
+prediction) and the default side runs the same engine with drafting off.
+
     pagedlm bench speculative --model smollm2-135m --repeats 3
+    pagedlm bench speculative --dtype float32 --speculative-config \
+        '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int4", "num_speculative_tokens": 4}'
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from pagedlm.bench.common import format_table, median, write_json
 from pagedlm.config import SpeculativeConfig
 from pagedlm.engine.spec_decode import SpecDecoder
 from pagedlm.llm import LLM
+from pagedlm.spec.draft_model import DraftModel
 from pagedlm.sampling.params import SamplingParams
 
 CODE = '''def add(a, b):
@@ -59,13 +65,14 @@ WORKLOADS = [
 ]
 
 
-def run_once(llm: LLM, w: Workload, speculate: bool, spec: SpeculativeConfig, max_tokens: int) -> dict:
-    """One greedy answer; with `speculate`, drafted from the prediction or by prompt lookup (a fresh SpecDecoder:
-    its counters are this run's)."""
+def run_once(llm: LLM, w: Workload, speculate: bool, spec: SpeculativeConfig, max_tokens: int,
+             drafter: DraftModel | None) -> dict:
+    """One greedy answer; with `speculate`, drafted from the prediction, by prompt lookup or by the draft model (a
+    fresh SpecDecoder: its counters are this run's)."""
     engine = llm.engine
-    engine.spec = SpecDecoder(spec if speculate and w.prediction is None else None, engine.max_model_len)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                            prediction=w.prediction if speculate else None)
+    prediction = w.prediction if speculate and spec.method != "draft_model" else None
+    engine.spec = SpecDecoder(spec if speculate and prediction is None else None, engine.max_model_len, drafter)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prediction=prediction)
     t0 = time.perf_counter()
     out = llm.generate(w.prompt, params, use_tqdm=False)[0].outputs[0]
     seconds = time.perf_counter() - t0
@@ -76,22 +83,24 @@ def run_once(llm: LLM, w: Workload, speculate: bool, spec: SpeculativeConfig, ma
 def cmd_speculative(args: argparse.Namespace, engine_kwargs) -> int:
     kwargs = engine_kwargs(args)
     spec = kwargs.pop("speculative_config", None) or SpeculativeConfig(num_speculative_tokens=args.k)
-    llm = LLM(**kwargs)
+    llm = LLM(**kwargs, speculative_config=spec)  # draft_model: loads the draft once, for every run
+    drafter = llm.engine.spec.drafter
     rows = []
     for w in WORKLOADS:
         times = {False: [], True: []}
         drafts = accepted = 0
         tokens: dict[bool, list[int]] = {}
-        run_once(llm, w, True, spec, 8)  # warm-up (kernels, caches)
+        run_once(llm, w, True, spec, 8, drafter)  # warm-up (kernels, caches)
         for _ in range(args.repeats):
             for speculate in (False, True):
-                r = run_once(llm, w, speculate, spec, args.output_len)
+                r = run_once(llm, w, speculate, spec, args.output_len, drafter)
                 times[speculate].append(len(r["tokens"]) / r["seconds"])
                 tokens[speculate] = r["tokens"]
                 if speculate:
                     drafts, accepted = drafts + r["drafts"], accepted + r["accepted"]
         base, fast = median(times[False]), median(times[True])
-        rows.append(dict(workload=w.name, tokens=len(tokens[False]), base=base, spec=fast, speedup=fast / base,
+        name = w.name if drafter is None else w.name.split("+")[0] + "+draft"
+        rows.append(dict(workload=name, tokens=len(tokens[False]), base=base, spec=fast, speedup=fast / base,
                          acceptance=accepted / drafts if drafts else 0.0, same=tokens[False] == tokens[True]))
     print(format_table(rows, [("workload", "workload", ""), ("tokens", "out tok", "d"),
                               ("base", "default tok/s", ".1f"), ("spec", "spec tok/s", ".1f"),

@@ -61,8 +61,9 @@ class EngineConfig:
         "stack), larger ones a dense GEMM (default: measured once per CPU, model/probe.py)")
     speculative_config: SpeculativeConfig | dict | str | None = option(
         None, 'speculative decoding, vLLM\'s JSON shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (docs/speculative.md; requests with a `prediction` '
-        'speculate without it)', parse=parse_speculative_config)
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": "NAME", '
+        '"num_speculative_tokens": 4}\' (docs/speculative.md; requests with a `prediction` speculate without it)',
+        parse=parse_speculative_config)
     # per-request limits (a request beyond them is refused with ValueError before anything is allocated)
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs / top_logprobs a request may ask for")
     max_stop_sequences: int = option(32, "most stop strings (and, separately, stop token ids) per request")

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram", "suffix")
-UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
+UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 64
 
@@ -17,7 +17,10 @@ class SpeculativeConfig:
     """How sequences speculate (docs/speculative.md). `method` ngram: drafts come from the longest n-gram
     (prompt_lookup_min..prompt_lookup_max tokens) that ends the sequence and occurred earlier in it (vLLM's prompt
     lookup); `suffix`: the same, then over the outputs of the last `suffix_decoding_max_cached_requests` requests
-    (spec/suffix.py). `num_speculative_tokens`: the most draft tokens a sequence verifies in one step; with
+    (spec/suffix.py); `draft_model`: a smaller `model` with the target's tokenizer drafts greedily, in the engine's
+    process with a paged KV cache of its own (spec/draft_model.py), its weights quantized by `quantization` (None: as
+    the engine would run that checkpoint); `draft_tensor_parallel_size` is vLLM's and can only be 1 here.
+    `num_speculative_tokens`: the most draft tokens a sequence verifies in one step; with
     `adaptive`, each sequence's k follows its recent acceptance rate. Speculation pauses while more than
     `disable_by_batch_size` sequences run (the step is no longer bound by reading the weights)."""
 
@@ -28,8 +31,13 @@ class SpeculativeConfig:
     adaptive: bool = True
     disable_by_batch_size: int = 4
     suffix_decoding_max_cached_requests: int = 64
+    model: str | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
+        from pagedlm.config.engine import QUANTIZATION_METHODS  # engine.py imports this module
+
         if self.method in UNSUPPORTED_METHODS:
             raise ValueError(f"speculative_config: method {self.method!r} is not supported yet; "
                              f"supported: {list(SPEC_METHODS)}.")
@@ -44,6 +52,22 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max}).")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise ValueError("speculative_config: method 'draft_model' needs model (a model name, .gguf file or "
+                                 "HF directory).")
+            if self.quantization not in (None, *QUANTIZATION_METHODS):
+                raise ValueError(f"speculative_config: quantization must be one of {list(QUANTIZATION_METHODS)} "
+                                 f"or null, got {self.quantization!r}.")
+            tp = self.draft_tensor_parallel_size
+            if tp not in (None, 1) or isinstance(tp, bool):
+                raise ValueError("speculative_config: draft_tensor_parallel_size must be 1 (the draft model runs in "
+                                 f"the engine's process), got {self.draft_tensor_parallel_size!r}.")
+        else:
+            for name in ("model", "quantization", "draft_tensor_parallel_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config: {name} is only for method 'draft_model' "
+                                     f"(method is {self.method!r}).")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}.")
 

@@ -23,7 +23,7 @@ from pagedlm.engine.sample import StepSampler
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence
 from pagedlm.engine.snapshot import BlockMoves
-from pagedlm.engine.spec_decode import SpecDecoder, SpecStats
+from pagedlm.engine.spec_decode import SpecDecoder, SpecStats, load_draft_model
 from pagedlm.engine.step import StepContext, build_batch
 from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
@@ -81,7 +81,11 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, config.block_size, kv.num_cpu_blocks, config.watermark,
                                           config.enable_prefix_caching, spec.sliding_windows)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
+        spec_config = config.speculative_config
+        drafter = (load_draft_model(config, self.tokenizer, self.model_config.vocab_size,
+                                    kv.num_blocks * config.block_size // len(spec.groups), self.max_model_len)
+                   if spec_config is not None and spec_config.method == "draft_model" else None)
+        self.spec = SpecDecoder(spec_config, self.max_model_len, drafter)
         self.offload = self.scheduler.kv_loader = DiskOffload.create(
             config, path, self.model_config, self.plan, self.block_manager, self.runner.kv_cache)
         self.block_moves = BlockMoves()  # blocks copied and swapped, for the memory views (snapshot.py)
@@ -165,6 +169,7 @@ class LLMEngine:
         if req is None:
             return None
         self._requests.pop(request_id, None)
+        self.spec.retain(self.scheduler.running)
         return self.output_processor.make_output(req, True)
 
     def close(self) -> None:
@@ -186,6 +191,7 @@ class LLMEngine:
         """Run one step; the outputs of the requests it advanced, finished or failed."""
         self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        self.spec.retain(self.scheduler.running)  # preempted sequences give their draft K/V up
         self.block_moves.record(sched)
         try:
             kv = self.runner.kv_cache
@@ -216,6 +222,7 @@ class LLMEngine:
         finally:
             self.scheduler.update_from_output(sched, ctx.finished, ctx.num_generated_tokens)
             self.spec.count(sched, ctx.finished)
+            self.spec.retain(self.scheduler.running)
         return self._outputs(ctx)
 
     def _outputs(self, ctx: StepContext) -> list[EngineOutput]:

@@ -5,15 +5,24 @@ back a logits row per draft position (step.py), verifies the drafts (sample.py: 
 and the scheduler keeps the accepted drafts' K/V and returns the rejected tail's slots (`BlockManager.truncate`).
 
 Which sequences speculate: a request with a `prediction` (its tokens are the draft), else, with a
-`SpeculativeConfig`, every request by prompt lookup (or suffix drafts); never beam searches or constrained
-requests. No sequence speculates in a step that runs more than `disable_by_batch_size` sequences."""
+`SpeculativeConfig`, every request by prompt lookup, suffix drafts or the draft model; never beam searches or
+constrained requests. No sequence speculates in a step that runs more than `disable_by_batch_size` sequences. The
+draft model (`load_draft_model`) drafts for all its sequences at once and keeps K/V only for running sequences
+(`SpecDecoder.retain`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 
-from pagedlm.config import SpeculativeConfig
+from pagedlm.config import EngineConfig, SpeculativeConfig
+from pagedlm.engine.model_runner import Chunk, ModelRunner
 from pagedlm.engine.scheduler import FinishedSeq, SchedulerOutput
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedlm.hub.registry import resolve_model
+from pagedlm.hub.tokenizer import Tokenizer, load_tokenizer
+from pagedlm.kvcache.block_manager import BlockManager
+from pagedlm.model.plan import plan_execution
+from pagedlm.spec.draft_model import DraftModel
 from pagedlm.spec.ngram import NgramProposer
 from pagedlm.spec.prediction import PredictionProposer
 from pagedlm.spec.state import SpecState
@@ -21,6 +30,8 @@ from pagedlm.spec.suffix import SuffixCache, SuffixProposer
 
 PREDICTION_TOKENS = 8  # the most draft tokens of a prediction per step without a SpeculativeConfig
 PREDICTION_BATCH_SIZE = 4  # ... and the most running sequences it speculates with
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,8 +65,10 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig | None, max_model_len: int) -> None:
-        self.config, self.max_model_len = config, max_model_len
+    """`drafter`: the draft model, for `config.method` draft_model (load_draft_model)."""
+
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int, drafter: DraftModel | None = None) -> None:
+        self.config, self.max_model_len, self.drafter = config, max_model_len, drafter
         self.stats = SpecStats()
         self._seen = config is not None  # a sequence may speculate (sticky: a prediction was seen)
         self.suffix_cache = (SuffixCache(config.suffix_decoding_max_cached_requests)
@@ -73,6 +86,8 @@ class SpecDecoder:
                              len(p._prediction_token_ids))
         if cfg is None:
             return None
+        if cfg.method == "draft_model":
+            return SpecState(self.drafter, cfg.num_speculative_tokens, cfg.adaptive) if self.drafter else None
         lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
         proposer = SuffixProposer(self.suffix_cache, lo, hi) if self.suffix_cache is not None else \
             NgramProposer(lo, hi)
@@ -84,13 +99,35 @@ class SpecDecoder:
             return
         live = [(r, s) for r in running for s in r.live_seqs]
         limit = self.config.disable_by_batch_size if self.config else PREDICTION_BATCH_SIZE
+        batch, ks = [], []  # the draft model's, drafted together
         for req, seq in live:
             if seq.spec is None:
                 continue
             seq.spec.draft_token_ids = []
             if len(live) > limit or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
-            seq.spec.propose(seq, self._room(req, seq))
+            if self.drafter is not None and seq.spec.proposer is self.drafter:
+                k = seq.spec.draft_length(self._room(req, seq))
+                if k > 0:
+                    batch.append(seq)
+                    ks.append(k)
+            else:
+                seq.spec.propose(seq, self._room(req, seq))
+        if batch:
+            try:
+                drafts = self.drafter.propose_batch(batch, ks)
+            except Exception:  # noqa: BLE001 - a draft is only a guess: the step goes on without
+                logger.exception("The draft model failed; this step runs without its drafts")
+                self.drafter.retain(())
+                return
+            for seq, draft in zip(batch, drafts):
+                seq.spec.draft_token_ids = draft
+
+    def retain(self, running: list[Request]) -> None:
+        """The draft model keeps K/V for the running sequences only (the others finished, were preempted or were
+        aborted)."""
+        if self.drafter is not None:
+            self.drafter.retain(s.seq_id for r in running for s in r.live_seqs)
 
     def _room(self, req: Request, seq: Sequence) -> int:
         """Draft tokens that could still be kept: all accepted plus the token after them fit max_tokens and the
@@ -118,3 +155,40 @@ class SpecDecoder:
                 st.accepted_per_pos += [0] * (s.num_draft_tokens - len(st.accepted_per_pos))
             for j in range(s.num_accepted_tokens):
                 st.accepted_per_pos[j] += 1
+
+
+def load_draft_model(config: EngineConfig, tokenizer: Tokenizer, vocab_size: int, num_target_tokens: int,
+                     max_model_len: int) -> DraftModel:
+    """The draft model of `config.speculative_config` (method draft_model), with the target's `config` for the
+    rest (dtype, device, block size). Its KV cache holds as many tokens as the target's (`num_target_tokens`), at
+    most enough for `disable_by_batch_size` sequences of `max_model_len` (the most that draft at once). Raises
+    ValueError, before loading its weights, if its tokenizer is not the target's (`tokenizer`, whose model has
+    `vocab_size` rows of logits)."""
+    spec = config.speculative_config
+    path = resolve_model(spec.model)
+    draft_vocab = load_tokenizer(path).hf.get_vocab()
+    target_vocab = tokenizer.hf.get_vocab()
+    if draft_vocab != target_vocab:
+        differ = sum(draft_vocab.get(t) != i for t, i in target_vocab.items())
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} has another tokenizer than the target "
+                         f"({len(draft_vocab)} tokens against {len(target_vocab)}, {differ} of the target's tokens "
+                         "missing or with other ids); a draft model must share the target's tokenizer.")
+    draft_config = replace(config, model=str(path), quantization=spec.quantization, speculative_config=None,
+                           kv_cache_dir=None, num_kv_blocks=None)
+    runner = ModelRunner(draft_config, path, plan_execution(draft_config, path))
+    if runner.model_config.vocab_size < vocab_size:
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} has {runner.model_config.vocab_size} "
+                         f"token embeddings, fewer than the target's {vocab_size}: it could not read every token.")
+    seqs = min(config.max_num_seqs, spec.disable_by_batch_size)
+    tokens = min(num_target_tokens, seqs * (max_model_len + spec.num_speculative_tokens))
+    groups = len(runner.kv_spec.groups)
+    num_blocks = groups * (-(-tokens // config.block_size) + seqs)
+    runner.allocate_kv_cache(num_blocks, 0)
+    bm = BlockManager(num_blocks, config.block_size, sliding_windows=runner.kv_spec.sliding_windows)
+    logger.info("Draft model %s: %.1f MiB of weights; its KV cache: %d blocks (%d tokens, %.1f MiB)", spec.model,
+                runner.weight_bytes() / 2**20, num_blocks, tokens, num_blocks * runner.kv_spec.bytes_per_block / 2**20)
+
+    def forward(chunks, logits_index):
+        return runner.execute([Chunk(*c) for c in chunks], logits_index)
+
+    return DraftModel(forward, bm, vocab_size, runner.model_config.context_length, config.max_num_batched_tokens)

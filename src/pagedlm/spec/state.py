@@ -52,9 +52,13 @@ class SpecState:
         k = self.k_max if a >= 1.0 else int(math.log(MIN_TAIL_ACCEPTANCE) / math.log(a))
         return max(1, min(self.k_max, k))
 
+    def draft_length(self, limit: int) -> int:
+        """How many tokens to draft now, at most `limit` (the room the sequence has left)."""
+        return min(self.next_k(), limit)
+
     def propose(self, seq: DraftSeq, limit: int) -> list[int]:
-        """Drafts for the next step, at most `limit` tokens (the room the sequence has left)."""
-        k = min(self.next_k(), limit)
+        """Drafts for the next step, at most `limit` tokens."""
+        k = self.draft_length(limit)
         self.draft_token_ids = self.proposer.propose(seq, k) if k > 0 else []
         return self.draft_token_ids
 
