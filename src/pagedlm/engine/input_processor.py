@@ -200,6 +200,10 @@ def prepare_params(params: SamplingParams, vocab_size: int, tokenizer: Tokenizer
                 if ids and ids not in words:
                     words.append(ids)
         params._bad_words_token_ids = words
+    tags = params.reasoning_tags
+    if params.thinking_token_budget is not None and tags is not None and not params._thinking_end_ids:
+        params._thinking_start_ids = tokenizer.encode(tags.start, add_special_tokens=False)
+        params._thinking_end_ids = tokenizer.encode(tags.end, add_special_tokens=False)
     if params.prediction and not params._prediction_token_ids:
         ids = (tokenizer.encode(params.prediction, add_special_tokens=False) if isinstance(params.prediction, str)
                else list(params.prediction))

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlm.sampling.thinking import ReasoningTags
+
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: gen_len ** length_penalty stays finite for any max_model_len
@@ -139,6 +141,11 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generated (each as a whole token sequence)
     structured_outputs: StructuredOutputsParams | None = None
     prediction: str | list[int] | None = None  # OpenAI's Predicted Outputs: the expected output (draft tokens)
+    thinking_token_budget: int | None = None  # reasoning tokens before `</think>` is forced (sampling/thinking.py)
+    reasoning_tags: ReasoningTags | None = None  # the reasoning parser's tags: needed with thinking_token_budget
+    # set by the engine: the tags as token ids
+    _thinking_start_ids: list[int] = field(default_factory=list, repr=False)
+    _thinking_end_ids: list[int] = field(default_factory=list, repr=False)
     # set by the engine: the prediction as token ids
     _prediction_token_ids: list[int] = field(default_factory=list, repr=False)
     # set by the engine: bad_words as token sequences (each with and without a leading space, as vLLM does)
@@ -228,6 +235,12 @@ class SamplingParams:
             for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "prediction"):
                 if getattr(self, name):
                     raise ValueError(f"{name} is not supported with beam search.")
+        if self.thinking_token_budget is not None:
+            integer("thinking_token_budget", 0)
+            if self.use_beam_search:
+                raise ValueError("thinking_token_budget is not supported with beam search.")
+            if not isinstance(self.reasoning_tags, ReasoningTags):
+                raise ValueError("thinking_token_budget needs reasoning_tags (the server's reasoning parser).")
         self._validate_token_controls()
 
     def _validate_token_controls(self) -> None:

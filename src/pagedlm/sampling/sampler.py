@@ -1,5 +1,6 @@
 """Batched next-token sampling: penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, grammar masks,
-temperature, top-k/top-p/min-p, seeded draws, logprobs.
+temperature, top-k/top-p/min-p, seeded draws, logprobs; last, a thinking budget's forced tag (sampling/thinking.py),
+which overrides every control but a grammar (a tag the grammar forbids is not forced).
 
 Every step is a tensor op over the whole batch (or the subset of rows that need it); rows whose
 parameters disable a step are left unchanged by it. Logprobs always describe the raw model
@@ -16,6 +17,7 @@ import torch
 from pagedlm.outputs import Logprob, PositionLogprobs
 from pagedlm.sampling.logits_kernel import argmax_logsumexp
 from pagedlm.sampling.params import SamplingParams
+from pagedlm.sampling.thinking import budget_forced_token
 
 _PROMPT_LOGPROBS_CHUNK = 512  # positions per log_softmax in prompt_logprobs, bounds peak memory
 
@@ -145,7 +147,21 @@ class Sampler:
                 tokens[idx] = self._sample(raw[idx], [rows[i] for i in bad], [banned[i] for i in bad])
         else:
             tokens, lse = self._sample(raw, rows, banned), None
+        self._force_thinking_end(tokens, rows, raw.shape[1])
         return self._output(raw, tokens, rows, lse)
+
+    @staticmethod
+    def _force_thinking_end(tokens: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
+        """Rows whose thinking budget is spent take the end tag's next token (where their grammar allows it)."""
+        forced = []
+        for i, r in enumerate(rows):
+            t = budget_forced_token(r.params, r.output_token_ids)
+            if t is not None and t < vocab and (r.bitmask is None or (int(r.bitmask[t // 32]) >> (t % 32)) & 1):
+                forced.append((i, t))
+        if forced:
+            idx, ids = zip(*forced)
+            tokens[torch.tensor(idx, device=tokens.device)] = torch.tensor(ids, dtype=tokens.dtype,
+                                                                          device=tokens.device)
 
     def _banned_ids(self, row: SamplingRow, vocab: int) -> list[int]:
         """min_tokens (eos and stop_token_ids while unmet), and the last token of each bad word whose other

@@ -40,8 +40,10 @@ class AnthropicAPI:
         if req.output_config is not None and req.output_config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": req.output_config.format.schema_}}
-        if req.thinking is not None:  # templates take enable_thinking; budget_tokens is not enforced
+        if req.thinking is not None:  # templates take enable_thinking; budget_tokens needs a reasoning parser
             body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+            if req.thinking.type == "enabled" and self.front.reasoning is not None:
+                body["thinking_token_budget"] = req.thinking.budget_tokens
         if req.stream:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         response = await self.bridge.chat(request, {k: v for k, v in body.items() if v is not None}, arrival)

@@ -81,7 +81,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
               stage_queue: int = DEFAULT_STAGE_QUEUE, responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
               responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL,
               embedders: Mapping[str, EmbeddingEngine] | None = None,
-              reasoning_parser: str | None = None, ui: bool = False, ui_show_text: bool = False) -> FastAPI:
+              reasoning_parser: str | None = None, thinking_token_budget: int | None = None, ui: bool = False,
+              ui_show_text: bool = False) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -103,6 +104,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     responses_store_size, responses_store_ttl: the Responses API's stored responses per key, and for how long.
     embedders: the embedding models, by name (/v1/embeddings, /api/embed; names distinct from `engines`').
     reasoning_parser: split `<think>` reasoning out of chat answers (reasoning.REASONING_PARSERS; None: not).
+    thinking_token_budget: chat requests without a `thinking_token_budget` of their own get this one (needs
+    reasoning_parser; None: no budget).
     ui: serve the memory views (GET /debug/state, the web view at /ui; ui.py); ui_show_text: they show text.
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
@@ -110,6 +113,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         raise ValueError("An API key is empty: give non-empty keys (or none to serve without one).")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"Unknown reasoning parser {reasoning_parser!r}; known: {sorted(REASONING_PARSERS)}.")
+    if thinking_token_budget is not None and (thinking_token_budget < 0 or reasoning_parser is None):
+        raise ValueError("thinking_token_budget must be >= 0 and needs a reasoning parser.")
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
@@ -133,6 +138,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     front = Frontend(models, metrics, dispatcher, strict_request_fields, allow_client_priority)
     app.state.frontend = front
     front.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
+    front.thinking_token_budget = thinking_token_budget
     hosts = None if allowed_hosts is None else frozenset(h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     app.add_middleware(Guard, api_keys=keys, max_body_bytes=max_body_bytes, allowed_hosts=hosts,
                        leases=KeyLeases(max_requests_per_key) if max_requests_per_key else None)

@@ -101,7 +101,8 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
                         stage_threads=srv.stage_threads, stage_queue=srv.stage_queue,
                         responses_store_size=srv.responses_store_size,
                         responses_store_ttl=srv.responses_store_ttl, embedders=embedders,
-                        reasoning_parser=srv.reasoning_parser, ui=srv.serves_ui, ui_show_text=srv.ui_show_text)
+                        reasoning_parser=srv.reasoning_parser, thinking_token_budget=srv.thinking_token_budget,
+                        ui=srv.serves_ui, ui_show_text=srv.ui_show_text)
         url = _url(sock)
         served = ", ".join([*engines, *([dispatcher.name] if dispatcher else []), *embedders])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s%s", served, url, url,

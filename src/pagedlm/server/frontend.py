@@ -35,6 +35,7 @@ class Frontend:
         self.created = int(time.time())
         self.draining = False  # set by a graceful shutdown: new generation requests get 503
         self.reasoning: ThinkParser | None = None  # --reasoning-parser: chat answers get reasoning_content
+        self.thinking_token_budget: int | None = None  # --thinking-token-budget: chat requests' default
 
     def begin_shutdown(self) -> None:
         self.draining = True
@@ -105,12 +106,25 @@ class Frontend:
         if self.draining:
             raise shutting_down()
         self._admit(request, req, 1)
+        self._budget(req)
         if not self.is_auto(req.model):
             model = self.model(req.model)
             req.check_supported()
             return self._reasoned(render(await model.chat_completions(request, req, arrival)))
         req.check_supported()
         return self._reasoned(await self.auto.chat(request, req, arrival))
+
+    def _budget(self, req: P.ChatCompletionRequest) -> None:
+        """The request's thinking budget (else the server's default), with the reasoning parser's tags; 400 for a
+        budget on a server without a reasoning parser (it knows no tags)."""
+        if req.thinking_token_budget is None:
+            req.thinking_token_budget = self.thinking_token_budget
+        if req.thinking_token_budget is None:
+            return
+        if self.reasoning is None:
+            raise APIError(400, "thinking_token_budget needs a reasoning parser (start the server with "
+                                "--reasoning-parser).", param="thinking_token_budget")
+        req.reasoning_tags = self.reasoning.tags
 
     def _reasoned(self, response: Response) -> Response:
         return response if self.reasoning is None else split_reasoning(response, self.reasoning)

@@ -106,6 +106,9 @@ class ServerConfig:
     reasoning_parser: str | None = option(None, "answer what the model thinks in <think>...</think> apart, as "
                                           "reasoning_content (deepseek_r1: the template opens the thought; qwen3: "
                                           "the output does)", choices=sorted(REASONING_PARSERS))
+    thinking_token_budget: int | None = option(None, "default thinking budget of chat requests: after this many "
+                                               "reasoning tokens `</think>` is forced (needs --reasoning-parser; a "
+                                               "request's `thinking_token_budget` wins)")
     chat_template: str | None = option(None, "chat template for every model: a Jinja file, or a built-in name "
                                        "(hermes: ChatML with tools, for models whose own template knows none, e.g. "
                                        "SmolLM2)", group=TOOLS)
@@ -143,6 +146,8 @@ class ServerConfig:
                self.max_requests_per_key, self.stage_queue) < 0:
             raise ValueError("--shutdown-timeout, --health-step-timeout, --request-read-timeout, --max-connections, "
                              "--max-requests-per-key and --stage-queue must be >= 0.")
+        if self.thinking_token_budget is not None and (self.thinking_token_budget < 0 or not self.reasoning_parser):
+            raise ValueError("--thinking-token-budget must be >= 0 and needs --reasoning-parser.")
         if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
             raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0.")
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, StructuredOutputsParams
+from pagedlm.sampling.thinking import ReasoningTags
 from pagedlm.server.prediction import Prediction
 from pagedlm.server.response_models import (  # noqa: F401 - the response bodies, re-exported
     AssistantMessage,
@@ -337,6 +338,16 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None  # endpoints.base.TEMPLATE_KWARGS
+    thinking_token_budget: int | None = Field(None, ge=0)  # vLLM's: reasoning tokens before `</think>` is forced
+    _reasoning_tags: ReasoningTags | None = PrivateAttr(None)  # the server's reasoning parser's (the frontend's)
+
+    @property
+    def reasoning_tags(self) -> ReasoningTags | None:
+        return self._reasoning_tags
+
+    @reasoning_tags.setter
+    def reasoning_tags(self, tags: ReasoningTags | None) -> None:
+        self._reasoning_tags = tags
 
     @property
     def tools_active(self) -> bool:

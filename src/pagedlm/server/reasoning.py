@@ -15,14 +15,18 @@ from dataclasses import dataclass
 
 from fastapi.responses import Response, StreamingResponse
 
+from pagedlm.sampling.thinking import END, START, ReasoningTags
 from pagedlm.server.sse import StreamFailed, chunks
-
-START, END = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
 class ThinkParser:
     opened: bool  # the prompt opened the thought (deepseek_r1) or the output must (qwen3)
+
+    @property
+    def tags(self) -> ReasoningTags:
+        """The tags and rule a thinking budget needs (sampling/thinking.py)."""
+        return ReasoningTags(opened=self.opened)
 
     def split(self, text: str, final: bool = True) -> tuple[str, str, int]:
         """(reasoning, content, held): of `text`, and when not `final` the characters at its end held back (they

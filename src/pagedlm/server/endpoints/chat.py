@@ -50,9 +50,15 @@ class ChatEndpoint(EndpointBase):
 
     def _chat_params(self, req: P.ChatCompletionRequest) -> SamplingParams:
         """The request's params; a tool choice that forces calls ("required", a named function) adds the calls'
-        grammar, which the decoder enforces."""
+        grammar, which the decoder enforces; a thinking budget comes with the reasoning parser's tags."""
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs=_top_k(req),
                                      prompt_logprobs=req.prompt_logprobs)
+        if req.thinking_token_budget is not None:
+            params.thinking_token_budget, params.reasoning_tags = req.thinking_token_budget, req.reasoning_tags
+            try:
+                params.validate()
+            except ValueError as e:
+                raise APIError(400, str(e), param="thinking_token_budget") from None
         functions = req.called_functions()
         if functions is not None:
             parallel = req.parallel_tool_calls and not isinstance(req.tool_choice, P.NamedToolChoice)
