@@ -144,3 +144,11 @@ def test_files_of_deleted_models_are_removed(model: Path, tmp_path: Path, models
     model.unlink()
     _load(models["Q8_0"], cache)  # writing another file clears the orphans
     assert not gone.exists() and len(list(cache.glob("*.bin"))) == 1
+
+
+def test_an_unusable_directory_turns_the_cache_off(model: Path, tmp_path: Path, caplog) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    loaded = _load(model, not_a_dir)
+    assert loaded.weight_cache is None and "Repacked-weight cache off" in caplog.text
+    assert _weights(loaded) == _weights(_load(model, None))

@@ -142,8 +142,8 @@ class WeightCache:
             logger.info("Repacked weights cached in %s (%.1f GiB, %.1f s).", path, path.stat().st_size / 2**30,
                         time.perf_counter() - t0)
             weight_file.remove_orphans(path.parent)
-        except OSError as e:
-            logger.warning("Could not write the repacked-weight cache %s: %s", path, e)
+        except Exception as e:  # noqa: BLE001 - on its own thread: whatever fails is said, and the cache skipped
+            logger.warning("Could not write the repacked-weight cache %s: %s: %s", path, type(e).__name__, e)
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
 
