@@ -86,7 +86,7 @@ def test_tampered_cached_library_is_rebuilt_not_loaded(tmp_path, cache, tamper, 
         os.chmod(out, {"group_writable": 0o775, "world_writable": 0o757}.get(tamper, 0o755))
         if tamper == "other_owner":
             os.chown(out, 12345, 12345)
-    assert not cbuild._trusted(out)
+    assert not cbuild.trusted(out)
     with caplog.at_level(logging.WARNING, logger="pagedlm.cbuild"):
         lib = cbuild.load(src)
     assert lib.marker() == 1

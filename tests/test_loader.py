@@ -362,11 +362,18 @@ def test_missing_chat_template_raises(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_tokenizer_parity(smollm2_path: Path) -> None:
+def test_smollm2_tokenizer_parity(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load converts the GGUF's vocabulary as AutoTokenizer does (the same class, the same tokenizer), but
+    without gguf-py's read of the whole metadata that AutoTokenizer makes to find the class (4 s here); later loads
+    read the converted copy."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
     ref = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
     converted = smollm2_path.with_name(smollm2_path.name + ".tokenizer")
     shutil.rmtree(converted, ignore_errors=True)
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: pytest.fail("gguf-py metadata read"))
     first = load_tokenizer(smollm2_path)
+    assert type(first.hf) is type(ref)
     stamp = converted / "pagedlm_source.json"
     assert json.loads(stamp.read_text())["source"] == smollm2_path.name
     cached = load_tokenizer(smollm2_path)

@@ -52,3 +52,25 @@ def test_disagreeing_rounds_take_the_larger_kept_unsettled_for_a_day(cache, monk
     assert rows == 16 and "measured" in why and "unsettled" not in why
     rows, why = probe.measure_kernel_max_rows("int4", 32, torch.float32)
     assert rows == 16 and "cached" in why and "unsettled" not in why
+
+
+@pytest.mark.parametrize("top, probes", [((1.0, 2.0), 1), ((1.0, 1.2), 1 + probe.ROUNDS)])
+def test_without_a_dense_copy_a_clear_win_at_the_most_rows_settles_it(cache, monkeypatch, top, probes):
+    """Big steps of a model with no dense copy dequantize the whole weight first, a cost fewer rows cannot amortize:
+    a kernel clearly faster at the most rows takes every step, settled, after one short timing (not the rounds);
+    a close call there runs the rounds."""
+    from pagedlm.config import KERNEL_MAX_ROWS
+
+    calls = []
+
+    def timings(*args):
+        calls.append(args)
+        return {max(probe.ROWS): top} if args[5:6] == ((max(probe.ROWS),),) else _timings(8)
+
+    monkeypatch.setattr(probe, "_time_paths", timings)
+    rows, why = probe.measure_kernel_max_rows("int4", 32, torch.float32, copy=False)
+    assert len(calls) == probes and calls[0][5:] == ((max(probe.ROWS),), probe.QUICK_REPEATS)
+    assert rows == (KERNEL_MAX_ROWS if probes == 1 else 8) and "unsettled" not in why
+    assert "cached" in probe.measure_kernel_max_rows("int4", 32, torch.float32, copy=False)[1]
+    probe.measure_kernel_max_rows("int4", 32, torch.float32, copy=True)  # with a copy: the rounds, as before
+    assert len(calls) == probes + probe.ROUNDS and all(len(c) == 5 for c in calls[probes:])

@@ -68,7 +68,7 @@ def _private_cache_dir() -> Path:
     return d
 
 
-def _trusted(path: Path) -> bool:
+def trusted(path: Path) -> bool:
     """A regular file (not a link) owned by this user that neither group nor others can write."""
     try:
         st = os.lstat(path)
@@ -148,7 +148,7 @@ def build(source: Path, march: str = "native") -> Path:
     Raises on failure."""
     cxx = compiler()
     out = _private_cache_dir() / f"{source.stem}_{cache_key(source, cxx, march)}.so"
-    if _trusted(out):
+    if trusted(out):
         return out
     if os.path.lexists(out):
         logger.warning("Rebuilding %s: it is not a file owned by this user that only this user can write.", out)

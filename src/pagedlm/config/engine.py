@@ -64,6 +64,9 @@ class EngineConfig:
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": "NAME", '
         '"num_speculative_tokens": 4}\' (docs/speculative.md; requests with a `prediction` speculate without it)',
         parse=parse_speculative_config)
+    weight_cache: str = option("auto", "where a GGUF's repacked weights are cached, so that a second start maps "
+                               "them instead of converting them again: auto (<cache root>/weights/<uid>), a "
+                               "directory, or off (docs/models.md)", metavar="auto|off|DIR")
     # per-request limits (a request beyond them is refused with ValueError before anything is allocated)
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs / top_logprobs a request may ask for")
     max_stop_sequences: int = option(32, "most stop strings (and, separately, stop token ids) per request")
@@ -89,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if not str(self.weight_cache).strip():
+            raise ValueError("weight_cache must be auto, off or a directory, got an empty string.")
         if self.kv_cache_dir is not None and not str(self.kv_cache_dir).strip():
             raise ValueError("kv_cache_dir must be a directory path, got an empty string.")
         if parse_bytes(self.kv_disk_budget) <= 0:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pagedlm import paths
 from pagedlm.attention import AttentionMetadata, get_attention_backend
 from pagedlm.config import EngineConfig
 from pagedlm.kvcache.kv_cache import KVCache, KVCacheSpec
@@ -28,6 +30,13 @@ class Chunk:
     block_tables: list[list[int]]
 
 
+def weight_cache_dir(setting: str) -> Path | None:
+    """EngineConfig.weight_cache as a directory (None: off)."""
+    if setting == "off":
+        return None
+    return paths.cache_dir() / "weights" / str(os.getuid()) if setting == "auto" else Path(setting)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, plan: ExecutionPlan) -> None:
         self.config = config
@@ -36,7 +45,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(model_path, dtype, self.device, plan.quantization, plan.group_size,
                                                    plan.dense_dtype, plan.kernel_max_rows,
                                                    plan.head_kernel_max_rows, plan.fallback, plan.dense_copy,
-                                                   bool(plan.native_types))
+                                                   bool(plan.native_types), weight_cache_dir(config.weight_cache))
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
         self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, plan.kv_cache_dtype)

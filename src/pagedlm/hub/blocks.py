@@ -4,6 +4,7 @@
 whoever converts them (a 128k-row vocabulary table in fp32 would be GBs)."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -83,16 +84,32 @@ class RawBlocks:
     """GGUF quantized rows not yet converted (Q4_0 / Q4_1 / Q4_K, INT4_KINDS, and the 5- to 8-bit kinds model/quant/
     runs natively too): `parts` (raw [rows, blocks * bytes] uint8, kind, row permutation or None), stacked in order
     (a fused q/k/v). model/quant/ writes its x16 layouts straight from the raw bytes where its kernel runs (one
-    pass; each kind's own scales: see `kinds`); `blocks()` converts int4 kinds to Int4Blocks, `dequantize()` any."""
+    pass; each kind's own scales: see `kinds`); `blocks()` converts int4 kinds to Int4Blocks, `dequantize()` any.
+    `names`: the file's tensor name of each part (empty where unknown), which `source` turns into the key of the
+    converted weight in the repacked-weight cache (model/weight_cache.py)."""
 
     parts: list[tuple[np.ndarray, str, np.ndarray | None]]
     cols: int
     releases: list[Callable[[], None]] = field(default_factory=list)  # unmap the file's pages once converted
+    names: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, kind: str, cols: int,
-                  release: Callable[[], None] | None = None) -> "RawBlocks":
-        return cls([(raw, kind, None)], cols, [release] if release else [])
+    def from_gguf(cls, raw: np.ndarray, kind: str, cols: int, release: Callable[[], None] | None = None,
+                  name: str | None = None) -> "RawBlocks":
+        return cls([(raw, kind, None)], cols, [release] if release else [], [name] if name else [])
+
+    @property
+    def source(self) -> str | None:
+        """What the rows are, as a string: each part's tensor name, kind, row count and row permutation (a digest),
+        None where a part's name is unknown."""
+        if len(self.names) != len(self.parts):
+            return None
+
+        def part(name: str, raw: np.ndarray, kind: str, perm: np.ndarray | None) -> str:
+            order = "" if perm is None else f":perm{zlib.crc32(np.ascontiguousarray(perm, dtype=np.int64)):08x}"
+            return f"{name}:{kind}:{raw.shape[0]}x{self.cols}{order}"
+
+        return "+".join(part(name, *p) for name, p in zip(self.names, self.parts))
 
     def converted(self) -> None:
         """The raw bytes are no longer needed: release the file's pages."""
@@ -109,12 +126,14 @@ class RawBlocks:
 
     def rows(self, perm: np.ndarray) -> "RawBlocks":
         (raw, kind, old), = self.parts
-        return RawBlocks([(raw, kind, perm if old is None else old[perm])], self.cols, self.releases)
+        return RawBlocks([(raw, kind, perm if old is None else old[perm])], self.cols, self.releases, self.names)
 
     @staticmethod
     def cat(parts: list["RawBlocks"]) -> "RawBlocks":
+        named = all(len(part.names) == len(part.parts) for part in parts)
         return RawBlocks([p for part in parts for p in part.parts], parts[0].cols,
-                       [r for part in parts for r in part.releases])
+                         [r for part in parts for r in part.releases],
+                         [n for part in parts for n in part.names] if named else [])
 
     def dequantize(self) -> torch.Tensor:
         """The weight in fp32 exactly as the file's blocks define it (gguf-py's dequantization)."""
@@ -148,6 +167,11 @@ class LazyRows:
         cols, rows = self.tensor.shape
         return rows, cols
 
+    @property
+    def source(self) -> str:
+        """The matrix's identity in its file (a key of the repacked-weight cache, model/weight_cache.py)."""
+        return f"{self.tensor.name}:{self.tensor.tensor_type.name}:{self.shape[0]}x{self.shape[1]}"
+
     def __getitem__(self, rows: slice) -> torch.Tensor:
         start, stop, _ = rows.indices(self.shape[0])
         data = self.tensor.data[start:stop]
@@ -160,7 +184,7 @@ class LazyRows:
     def blocks(self) -> RawBlocks:
         """The matrix as the file stores it (for a layer that runs its blocks; its pages released once converted)."""
         return RawBlocks.from_gguf(self.tensor.data, self.tensor.tensor_type.name, self.shape[1],
-                                   lambda: self.reader.release(self.tensor))
+                                   lambda: self.reader.release(self.tensor), self.tensor.name)
 
     def release(self, start: int, stop: int) -> None:
         """Rows start .. stop have been read: unmap their pages."""

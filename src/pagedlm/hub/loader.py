@@ -295,7 +295,7 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = (),
         if name is None:
             continue
         if t.tensor_type.name in native and name.endswith("proj.weight") and "{}" not in name:
-            blocks = RawBlocks.from_gguf(t.data, t.tensor_type.name, t.shape[0], lambda t=t: reader.release(t))
+            blocks = RawBlocks.from_gguf(t.data, t.tensor_type.name, t.shape[0], lambda t=t: reader.release(t), t.name)
             if (kind := t.name.split(".")[-2]) in heads:
                 blocks = blocks.rows(_unpermute(np.arange(blocks.shape[0]), heads[kind]))
             yield name, blocks  # its pages are released once converted (see quant.Int4Linear)

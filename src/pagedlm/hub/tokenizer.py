@@ -8,11 +8,12 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.hub.loader import load_hf_config
+
+if TYPE_CHECKING:  # transformers is imported when a tokenizer is loaded (a second of start-up), not with pagedlm
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["GEMMA_CHAT_TEMPLATE", "Tokenizer", "load_tokenizer"]
 
@@ -98,9 +99,11 @@ def load_tokenizer(path: Path) -> Tokenizer:
         gen = path / "generation_config.json"
         if gen.is_file():
             eos |= _ids(json.loads(gen.read_text()).get("eos_token_id"))
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(path)
     else:
-        hf = _gguf_tokenizer(path)
+        hf = _gguf_tokenizer(path, cfg["model_type"])
     if str(cfg["model_type"]).startswith("gemma"):
         hf.chat_template = hf.chat_template or GEMMA_CHAT_TEMPLATE
         end_of_turn = hf.convert_tokens_to_ids("<end_of_turn>")
@@ -109,17 +112,17 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer(hf, eos)
 
 
-def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def _gguf_tokenizer(path: Path, model_type: str) -> PreTrainedTokenizerBase:
     st = path.stat()
     stamp = {"source": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     cached = path.with_name(path.name + ".tokenizer")
     stamp_file = cached / "pagedlm_source.json"
     try:
         if json.loads(stamp_file.read_text()) == stamp:
-            return AutoTokenizer.from_pretrained(cached)
+            return _saved_tokenizer(cached)
     except (OSError, ValueError):
         pass
-    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = _gguf_tokenizer_class(model_type).from_pretrained(path.parent, gguf_file=path.name)
     try:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{cached.name}."))
     except OSError:
@@ -137,3 +140,29 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return hf
+
+
+def _saved_tokenizer(cached: Path) -> PreTrainedTokenizerBase:
+    """A tokenizer `_gguf_tokenizer` saved, loaded as the class it was saved from (what AutoTokenizer finds in its
+    tokenizer_config.json, without importing AutoTokenizer's machinery: a third of a second)."""
+    import transformers
+
+    name = json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(cached)
+
+
+def _gguf_tokenizer_class(model_type: str) -> type:
+    """The class AutoTokenizer builds a GGUF's tokenizer as (the one transformers names for the family, else
+    TokenizersBackend), found from our config's model type: AutoTokenizer reads the whole file's metadata with gguf-py
+    just for that (4 s for SmolLM2's, 20 s for Gemma 3's), the class's own conversion reads only the vocabulary."""
+    import transformers
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if name else None
+    if not isinstance(cls, type) or cls.__name__ in ("MistralCommonBackend", "PythonBackend"):
+        return transformers.TokenizersBackend
+    return cls

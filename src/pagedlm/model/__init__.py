@@ -17,7 +17,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
                kernel_max_rows: int = KERNEL_MAX_ROWS,
                head_kernel_max_rows: int | None = None,
                fallback: str | None = None, dense_copy: bool = True,
-               native: bool = False) -> tuple[CausalLM, ModelConfig]:
+               native: bool = False, weight_cache_dir: Path | None = None) -> tuple[CausalLM, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
     rows through a dense copy in `dense_dtype` (per call without `dense_copy`), see model/quant/ and plan.py;
@@ -26,8 +26,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     kernel runs as stored, the plan's default for a GGUF). Weights stream from the checkpoint into
     their final format one tensor at a time: the model is built without weights (`layers.deferred_weights`) and
     each Linear is quantized as soon as it is loaded, so loading never holds more than the result plus one tensor's
-    temporaries."""
-    from pagedlm.hub.loader import iter_weights, load_hf_config
+    temporaries. With `weight_cache_dir`, a GGUF's converted layouts are mapped from the repacked-weight cache
+    there where it holds them, and written there at the end of a load that converted anything (weight_cache.py);
+    `model.weight_cache` then says what was mapped and converted."""
+    from pagedlm.hub.loader import iter_weights, load_hf_config, open_gguf
+    from pagedlm.model import weight_cache
     from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.layers import Linear, deferred_weights
     from pagedlm.model.llama import LlamaForCausalLM
@@ -49,9 +52,14 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     quantizer = LinearQuantizer(model, quantization, group_size, fallback, native) if quantization else None
     # the vocabulary matrices become int8 (bf16) tables: read them by rows, never whole in fp32
     lazy = ("model.embed_tokens.weight", "lm_head.weight") if quantization and device.type == "cpu" else ()
-    model.load_weights(iter_weights(path, dtype, native, lazy), quantizer, device)
-    if quantizer is not None:
-        quantizer.finish(dense_dtype, kernel_max_rows, head_kernel_max_rows, dense_copy)
+    cache = None
+    if weight_cache_dir is not None and quantization and device.type == "cpu" and Path(path).is_file():
+        cache = weight_cache.WeightCache.open(weight_cache_dir, Path(path), open_gguf(path))
+    with weight_cache.active(cache):
+        model.load_weights(iter_weights(path, dtype, native, lazy), quantizer, device)
+        if quantizer is not None:
+            quantizer.finish(dense_dtype, kernel_max_rows, head_kernel_max_rows, dense_copy)
+    model.weight_cache = cache.stats if cache is not None else None
     model.process_weights_after_loading()
     if dtype == torch.bfloat16 and device.type == "cpu":
         from pagedlm.cpu import cpu_features

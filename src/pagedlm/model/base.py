@@ -16,6 +16,7 @@ from pagedlm.model.layers import Linear
 
 if TYPE_CHECKING:
     from pagedlm.model.llama_decode import FusedStack, LlamaDecodeKernel
+    from pagedlm.model.weight_cache import WeightCacheStats
 
 
 class CausalLM(nn.Module):
@@ -46,6 +47,7 @@ class CausalLM(nn.Module):
         # checkpoint tensors kept in their own format for `finalize`, by parameter name (_copy)
         self.native_weights: dict[str, Int4Blocks | RawBlocks | LazyRows] = {}
         self._decode_kernel: LlamaDecodeKernel | None | bool = False  # False: not built yet
+        self.weight_cache: WeightCacheStats | None = None  # what the load mapped and converted (load_model)
 
     # ---- forward -------------------------------------------------------------------------------------------
 

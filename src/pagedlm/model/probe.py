@@ -2,10 +2,11 @@
 
 Decode streams every weight from memory once per step, so the probe times both paths with cold weights (a buffer
 larger than the last-level cache is read between calls). The answer is cached per CPU, torch version and setting in
-the kernel cache directory, so only the first start on a machine pays for it (about two seconds). It runs in two
-rounds; where they disagree (a reading disturbed by other work) the larger answer is kept as unsettled and probed
-again at a start a day later at the earliest, so a busy machine does not pay a probe at every start (the answer only
-decides which path runs big steps faster, never what they compute).
+the kernel cache directory, so only the first start on a machine pays for it (about two seconds; a fraction of that
+without a dense copy, see QUICK_MARGIN). It runs in two rounds; where they disagree (a reading disturbed by other
+work) the larger answer is kept as unsettled and probed again at a start a day later at the earliest, so a busy
+machine does not pay a probe at every start (the answer only decides which path runs big steps faster, never what
+they compute).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 import torch
 
 from pagedlm import cbuild
+from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.cpu import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,12 @@ ROUNDS = 2  # rounds that disagree are cached as unsettled: probed again after R
 RETRY_S = 24 * 3600
 FLUSH_BYTES = 96 * 2**20
 PROBE_VERSION = 4  # 2: the dense side is the layer's own big-step path (prepacked bf16); 3: shapes; 4: 256 rows
+# Without a dense copy (models over DENSE_COPY_MEMORY_FRACTION: 1B and up on most machines) a big step dequantizes the
+# whole weight first, a fixed cost fewer rows cannot amortize: the dense path's lead over the kernel, if it has one,
+# is largest at the most rows. So those probes time the most rows first (QUICK_REPEATS runs of each path); a kernel
+# QUICK_MARGIN times as fast there takes every step, settled, without the rounds (a probe of ~0.3 s, not ~10 s).
+QUICK_REPEATS = 3
+QUICK_MARGIN = 1.5
 
 
 def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dtype,
@@ -47,10 +55,14 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
     except (OSError, ValueError, KeyError, TypeError):
         pass
     t0 = time.perf_counter()
-    rounds = [_time_paths(method, group_size, dense_dtype, shape, copy) for _ in range(ROUNDS)]
-    found = [_crossover(t) for t in rounds]
-    rows, timings = max(zip(found, rounds), key=lambda x: x[0])
-    stable = len(set(found)) == 1
+    top = {} if copy else _time_paths(method, group_size, dense_dtype, shape, copy, (max(ROWS),), QUICK_REPEATS)
+    if top and top[max(ROWS)][0] * QUICK_MARGIN <= top[max(ROWS)][1]:
+        rows, timings, stable, found = KERNEL_MAX_ROWS, top, True, [KERNEL_MAX_ROWS]
+    else:
+        rounds = [_time_paths(method, group_size, dense_dtype, shape, copy) for _ in range(ROUNDS)]
+        found = [_crossover(t) for t in rounds]
+        rows, timings = max(zip(found, rounds), key=lambda x: x[0])
+        stable = len(set(found)) == 1
     detail = ", ".join(f"{r}: {k * 1e6:.0f}/{d * 1e6:.0f} us" for r, (k, d) in timings.items())
     logger.info("probe (%.1f s): %s %dx%d kernel / dense %s GEMM by rows: %s -> kernel_max_rows %s%s",
                 time.perf_counter() - t0, method, *shape, str(dense_dtype).removeprefix("torch."), detail, _rows(rows),
@@ -68,8 +80,6 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
 
 
 def _rows(rows: int) -> str:
-    from pagedlm.config import KERNEL_MAX_ROWS
-
     return "unlimited" if rows >= KERNEL_MAX_ROWS else str(rows)
 
 
@@ -86,8 +96,6 @@ def _kernel_version() -> str:
 def _crossover(timings: dict[int, tuple[float, float]]) -> int:
     """The most rows up to which the kernel is at least as fast as the dense GEMM at every candidate
     (KERNEL_MAX_ROWS, no limit, where it wins at all of them)."""
-    from pagedlm.config import KERNEL_MAX_ROWS
-
     rows = 1
     for r in ROWS:
         if r not in timings:
@@ -100,7 +108,8 @@ def _crossover(timings: dict[int, tuple[float, float]]) -> int:
 
 
 def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype, shape: tuple[int, int],
-                copy: bool = True) -> dict[int, tuple[float, float]]:
+                copy: bool = True, candidates: tuple[int, ...] = ROWS,
+                repeats: int = REPEATS) -> dict[int, tuple[float, float]]:
     from pagedlm.model.quant import make_quant_linear
 
     k, n = shape
@@ -114,11 +123,11 @@ def _time_paths(method: str, group_size: int, dense_dtype: torch.dtype, shape: t
     flush = torch.ones(FLUSH_BYTES // 4)
     out: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
-        for rows in ROWS:
+        for rows in candidates:
             x = torch.randn(rows, k, generator=gen)
             runs = {"kernel": lambda: quant(x), "dense": lambda: dense(x)}
             times: dict[str, list[float]] = {name: [] for name in runs}
-            for _ in range(REPEATS):
+            for _ in range(repeats):
                 for name, fn in runs.items():
                     flush.sum()  # evict the weights
                     t = time.perf_counter()

@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.hf
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
@@ -82,6 +81,8 @@ class StructuredOutputManager:
                  cache_size: int = DEFAULT_CACHE_SIZE, num_threads: int | None = None) -> None:
         eos = sorted(eos_token_ids)
         self.vocab_size = vocab_size
+        import llguidance.hf  # imports transformers: not at start-up
+
         self.tokenizer: LLTokenizer = llguidance.hf.from_tokenizer(
             hf_tokenizer, n_vocab=max(vocab_size, len(hf_tokenizer)), eos_token=eos or None)
         self.words = (self.tokenizer.vocab_size + 31) // 32

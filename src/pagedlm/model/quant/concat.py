@@ -19,12 +19,13 @@ _ONE_LAYOUT = {"Q4_0", "Q4_1"}  # kinds one int4 layout holds together (fp16 sca
 def runs(weight: RawBlocks) -> list[RawBlocks]:
     """`weight`'s parts grouped into consecutive runs that one layer holds."""
     out: list[RawBlocks] = []
-    for part in weight.parts:
-        kind = part[1]
+    names = weight.names if len(weight.names) == len(weight.parts) else [None] * len(weight.parts)
+    for part, name in zip(weight.parts, names):
+        kind, named = part[1], [name] if name else []
         if out and (out[-1].kinds == {kind} or out[-1].kinds | {kind} <= _ONE_LAYOUT):
-            out[-1] = RawBlocks(out[-1].parts + [part], weight.cols)
+            out[-1] = RawBlocks(out[-1].parts + [part], weight.cols, [], out[-1].names + named)
         else:
-            out.append(RawBlocks([part], weight.cols))
+            out.append(RawBlocks([part], weight.cols, [], named))
     return out
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagedlm.hub.blocks import RawBlocks
+from pagedlm.model import weight_cache
 from pagedlm.model.quant import kernel
 from pagedlm.model.quant.formats import X16, quantize_activations_q8
 from pagedlm.model.quant.kernel import scratch
@@ -39,18 +40,26 @@ class GGUFLinear(QuantLinear):
         n, k = weight.shape
         super().__init__(k, n)
         (self.kind,) = weight.kinds
-        for name, (numel, dtype) in _sizes(self.kind, n, k).items():
-            self.register_buffer(name, torch.zeros(numel, dtype=dtype))
-        lib, row0 = kernel.load_quant_kernel(), 0
-        for data, _, perm in weight.parts:
-            data = np.ascontiguousarray(data)
-            idx = None if perm is None else np.ascontiguousarray(perm, dtype=np.int64)
-            rc = lib.pagedlm_gguf_to_x16(data.ctypes.data, GGUF_KINDS[self.kind], data.shape[0], k,
-                                         None if idx is None else idx.ctypes.data, row0, *self._pointers(),
-                                         torch.get_num_threads())
-            if rc:
-                raise RuntimeError(f"GGUF {self.kind} repacking failed (code {rc})")
-            row0 += data.shape[0]
+        sizes = _sizes(self.kind, n, k)
+
+        def fill(out: list[torch.Tensor]) -> None:
+            out[1].zero_()  # the high-bit planes are or-ed in
+            lib, row0 = kernel.load_quant_kernel(), 0
+            pointers = tuple(t.data_ptr() if t.numel() else None for t in out)
+            for data, _, perm in weight.parts:
+                data = np.ascontiguousarray(data)
+                idx = None if perm is None else np.ascontiguousarray(perm, dtype=np.int64)
+                rc = lib.pagedlm_gguf_to_x16(data.ctypes.data, GGUF_KINDS[self.kind], data.shape[0], k,
+                                             None if idx is None else idx.ctypes.data, row0, *pointers,
+                                             torch.get_num_threads())
+                if rc:
+                    raise RuntimeError(f"GGUF {self.kind} repacking failed (code {rc})")
+                row0 += data.shape[0]
+
+        buffers = weight_cache.converted(weight.source, "gguf_x16", [((numel,), dtype) for numel, dtype in
+                                                                     sizes.values()], fill)
+        for name, buf in zip(sizes, buffers):
+            self.register_buffer(name, buf)
         weight.converted()
 
     @staticmethod

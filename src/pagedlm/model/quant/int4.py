@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.hub.blocks import Int4Blocks, RawBlocks
+from pagedlm.model import weight_cache
 from pagedlm.model.quant import kernel
 from pagedlm.model.quant.formats import X16, dequantize_int4, from_x16, quantize_activations_q8, quantize_int4, to_x16
 from pagedlm.model.quant.kernel import scratch, x16_native
@@ -129,33 +130,38 @@ def _x16_native_kinds(raw: RawBlocks) -> bool:
 
 
 def _x16_from_gguf(raw: RawBlocks) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], str]:
-    """The x16 layout (codes, scales, minimums) of GGUF Q4_0 / Q4_1 / Q4_K rows, written by the kernel in one pass,
-    and its Int4Linear.layout."""
+    """The x16 layout (codes, scales, minimums) of GGUF Q4_0 / Q4_1 / Q4_K rows, written by the kernel in one pass
+    (or mapped from the repacked-weight cache), and its Int4Linear.layout."""
     n, k = raw.shape
-    codes = torch.empty(n, k // 2, dtype=torch.uint8)
     q4_k = raw.kinds == {"Q4_K"}
     if q4_k:
-        scales, mins = torch.empty(n, k // 256 * 2, dtype=torch.float16), torch.empty(n, k // 32 * 2, dtype=torch.uint8)
+        specs = [((n, k // 2), torch.uint8), ((n, k // 256 * 2), torch.float16), ((n, k // 32 * 2), torch.uint8)]
     else:
-        scales = torch.empty(n, k // 32, dtype=torch.float16)
-        mins = torch.empty(0 if raw.kinds == {"Q4_0"} else n, k // 32, dtype=torch.float16)
-    row0, lib = 0, kernel.load_quant_kernel()
-    for data, kind, perm in raw.parts:
-        data = np.ascontiguousarray(data)
-        idx = None if perm is None else np.ascontiguousarray(perm, dtype=np.int64)
-        idx_ptr = None if idx is None else idx.ctypes.data
-        if q4_k:
-            rc = lib.pagedlm_gguf_q4_k_to_x16(data.ctypes.data, data.shape[0], k, idx_ptr, row0, codes.data_ptr(),
-                                              scales.data_ptr(), mins.data_ptr(), torch.get_num_threads())
-        else:
-            rc = lib.pagedlm_gguf_q4_to_x16(data.ctypes.data, {"Q4_0": 0, "Q4_1": 1}[kind], data.shape[0], k, idx_ptr,
-                                            row0, codes.data_ptr(), scales.data_ptr(), _ptr(mins),
-                                            torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"int4 repacking failed (code {rc})")
-        row0 += data.shape[0]
+        specs = [((n, k // 2), torch.uint8), ((n, k // 32), torch.float16),
+                 ((0 if raw.kinds == {"Q4_0"} else n, k // 32), torch.float16)]
+    layout = "x16_k" if q4_k else "x16"
+
+    def fill(out: list[torch.Tensor]) -> None:
+        codes, scales, mins = out
+        row0, lib = 0, kernel.load_quant_kernel()
+        for data, kind, perm in raw.parts:
+            data = np.ascontiguousarray(data)
+            idx = None if perm is None else np.ascontiguousarray(perm, dtype=np.int64)
+            idx_ptr = None if idx is None else idx.ctypes.data
+            if q4_k:
+                rc = lib.pagedlm_gguf_q4_k_to_x16(data.ctypes.data, data.shape[0], k, idx_ptr, row0, codes.data_ptr(),
+                                                  scales.data_ptr(), mins.data_ptr(), torch.get_num_threads())
+            else:
+                rc = lib.pagedlm_gguf_q4_to_x16(data.ctypes.data, {"Q4_0": 0, "Q4_1": 1}[kind], data.shape[0], k,
+                                                idx_ptr, row0, codes.data_ptr(), scales.data_ptr(), _ptr(mins),
+                                                torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"int4 repacking failed (code {rc})")
+            row0 += data.shape[0]
+
+    codes, scales, mins = weight_cache.converted(raw.source, f"int4_{layout}", specs, fill)
     raw.converted()
-    return (codes, scales, mins), "x16_k" if q4_k else "x16"
+    return (codes, scales, mins), layout
 
 
 def _dequantize_q4_k_x16(codes: torch.Tensor, dd: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ per-call dequantization for big ones), int8 and bf16 weights, the tied embedding
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from pagedlm.config import KERNEL_MAX_ROWS, QUANTIZATION_METHODS
 from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawBlocks
+from pagedlm.model import weight_cache
 from pagedlm.model.quant import kernel
 from pagedlm.model.quant.formats import (
     X16,
@@ -118,13 +120,17 @@ class Int8Linear(QuantLinear):
         layout = int8_to_x16 if self.x16 else pack_int8 if self.packed else None
         if layout is None:
             q, scale = quantize_int8(weight)
-        else:  # by rows straight into the layout (tiles of 16 / 4 rows are contiguous): no second copy of the table
-            device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
-            q = torch.empty(n * k, dtype=torch.int8, device=device)
-            scale = torch.empty(n, dtype=torch.float32, device=device)
-            for i in range(0, n, 512):
-                qc, scale[i:i + 512] = _int8_rows(weight, i, i + 512)
-                q[i * k:i * k + qc.numel()] = layout(qc).view(-1)
+        elif isinstance(weight, LazyRows):  # a GGUF table: requantized once, then mapped from the cache
+            def fill(out: list[torch.Tensor]) -> None:
+                _int8_into(weight, layout, *out)
+
+            q, scale = weight_cache.converted(weight.source, "int8_x16" if self.x16 else "int8_packed",
+                                              [((n * k,), torch.int8), ((n,), torch.float32)], fill)
+            q = q.view(n, k) if self.x16 else q.view(n // 4, k // 16, 4, 16)
+        else:
+            q = torch.empty(n * k, dtype=torch.int8, device=weight.device)
+            scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+            _int8_into(weight, layout, q, scale)
             q = q.view(n, k) if self.x16 else q.view(n // 4, k // 16, 4, 16)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
@@ -171,6 +177,16 @@ class Int8Linear(QuantLinear):
         lib.pagedlm_linear_int8(x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), y.data_ptr(),
                                 x.shape[0], self.in_features, self.out_features, int(self.packed),
                                 torch.get_num_threads())
+
+
+def _int8_into(w: torch.Tensor | LazyRows, layout: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor,
+               scale: torch.Tensor) -> None:
+    """w quantized to int8 per row into `q` ([N * K], in `layout`) and `scale`, by rows straight into the layout
+    (tiles of 16 / 4 rows are contiguous): no second copy of the table."""
+    n, k = w.shape
+    for i in range(0, n, 512):
+        qc, scale[i:i + 512] = _int8_rows(w, i, i + 512)
+        q[i * k:i * k + qc.numel()] = layout(qc).view(-1)
 
 
 def _int8_rows(w: torch.Tensor | LazyRows, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:

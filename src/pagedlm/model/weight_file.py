@@ -1,0 +1,199 @@
+"""The repacked-weight cache's files (model/weight_cache.py): their key, their directory, their layout and checks.
+
+A file is the converted weights' buffers, each at a page boundary, then the index (JSON: format version, key, data
+length, and per entry the dtype, shape, offset, length and checksum of each buffer), then a trailer: MAGIC, the
+index's length and its SHA-256.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import stat
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from pagedlm import cbuild
+from pagedlm.cpu import cpu_features
+from pagedlm.hub.gguf_file import GGUFFile
+
+FORMAT_VERSION = 1
+MAGIC = b"PGLMWTC1"
+TRAILER = struct.Struct("<8sQ32s")  # at the end of the file: magic, index length, SHA-256 of the index
+PAGE = mmap.PAGESIZE
+SAMPLES = 16  # pages checked per tensor over WHOLE bytes
+WHOLE = 256 * 1024
+DTYPES = {str(d): d for d in (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int32)}
+STALE_TMP_S = 24 * 3600  # a temporary file this old is a crashed writer's: removed
+
+
+def cache_key(source: Path, reader: GGUFFile) -> dict:
+    """Everything a cache file must have been built from to be used for `source` here."""
+    st = source.stat()
+    return {"source": str(source.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sample": _file_digest(reader), "cpu": sorted(cpu_features().flags), "kernel": _kernel_key(),
+            "layouts": _layout_digest(), "format": FORMAT_VERSION, "byteorder": sys.byteorder}
+
+
+def _file_digest(reader: GGUFFile) -> str:
+    """SHA-256 of the file's header (metadata and tensor table) and of SAMPLES pages of its data."""
+    buf = reader.mapping
+    if buf is None:
+        return ""
+    start = min((t.offset for t in reader.tensors), default=len(buf))
+    h = hashlib.sha256(buf[:start])
+    span = max(len(buf) - start - PAGE, 0)
+    for i in range(SAMPLES):
+        at = start + span * i // (SAMPLES - 1)
+        h.update(buf[at:at + PAGE])
+    return h.hexdigest()
+
+
+def _kernel_key() -> str:
+    from pagedlm.model.quant import SOURCE
+
+    try:
+        return cbuild.cache_key(SOURCE, cbuild.compiler())
+    except (OSError, RuntimeError):
+        return ""
+
+
+def _layout_digest() -> str:
+    h = hashlib.sha256()
+    for f in sorted((Path(__file__).parent / "quant").glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def private_dir(directory: Path) -> Path:
+    """`directory`, created with mode 0700; an existing one must be a directory owned by this user (set to 0700)."""
+    directory = Path(directory).expanduser()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{directory} is not a directory owned by this user")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
+    return directory
+
+
+def remove_stale_tmp(path: Path) -> None:
+    for tmp in path.parent.glob(f"{path.name}.*.tmp"):
+        try:
+            if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
+        except OSError:
+            pass
+
+
+def remove_orphans(directory: Path) -> None:
+    """Remove the cache files whose model file is gone (a deleted download, a test's temporary model)."""
+    for f in directory.glob("*.bin"):
+        try:
+            if not Path(_index(f)[0]["key"]["source"]).exists():
+                f.unlink()
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def checksum(buf, offset: int, nbytes: int) -> int:
+    """CRC-32 of bytes offset .. offset + nbytes of `buf`: all of them up to WHOLE, else SAMPLES pages."""
+    view = memoryview(buf)
+    if nbytes <= WHOLE:
+        return zlib.crc32(view[offset:offset + nbytes])
+    crc = 0
+    for i in range(SAMPLES):
+        at = offset + (nbytes - PAGE) * i // (SAMPLES - 1)
+        crc = zlib.crc32(view[at:at + PAGE], crc)
+    return crc
+
+
+def _index(path: Path) -> tuple[dict, int]:
+    """A cache file's index (its trailer and SHA-256 checked) and where it starts; ValueError if damaged."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < TRAILER.size:
+            raise ValueError("truncated")
+        f.seek(size - TRAILER.size)
+        magic, length, digest = TRAILER.unpack(f.read(TRAILER.size))
+        if magic != MAGIC or length > size - TRAILER.size:
+            raise ValueError("not a repacked-weight cache file, or truncated")
+        f.seek(size - TRAILER.size - length)
+        index = f.read(length)
+    if hashlib.sha256(index).digest() != digest:
+        raise ValueError("index checksum mismatch")
+    return json.loads(index), size - TRAILER.size - length
+
+
+def read(path: Path, key: dict) -> tuple[mmap.mmap, dict[str, list[list]]]:
+    """The mapped file and its entries, once every check of the module docstring passed (else ValueError)."""
+    head, index_start = _index(path)
+    if head.get("format") != FORMAT_VERSION or head.get("key") != key:
+        old = head.get("key") if isinstance(head.get("key"), dict) else {}
+        changed = ", ".join(sorted(k for k in key if old.get(k) != key[k])) or "format"
+        raise ValueError(f"stale: built for another {changed}")
+    end = head["data_bytes"]
+    if end != index_start or end % PAGE:
+        raise ValueError(f"the index says {end} bytes of buffers, the file holds {index_start}")
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: the file is never written through
+    entries: dict[str, list[list]] = head["entries"]
+    spans = []
+    for entry, record in entries.items():
+        for dtype, shape, offset, nbytes, crc in record:
+            n = numel(d if isinstance(d, int) and d >= 0 else -(1 << 62) for d in shape)
+            if (dtype not in DTYPES or n < 0 or n * DTYPES[dtype].itemsize != nbytes
+                    or not isinstance(offset, int) or offset < 0 or offset % PAGE or offset + nbytes > end):
+                raise ValueError(f"entry {entry!r} does not fit the file")
+            if nbytes and checksum(mapping, offset, nbytes) != crc:
+                raise ValueError(f"checksum mismatch in {entry!r}")
+            spans.append((offset, offset + nbytes))
+    spans.sort()
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        raise ValueError("overlapping entries")
+    if hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_WILLNEED)
+    return mapping, entries
+
+
+def view(mapping: mmap.mmap, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Bytes offset .. of `mapping` as a tensor of `shape` and `dtype` (it keeps the mapping alive)."""
+    n = numel(shape)
+    if n == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(mapping, dtype=dtype, count=n, offset=offset).view(tuple(shape))
+
+
+def write(fd: int, key: dict, entries: dict[str, list[torch.Tensor]]) -> None:
+    """A cache file into `fd`: each entry's buffers at page boundaries, then the index and the trailer."""
+    index: dict[str, list[list]] = {}
+    end = 0
+    for entry, tensors in entries.items():
+        index[entry] = []
+        for t in tensors:
+            data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+            done = 0
+            while done < data.nbytes:
+                done += os.pwrite(fd, data[done:], end + done)
+            index[entry].append([str(t.dtype), list(t.shape), end, data.nbytes, checksum(data, 0, data.nbytes)])
+            end += pages(data.nbytes)
+    head = json.dumps({"format": FORMAT_VERSION, "key": key, "data_bytes": end, "entries": index}).encode()
+    os.pwrite(fd, head + TRAILER.pack(MAGIC, len(head), hashlib.sha256(head).digest()), end)
