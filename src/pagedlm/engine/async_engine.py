@@ -52,14 +52,9 @@ _STOP = object()
 
 class AsyncLLMEngine(EngineClient):
     """Owns `engine` and the thread that steps it (started here; stop it with `shutdown()`). Other threads
-    use the engine only through `input_processor` (its facts and request checks).
-
-    `loop` (LoopConfig; default `LoopConfig.offline()`): max_waiting, requests the scheduler may hold waiting
-    before a request gets QueueFullError; log_interval, seconds between throughput log lines while active (0:
-    none); stream_stall_timeout, seconds a request's output may wait unread (a client that stopped reading its
-    stream) before the request is failed and its blocks freed (0: never).
-    Listeners (`add_listener`) run on the engine thread after every loop iteration.
-    """
+    use the engine only through `input_processor` (its facts and request checks). `loop` (LoopConfig, default
+    `LoopConfig.offline()`) bounds the waiting queue, stalled streams and the throughput log. Listeners
+    (`add_listener`) run on the engine thread after every loop iteration."""
 
     def __init__(self, engine: LLMEngine, loop: LoopConfig | None = None) -> None:
         self.loop_config = loop = loop or LoopConfig.offline()
@@ -67,10 +62,9 @@ class AsyncLLMEngine(EngineClient):
         self.input_processor = engine.input_processor
         self.max_waiting = loop.max_waiting
         self.stall_timeout = loop.stream_stall_timeout
-        self.num_stalled = 0  # requests failed because nobody read their outputs
         self.stats: EngineStats = engine.get_stats()  # snapshot, refreshed by the engine thread
-        self.num_rejected = 0  # requests refused because the waiting queue was full
-        self.num_failed = 0  # requests failed by an engine error
+        # requests failed because nobody read their outputs / refused (waiting queue full) / failed by an error
+        self.num_stalled = self.num_rejected = self.num_failed = 0
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -182,9 +176,9 @@ class AsyncLLMEngine(EngineClient):
                         cmd.future.set_exception(err)
 
     def _dead_error(self) -> EngineDeadError:
-        if isinstance(self._dead, EngineDeadError):
-            return self._dead
-        return EngineDeadError(f"The engine loop has stopped ({type(self._dead).__name__}); see the server log.")
+        dead = self._dead
+        return dead if isinstance(dead, EngineDeadError) else EngineDeadError(
+            f"The engine loop has stopped ({type(dead).__name__}); see the server log.")
 
     def _fail_stalled(self, record: StepRecord) -> None:
         now = time.monotonic()
@@ -278,11 +272,10 @@ class AsyncLLMEngine(EngineClient):
                 items.append((stream, out.error))
                 continue
             m = out.metrics
-            if stream._last_output_time is None:
-                if m is not None and m.first_token_time is not None:
-                    record.ttft.append(m.first_token_time - m.arrival_time)
-            else:
+            if stream._last_output_time is not None:
                 record.itl.append(now - stream._last_output_time)
+            elif m is not None and m.first_token_time is not None:
+                record.ttft.append(m.first_token_time - m.arrival_time)
             stream._last_output_time = now
             items.append((stream, out))
         self._deliver(items)

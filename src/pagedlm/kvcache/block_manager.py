@@ -141,8 +141,7 @@ class BlockManager:
     `sliding_windows` has one entry per KV cache group (None: full attention; default: one full group). A
     sequence's tables cover its first `num_computed_tokens` tokens plus whatever `allocate` / `append_slots`
     reserved for the tokens scheduled next. While swapped out, its tables list host blocks. Prefix caching
-    needs every cached block to hold all layers of its tokens, so it is off for models with sliding layers.
-    """
+    needs every cached block to hold all layers of its tokens, so it is off for models with sliding layers."""
 
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.01,
                  enable_prefix_caching: bool = False, sliding_windows: list[int | None] | None = None) -> None:
@@ -161,10 +160,8 @@ class BlockManager:
         self.swapped: set[int] = set()  # seq ids whose tables list host blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.seq_hashes: dict[int, list[bytes]] = {}  # chain hashes of each sequence's full blocks
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of which found cached
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache / found cached
 
-    # --- queries -----------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return self.gpu.num_free
@@ -188,8 +185,7 @@ class BlockManager:
 
     def _new_blocks_needed(self, seq: SeqLike, num_new_tokens: int) -> int:
         total = self._blocks_for(seq.num_computed_tokens + num_new_tokens)
-        tables = self.block_tables.get(seq.seq_id)
-        if tables is None:
+        if (tables := self.block_tables.get(seq.seq_id)) is None:
             return total * self.num_groups
         return sum(max(0, total - len(t)) + self._needs_cow(seq, t) for t in tables)
 
@@ -205,7 +201,6 @@ class BlockManager:
     def max_tokens_per_seq(self, max_chunk: int | None = None) -> int:
         return max_tokens_per_seq(self.sliding_windows, self.block_size, self.gpu.num_blocks, max_chunk)
 
-    # --- prefix cache --------------------------------------------------------------------------------
     def find_cached_prefix(self, seq: CacheableSeq) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence that has no blocks yet. The block with the
         last token is never matched: at least one token is always computed, to produce logits."""
@@ -250,7 +245,6 @@ class BlockManager:
             if block != NULL_BLOCK and self.gpu.block_hash[block] is not None:
                 self.gpu.unregister(block)
 
-    # --- allocation ----------------------------------------------------------------------------------
     def can_allocate(self, seqs: list[SeqLike], num_new_tokens: list[int],
                      cached: list[list[int]] | None = None) -> bool:
         """Room to admit new work (a waiting request's prefill chunk, after its `cached` prefix blocks)
@@ -318,10 +312,8 @@ class BlockManager:
                 i -= 1
 
     def truncate(self, seq: SeqLike, num_tokens: int) -> None:
-        """Drop the sequence's reference to each device block past those holding its first `num_tokens` tokens, in
-        every group (speculative decoding's rejected tail: slots reserved for draft tokens that were not accepted).
-        Those blocks were never committed to the prefix cache (`commit` covers accepted tokens only); the kept last
-        block may hold a rejected token's K/V past `num_tokens`, which the next token at that slot overwrites."""
+        """Drop the device blocks past the first `num_tokens` tokens in every group (a rejected draft's slots: never
+        committed). The kept last block may hold a rejected K/V past `num_tokens`, overwritten by the next token."""
         tables = self.block_tables.get(seq.seq_id)
         if tables is None or seq.seq_id in self.swapped:
             return
@@ -355,7 +347,6 @@ class BlockManager:
                     pool.decref(block)
         self.seq_hashes.pop(seq.seq_id, None)
 
-    # --- swapping ----------------------------------------------------------------------------------------
     def _distinct(self, seqs: list[SeqLike]) -> list[int]:
         return list(dict.fromkeys(b for s in seqs for t in self.block_tables.get(s.seq_id, []) for b in t
                                   if b != NULL_BLOCK))
