@@ -173,3 +173,28 @@ def test_failed_step_leaves_no_cached_blocks(tiny_model_dir, monkeypatch):
 def generate(engine, request_id: str, prompt: list[int]):
     engine.add_request(request_id, prompt, GREEDY)
     return Steps(engine).run()[request_id]
+
+
+def test_a_cached_prefix_as_big_as_the_pool_is_admitted(tiny_model_dir):
+    """A prompt whose cached prefix fills nearly the whole pool (max_num_seqs=1, a pool of one max_model_len):
+    reviving every cached block at once plus the watermark cannot fit, so only the part that fits is reused and the
+    rest recomputed in chunks. Before, the request waited forever while the engine spun."""
+    from pagedlm.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine.from_args(str(tiny_model_dir), dtype="float32", block_size=4, num_kv_blocks=65, max_num_seqs=1,
+                              max_model_len=260, max_num_batched_tokens=32)
+    prompt = [5 + i % 200 for i in range(256)]  # 64 blocks of 65, then 2 tokens in the 65th
+    eng.block_manager.watermark_blocks = 2  # as in a pool of 200+ blocks (1%)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = []
+    for k in range(2):
+        eng.add_request(f"r{k}", prompt, params)
+        for _ in range(200):
+            if not eng.has_unfinished_requests():
+                break
+            for o in eng.step():
+                if o.finished:
+                    outs.append(o.outputs[0].token_ids)
+        assert not eng.has_unfinished_requests(), f"request {k} never finished"
+    assert outs[0] == outs[1] and eng.get_stats().prefix_cache_hits > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks

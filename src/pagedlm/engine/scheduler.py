@@ -214,11 +214,13 @@ class Scheduler:
                 self.waiting.appendleft(req)
         if self.config.scheduling_policy == "priority":
             self.waiting = deque(self._order(self.waiting))
+        hit_cap: dict[int, int] = {}  # seq id -> cached blocks reused, for a prefix too big to revive at once
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if self.num_running_seqs + req.num_seqs_reserved > self.config.max_num_seqs:
                 break
-            hits = {s.seq_id: [] if req.wants_prompt_logprobs else bm.find_cached_prefix(s) for s in req.live_seqs}
+            hits = {s.seq_id: [] if req.wants_prompt_logprobs else bm.find_cached_prefix(s)[:hit_cap.get(s.seq_id)]
+                    for s in req.live_seqs}
             if self.kv_loader is not None and self.kv_loader.defer(req, hits):
                 self.loading.append(self.waiting.popleft())
                 continue
@@ -230,7 +232,12 @@ class Scheduler:
                     n < s.num_uncomputed_tokens - skip[s.seq_id] for s, n in zip(seqs, nums)):
                 break
             if not bm.can_allocate(seqs, nums, [hits[s.seq_id] for s in seqs]):
-                break
+                if self.running or not any(hits.values()):
+                    break
+                # Nothing runs, so nothing will free blocks: the cached prefix (revived all at once) and the chunk
+                # cannot fit beside the watermark. Reuse half of it and recompute the rest.
+                hit_cap.update({sid: len(h) // 2 for sid, h in hits.items()})
+                continue
             budget = new_budget
             self.waiting.popleft()
             for seq, n in zip(seqs, nums):
