@@ -66,7 +66,7 @@ def run_files(d: Path) -> list[Path]:
 def one(args, length: int, cache_dir: Path) -> dict:
     rng = random.Random(length)
     engine_kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=length + 16,
-                     max_num_seqs=1)
+                     max_num_seqs=2)  # a pool of two sequences: one cached prefix is revived whole beside the watermark
     vocab = 10_000
     prompt = [rng.randrange(100, vocab) for _ in range(length)]
 
