@@ -56,16 +56,20 @@ def cache_dir() -> Path:
 
 
 def _private_cache_dir() -> Path:
-    """cache_dir(), created with mode 0700; an existing one must be a directory owned by this user (its mode is
-    set back to 0700)."""
-    d = cache_dir()
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(d)
+    """cache_dir(), private to this user (private_dir)."""
+    return private_dir(cache_dir())
+
+
+def private_dir(path: Path) -> Path:
+    """`path`, created with mode 0700; an existing one must be a directory (not a link) owned by this user (its mode
+    is set back to 0700). OSError where it cannot be created, RuntimeError where it is not this user's own."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise RuntimeError(f"kernel cache {d} is not a directory owned by this user")
+        raise RuntimeError(f"{path} is not a directory owned by this user")
     if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(d, 0o700)
-    return d
+        os.chmod(path, 0o700)
+    return path
 
 
 def trusted(path: Path) -> bool:

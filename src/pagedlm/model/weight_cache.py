@@ -95,7 +95,7 @@ class WeightCache:
     def open(cls, directory: Path, source: Path, reader: GGUFFile) -> WeightCache | None:
         """The cache of `source` (read as `reader`) in `directory`, or None where the directory cannot be used."""
         try:
-            return cls(weight_file.private_dir(directory), source, weight_file.cache_key(source, reader))
+            return cls(cbuild.private_dir(Path(directory).expanduser()), source, weight_file.cache_key(source, reader))
         except (OSError, RuntimeError) as e:
             logger.warning("Repacked-weight cache off (%s: %s); weights are converted at every start.",
                            type(e).__name__, e)

@@ -10,7 +10,6 @@ import hashlib
 import json
 import mmap
 import os
-import stat
 import struct
 import sys
 import time
@@ -70,18 +69,6 @@ def _layout_digest() -> str:
     for f in sorted((Path(__file__).parent / "quant").glob("*.py")):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
-
-
-def private_dir(directory: Path) -> Path:
-    """`directory`, created with mode 0700; an existing one must be a directory owned by this user (set to 0700)."""
-    directory = Path(directory).expanduser()
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise RuntimeError(f"{directory} is not a directory owned by this user")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(directory, 0o700)
-    return directory
 
 
 def remove_stale_tmp(path: Path) -> None:
