@@ -49,11 +49,15 @@ class LoadTracker:
             values = [v for t, v in samples if t >= since]
         return sum(values) / len(values) if values else None
 
+    def recent_means(self) -> tuple[float | None, float | None]:
+        """The mean TTFT and inter-token latency (seconds) of the last `window_s` seconds (None: no sample)."""
+        return self._recent(self._ttft), self._recent(self._itl)
+
     def stats(self) -> LoadStats:
         s = self.engine.stats
+        ttft, tpot = self.recent_means()
         return LoadStats(queue_len=s.num_waiting, running=s.num_running, kv_usage=s.kv_cache_usage,
-                         ttft_s=self._recent(self._ttft), tpot_s=self._recent(self._itl),
-                         healthy=self.engine.is_running)
+                         ttft_s=ttft, tpot_s=tpot, healthy=self.engine.is_running)
 
 
 @dataclass

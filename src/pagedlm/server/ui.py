@@ -9,9 +9,7 @@ builds at most one every `MIN_INTERVAL` seconds, whoever asks, and none while no
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +18,8 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from pagedlm import __version__
-from pagedlm.engine.client import EngineClient, StepRecord
+from pagedlm.engine.client import EngineClient
+from pagedlm.server.dispatch import LoadTracker
 from pagedlm.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -37,29 +36,10 @@ HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Re
                                       "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"}
 
 
-class LatencyWindow:
-    """An engine's TTFT and inter-token latencies of the last LATENCY_WINDOW seconds (a listener)."""
-
-    def __init__(self, engine: EngineClient) -> None:
-        self._ttft: deque[tuple[float, float]] = deque(maxlen=512)
-        self._itl: deque[tuple[float, float]] = deque(maxlen=2048)
-        self._lock = threading.Lock()
-        engine.add_listener(self.on_step)
-
-    def on_step(self, rec: StepRecord) -> None:
-        if rec.ttft or rec.itl:
-            now = time.monotonic()
-            with self._lock:
-                self._ttft.extend((now, v) for v in rec.ttft)
-                self._itl.extend((now, v) for v in rec.itl)
-
-    def state(self) -> dict[str, float | None]:
-        since = time.monotonic() - LATENCY_WINDOW
-        with self._lock:
-            ttft = [v for t, v in self._ttft if t >= since]
-            itl = [v for t, v in self._itl if t >= since]
-        mean = lambda xs: 1000 * sum(xs) / len(xs) if xs else None  # noqa: E731
-        return {"ttft_ms": mean(ttft), "tpot_ms": mean(itl)}
+def latency_state(latency: LoadTracker) -> dict[str, float | None]:
+    """The engine's mean TTFT and inter-token latency of the last LATENCY_WINDOW seconds, in milliseconds."""
+    ttft, tpot = latency.recent_means()
+    return {"ttft_ms": None if ttft is None else 1000 * ttft, "tpot_ms": None if tpot is None else 1000 * tpot}
 
 
 class SnapshotCache:
@@ -101,13 +81,13 @@ class MemoryState:
         self.models = {}
         for name, engine in engines.items():
             parts = dict(engine.replicas) or {"0": engine}
-            self.models[name] = (LatencyWindow(engine), {r: SnapshotCache(e, show_text) for r, e in parts.items()})
+            self.models[name] = (LoadTracker(engine, LATENCY_WINDOW), {r: SnapshotCache(e, show_text) for r, e in parts.items()})
 
     async def state(self) -> dict:
         models = {}
         for name, (latency, caches) in self.models.items():
             replicas = dict(zip(caches, await asyncio.gather(*(c.get() for c in caches.values()))))
-            models[name] = {"latency": latency.state(), "replicas": replicas}
+            models[name] = {"latency": latency_state(latency), "replicas": replicas}
         return {"version": __version__, "time": time.time(), "show_text": self.show_text, "models": models,
                 "router": router_state(self.router) if self.router is not None else None}
 
