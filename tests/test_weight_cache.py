@@ -152,3 +152,28 @@ def test_an_unusable_directory_turns_the_cache_off(model: Path, tmp_path: Path, 
     loaded = _load(model, not_a_dir)
     assert loaded.weight_cache is None and "Repacked-weight cache off" in caplog.text
     assert _weights(loaded) == _weights(_load(model, None))
+
+
+def _load_within(path: Path, cache: Path, budget: int):
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), "int4", 32, None, KERNEL_MAX_ROWS, native=True,
+                          weight_cache_dir=cache, weight_cache_budget=budget)
+    model.weight_cache.wait()
+    return model.weight_cache
+
+
+def test_the_files_stay_within_the_budget_least_recently_used_first(models: dict[str, Path], tmp_path: Path) -> None:
+    cache = tmp_path / "weights"
+    sizes = {k: _load_within(models[k], tmp_path / k, 2**40).path.stat().st_size for k in ("Q4_0", "Q4_K", "Q8_0")}
+    budget = sizes["Q4_0"] + sizes["Q4_K"] + sizes["Q8_0"] // 2  # any two fit beside each other, not three
+    q40, q4k = (_load_within(models[k], cache, budget).path for k in ("Q4_0", "Q4_K"))
+    os.utime(q40, (1, 1)), os.utime(q4k, (2, 2))
+    assert _load_within(models["Q4_0"], cache, budget).hits  # a start that maps Q4_0's file makes it the newest
+    q80 = _load_within(models["Q8_0"], cache, budget)
+    assert q80.written and q40.exists() and not q4k.exists()  # the least recently used went
+    assert sum(f.stat().st_size for f in cache.glob("*.bin")) <= budget
+
+
+def test_a_file_over_the_budget_is_not_written(model: Path, tmp_path: Path, caplog) -> None:
+    stats = _load_within(model, tmp_path / "weights", 4096)
+    assert stats.misses and not stats.written and not stats.path.exists()
+    assert "not cached" in caplog.text and "budget" in caplog.text

@@ -67,6 +67,9 @@ class EngineConfig:
     weight_cache: str = option("auto", "where a GGUF's repacked weights are cached, so that a second start maps "
                                "them instead of converting them again: auto (<cache root>/weights/<uid>), a "
                                "directory, or off (docs/models.md)", metavar="auto|off|DIR")
+    weight_cache_budget: str = option("auto", "most disk the repacked-weight cache may take (least recently used "
+                                      "files go first): auto (half the disk space free for it) or a size such as "
+                                      "20GiB", metavar="auto|SIZE")
     # per-request limits (a request beyond them is refused with ValueError before anything is allocated)
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs / top_logprobs a request may ask for")
     max_stop_sequences: int = option(32, "most stop strings (and, separately, stop token ids) per request")
@@ -94,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         if not str(self.weight_cache).strip():
             raise ValueError("weight_cache must be auto, off or a directory, got an empty string.")
+        if self.weight_cache_budget != "auto" and parse_bytes(self.weight_cache_budget) <= 0:
+            raise ValueError(f"weight_cache_budget must be auto or a positive size, got {self.weight_cache_budget!r}.")
         if self.kv_cache_dir is not None and not str(self.kv_cache_dir).strip():
             raise ValueError("kv_cache_dir must be a directory path, got an empty string.")
         if parse_bytes(self.kv_disk_budget) <= 0:

@@ -12,7 +12,7 @@ import torch
 
 from pagedlm import paths
 from pagedlm.attention import AttentionMetadata, get_attention_backend
-from pagedlm.config import EngineConfig
+from pagedlm.config import EngineConfig, parse_bytes
 from pagedlm.kvcache.kv_cache import KVCache, KVCacheSpec
 from pagedlm.model import load_model
 from pagedlm.model.plan import ExecutionPlan
@@ -45,7 +45,9 @@ class ModelRunner:
         self.model, self.model_config = load_model(model_path, dtype, self.device, plan.quantization, plan.group_size,
                                                    plan.dense_dtype, plan.kernel_max_rows,
                                                    plan.head_kernel_max_rows, plan.fallback, plan.dense_copy,
-                                                   bool(plan.native_types), weight_cache_dir(config.weight_cache))
+                                                   bool(plan.native_types), weight_cache_dir(config.weight_cache),
+                                                   None if config.weight_cache_budget == "auto"
+                                                   else parse_bytes(config.weight_cache_budget))
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
         self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, plan.kv_cache_dtype)

@@ -17,7 +17,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
                kernel_max_rows: int = KERNEL_MAX_ROWS,
                head_kernel_max_rows: int | None = None,
                fallback: str | None = None, dense_copy: bool = True,
-               native: bool = False, weight_cache_dir: Path | None = None) -> tuple[CausalLM, ModelConfig]:
+               native: bool = False, weight_cache_dir: Path | None = None,
+               weight_cache_budget: int | None = None) -> tuple[CausalLM, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
     rows through a dense copy in `dense_dtype` (per call without `dense_copy`), see model/quant/ and plan.py;
@@ -27,7 +28,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     their final format one tensor at a time: the model is built without weights (`layers.deferred_weights`) and
     each Linear is quantized as soon as it is loaded, so loading never holds more than the result plus one tensor's
     temporaries. With `weight_cache_dir`, a GGUF's converted layouts are mapped from the repacked-weight cache
-    there where it holds them, and written there at the end of a load that converted anything (weight_cache.py);
+    there where it holds them, and written there at the end of a load that converted anything (weight_cache.py; the
+    files there within `weight_cache_budget` bytes, None: half the disk space free for them);
     `model.weight_cache` then says what was mapped and converted."""
     from pagedlm.hub.loader import iter_weights, load_hf_config, open_gguf
     from pagedlm.model import weight_cache
@@ -54,7 +56,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     lazy = ("model.embed_tokens.weight", "lm_head.weight") if quantization and device.type == "cpu" else ()
     cache = None
     if weight_cache_dir is not None and quantization and device.type == "cpu" and Path(path).is_file():
-        cache = weight_cache.WeightCache.open(weight_cache_dir, Path(path), open_gguf(path))
+        cache = weight_cache.WeightCache.open(weight_cache_dir, Path(path), open_gguf(path), weight_cache_budget)
     with weight_cache.active(cache):
         model.load_weights(iter_weights(path, dtype, native, lazy), quantizer, device)
         if quantizer is not None:

@@ -14,7 +14,9 @@ rebuilt:
   CRC-32 of the whole buffer up to 256 KiB, else of 16 pages spread over it, first and last included (enough for a
   truncated, stale or partly written file and most damage, without reading GBs at every start).
 The buffers a layer takes from the file must have the shapes and dtypes it asks for, so whatever the file holds
-cannot make a kernel read outside a buffer. Files whose model file is gone are removed when another is written.
+cannot make a kernel read outside a buffer. Files whose model file is gone are removed when another is written, and
+the files stay within a disk budget (`weight_cache_budget`; least recently used removed first, none written where it
+would leave less than 1 GiB of disk free).
 """
 from __future__ import annotations
 
@@ -83,8 +85,9 @@ class WeightCache:
     """The cache file of one model file: `lookup` gives a converted weight's buffers as views of the mapped file,
     `add` records the ones converted at this start, `save` writes them (on a thread of its own)."""
 
-    def __init__(self, directory: Path, source: Path, key: dict) -> None:
+    def __init__(self, directory: Path, source: Path, key: dict, budget: int | None = None) -> None:
         self.key = key
+        self.budget = budget
         self.stats = WeightCacheStats(cache_file(directory, source))
         self._entries: dict[str, list[list]] = {}  # the file's: entry -> [[dtype, shape, offset, nbytes, crc]]
         self._mapping: mmap.mmap | None = None
@@ -92,10 +95,12 @@ class WeightCache:
         self._load()
 
     @classmethod
-    def open(cls, directory: Path, source: Path, reader: GGUFFile) -> WeightCache | None:
-        """The cache of `source` (read as `reader`) in `directory`, or None where the directory cannot be used."""
+    def open(cls, directory: Path, source: Path, reader: GGUFFile, budget: int | None = None) -> WeightCache | None:
+        """The cache of `source` (read as `reader`) in `directory`, its files within `budget` bytes (None: half the
+        disk space free for them), or None where the directory cannot be used."""
         try:
-            return cls(cbuild.private_dir(Path(directory).expanduser()), source, weight_file.cache_key(source, reader))
+            return cls(cbuild.private_dir(Path(directory).expanduser()), source, weight_file.cache_key(source, reader),
+                       budget)
         except (OSError, RuntimeError) as e:
             logger.warning("Repacked-weight cache off (%s: %s); weights are converted at every start.",
                            type(e).__name__, e)
@@ -132,6 +137,11 @@ class WeightCache:
         tmp = None
         try:
             weight_file.remove_stale_tmp(path)
+            weight_file.remove_orphans(path.parent)
+            needed = weight_file.file_bytes(entries, self.key)
+            if (full := weight_file.make_room(path.parent, path, needed, self.budget)) is not None:
+                logger.warning("Repacked weights not cached: %s.", full)
+                return
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")  # mode 0600
             try:
                 weight_file.write(fd, self.key, entries)
@@ -141,7 +151,6 @@ class WeightCache:
             self.stats.written = True
             logger.info("Repacked weights cached in %s (%.1f GiB, %.1f s).", path, path.stat().st_size / 2**30,
                         time.perf_counter() - t0)
-            weight_file.remove_orphans(path.parent)
         except Exception as e:  # noqa: BLE001 - on its own thread: whatever fails is said, and the cache skipped
             logger.warning("Could not write the repacked-weight cache %s: %s: %s", path, type(e).__name__, e)
             if tmp is not None:
@@ -156,6 +165,7 @@ class WeightCache:
         else:
             try:
                 self._mapping, self._entries = weight_file.read(path, self.key)
+                os.utime(path)  # recently used: the last the budget removes
             except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # whatever a damaged file holds
                 self.stats.rejected = str(e) or type(e).__name__
         if self.stats.rejected:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import struct
 import sys
 import time
@@ -30,6 +31,7 @@ PAGE = mmap.PAGESIZE
 SAMPLES = 16  # pages checked per tensor over WHOLE bytes
 WHOLE = 256 * 1024
 DTYPES = {str(d): d for d in (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int32)}
+MIN_FREE = 2**30  # a cache file is not written where it would leave less disk space free
 STALE_TMP_S = 24 * 3600  # a temporary file this old is a crashed writer's: removed
 
 
@@ -88,6 +90,41 @@ def remove_orphans(directory: Path) -> None:
                 f.unlink()
         except (OSError, ValueError, TypeError, KeyError):
             pass
+
+
+def file_bytes(entries: dict[str, list[torch.Tensor]], key: dict) -> int:
+    """About the size of the cache file `write` makes of `entries` (its index estimated generously)."""
+    data = sum(pages(t.numel() * t.element_size()) for tensors in entries.values() for t in tensors)
+    return data + len(json.dumps(key)) + 256 * sum(len(tensors) + 1 for tensors in entries.values()) + PAGE
+
+
+def make_room(directory: Path, keep: Path, needed: int, budget: int | None) -> str | None:
+    """Remove the least recently used cache files in `directory` (by mtime: a start that maps a file touches it)
+    other than `keep` until one of `needed` bytes fits: the files within `budget` (None: half of the disk space
+    free for them) and at least MIN_FREE bytes left free on the disk. None if it fits, else why not."""
+    others = []
+    for f in directory.glob("*.bin"):
+        try:
+            if f != keep:
+                st = f.stat()
+                others.append((st.st_mtime, st.st_size, f))
+        except OSError:
+            pass
+    others.sort()
+    free = shutil.disk_usage(directory).free
+    held = sum(size for _, size, _ in others)
+    limit = budget if budget is not None else (free + held) // 2
+    if needed > limit or needed > free + held - MIN_FREE:
+        return f"{needed / 2**30:.1f} GiB do not fit the cache's budget ({limit / 2**30:.1f} GiB) and the free disk"
+    while others and (held + needed > limit or free < needed + MIN_FREE):
+        _, size, f = others.pop(0)
+        try:
+            f.unlink()
+        except OSError:
+            continue
+        held -= size
+        free += size
+    return None
 
 
 def numel(shape: Sequence[int]) -> int:
