@@ -36,6 +36,7 @@ from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler
 from pagedlm.sampling.structured import MaskPrefetcher, StructuredOutputManager
+from pagedlm.sampling.thinking import ThinkingScan
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ class LLMEngine:
         seq = Sequence(list(req.prompt_token_ids), index=index, generator=gen, cache_salt=req.cache_salt)
         seq.detokenizer = self.output_processor.detokenizer(req)
         seq.spec = self.spec.state_for(req)
+        if req.params.thinking_token_budget is not None:
+            seq.thinking = ThinkingScan()
         return seq
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

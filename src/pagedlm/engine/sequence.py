@@ -11,6 +11,7 @@ import torch
 from pagedlm.engine.protocol import CompletionDelta
 from pagedlm.outputs import PositionLogprobs, RequestMetrics
 from pagedlm.sampling.params import SamplingParams
+from pagedlm.sampling.thinking import ThinkingScan
 from pagedlm.spec.state import SpecState
 
 
@@ -63,6 +64,7 @@ class Sequence:
     spec: SpecState | None = None  # a speculating sequence's proposer, drafts and acceptance (spec/state.py)
     parent_seq_id: int | None = None  # the sequence it was forked from (None: its request's first)
     forked_at: int = 0  # tokens (prompt and output) it shared with its parent when forked
+    thinking: ThinkingScan | None = None  # a thinking budget's scan of its output (sampling/thinking.py)
 
     @property
     def draft_token_ids(self) -> list[int]:
