@@ -1,19 +1,25 @@
 """Embeddings of a generation model (engine/pooling.py): a tiny random LLaMA (fp32) pools its final hidden states
 (after the final norm) in the engine, last-token and mean, L2-normalized; the vectors equal HF transformers'
 `hidden_states[-1]` pooled and normalized (1e-4), through chunked prefill, batched with generation (whose answers
-do not change), after a prefix cache hit and across a preemption by recompute in the middle of a prompt."""
+do not change), after a prefix cache hit and across a preemption by recompute in the middle of a prompt; and
+through /v1/embeddings and Ollama's /api/embed on the served generation model."""
 from __future__ import annotations
 
+import ollama
 import pytest
 import torch
 from engine_utils import Steps
+from server_utils import InProcessServer
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from pagedlm.config import LoopConfig
+from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.errors import ContextLengthError, InvalidRequestError
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.protocol import PoolingParams
 from pagedlm.engine.scheduler import SchedulerOutput
 from pagedlm.sampling.params import SamplingParams
+from pagedlm.server.api import build_app
 
 PROMPTS = [[5, 9, 200], list(range(3, 40)), [(7 * i) % 500 + 3 for i in range(90)], list(range(100, 117))]
 
@@ -126,3 +132,47 @@ def test_inputs_are_checked(model_dir):
     with pytest.raises(ValueError, match="pooling"):
         PoolingParams("cls")
     assert proc.pooling_request("x", [5] * 64, PoolingParams()).pooling == PoolingParams()  # the whole context
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    served = AsyncLLMEngine(engine(model_dir, max_num_batched_tokens=32), LoopConfig.offline(log_interval=0))
+    servers = [InProcessServer(build_app({"tiny": served}, embedding_pooling=p, max_prompts_per_request=4))
+               for p in ("last", "mean")]
+    yield servers
+    for s in servers:
+        s.stop()
+    served.shutdown()
+
+
+def test_openai_and_ollama_embeddings_of_a_generation_model(server, hf):
+    """/v1/embeddings (the `openai` client: float and base64, text and token ids) and Ollama's /api/embed and
+    /api/embeddings on the generation model, for each --embedding-pooling; the refusals; nothing left running."""
+    tok = AutoTokenizer.from_pretrained(hf.name_or_path)
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3]
+    for srv, pooling in zip(server, ("last", "mean")):
+        refs = torch.stack([reference(hf, tok.encode(t), pooling) for t in texts])
+        client = srv.client()
+        r = client.embeddings.create(model="tiny", input=texts, encoding_format="float")
+        assert torch.allclose(torch.tensor([d.embedding for d in r.data]), refs, atol=1e-4)
+        assert r.model == "tiny" and r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts)
+        packed = client.embeddings.create(model="tiny", input=[tok.encode(t) for t in texts], dimensions=64)
+        assert [d.embedding for d in packed.data] == [d.embedding for d in r.data]
+        o = ollama.Client(host=srv.url)
+        assert torch.allclose(torch.tensor(o.embed(model="tiny:latest", input=texts).embeddings), refs, atol=1e-4)
+        assert torch.allclose(torch.tensor(o.embeddings(model="tiny", prompt=texts[0]).embedding), refs[0],
+                              atol=1e-4)
+    srv = server[0]
+    long = list(range(3, 500)) * 5  # 2,485 tokens: past the context (512)
+    cases = [({"model": "tiny", "input": [long]}, 400, "512"),
+             ({"model": "tiny", "input": "x", "dimensions": 32}, 400, "64"),
+             ({"model": "tiny", "input": [[5, 10**6]]}, 400, "Token ids"),
+             ({"model": "tiny", "input": ["x"] * 5}, 400, "max_prompts_per_request"),
+             ({"model": "tiny", "input": ""}, 400, "empty")]
+    for body, status, word in cases:
+        r = srv.post("/v1/embeddings", json=body)
+        assert r.status_code == status and word in r.json()["error"]["message"], (body, r.text)
+    cut = srv.post("/api/embed", json={"model": "tiny", "input": "hello " * 600})  # truncated to the context
+    assert cut.status_code == 200 and cut.json()["prompt_eval_count"] == 512
+    assert srv.post("/api/embed", json={"model": "tiny", "input": "hello " * 600, "truncate": False}).status_code == 400
+    assert srv.wait_idle()["vllm:num_requests_running"] == 0
