@@ -107,7 +107,7 @@ class OllamaAPI:
                 unknown: list[str]) -> Response:
         """The OpenAI answer as Ollama's: one object, or NDJSON lines of deltas (with their tokens' logprobs, when
         asked) and a final `done` line."""
-        model, k = req.model, req.top_logprobs
+        model, k = req.model, req.top_logprobs or 0
         if streaming(response):
             return restream(response, self._lines(response.body_iterator, model, key, t0, k), NDJSON, unknown)
         body = answer(response)

@@ -83,7 +83,7 @@ class _Generating(Request):
     keep_alive: KeepAlive = None  # accepted, ignored: models stay loaded while the server runs
     think: bool | Literal["low", "medium", "high"] | None = None
     logprobs: bool = False
-    top_logprobs: int = 0  # alternatives per token (0-20), with logprobs
+    top_logprobs: int | None = None  # alternatives per token (0-20), with logprobs
 
 
 class ChatRequest(_Generating):
@@ -145,11 +145,12 @@ def sampling_fields(options: Options | None, max_model_len: int) -> dict[str, An
 def logprob_fields(req: _Generating, raw: bool) -> dict[str, Any]:
     """`logprobs` / `top_logprobs` as the chat request's (`raw`: the completion request's) fields; 400 in Ollama's
     words for a top_logprobs outside 0-20."""
-    if not 0 <= req.top_logprobs <= 20:
+    k = req.top_logprobs or 0
+    if not 0 <= k <= 20:
         raise APIError(400, "top_logprobs must be between 0 and 20", param="top_logprobs")
     if not req.logprobs:
         return {}
-    return {"logprobs": req.top_logprobs} if raw else {"logprobs": True, "top_logprobs": req.top_logprobs}
+    return {"logprobs": k} if raw else {"logprobs": True, "top_logprobs": k}
 
 
 def logprobs(choice: dict[str, Any], k: int) -> list[dict[str, Any]] | None:
