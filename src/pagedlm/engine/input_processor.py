@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from pagedlm.engine.admission import AdmissionLimits, KVCacheShape, check_admission
 from pagedlm.engine.chat import render_chat
-from pagedlm.engine.errors import ContextLengthError, InvalidRequestError
-from pagedlm.engine.protocol import EngineRequest
+from pagedlm.engine.errors import AdmissionError, ContextLengthError, InvalidRequestError
+from pagedlm.engine.protocol import EngineRequest, PoolingParams
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import allowed_mask
 from pagedlm.sampling.structured import StructuredOutputManager
@@ -48,6 +48,7 @@ class EngineInfo:
     family: str = ""  # the model's architecture (HF model_type)
     num_parameters: int = 0  # of the checkpoint
     weights: str = ""  # the served weights' format: int4, int8, bf16, or the dtype of dense ones
+    hidden_size: int = 0  # the model's hidden states' width: its embeddings' (pooling requests')
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
@@ -58,7 +59,8 @@ class EngineInfo:
                    eos_token_ids=frozenset(engine.eos_token_ids), vocab_size=mc.vocab_size,
                    kv=KVCacheShape.of(bm, cfg.max_num_batched_tokens), prefix_caching=bm.enable_prefix_caching,
                    family=mc.model_type, num_parameters=mc.num_parameters(),
-                   weights=engine.plan.quantization or str(engine.plan.dtype).removeprefix("torch."))
+                   weights=engine.plan.quantization or str(engine.plan.dtype).removeprefix("torch."),
+                   hidden_size=mc.hidden_size)
 
     @property
     def admission(self) -> AdmissionLimits:
@@ -113,17 +115,18 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def check_prompt(self, token_ids: list[int]) -> None:
-        """Token ids within the vocabulary, not empty, and short enough to leave a generated token room."""
+    def check_prompt(self, token_ids: list[int], param: str = "prompt", generates: bool = True) -> None:
+        """Token ids within the vocabulary, not empty, and short enough to leave a generated token room (unless
+        nothing is generated: an embedding input may fill the context); errors name `param`."""
         vocab = self.info.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"Prompt token ids must be integers in [0, {vocab}).", "prompt")
+            raise InvalidRequestError(f"Prompt token ids must be integers in [0, {vocab}).", param)
         if not token_ids:
-            raise InvalidRequestError("The prompt is empty.", "prompt")
-        if len(token_ids) >= self.info.max_model_len:
+            raise InvalidRequestError("The prompt is empty.", param)
+        if len(token_ids) >= self.info.max_model_len + (not generates):
+            room = ", including at least one generated token" if generates else ""
             raise ContextLengthError(f"The prompt has {len(token_ids)} tokens; this model's maximum context length "
-                                     f"is {self.info.max_model_len} tokens, including at least one generated token.",
-                                     "prompt")
+                                     f"is {self.info.max_model_len} tokens{room}.", param)
 
     def check_params(self, params: SamplingParams, prompt_lens: Iterable[int]) -> None:
         """The params on their own, against the engine's limits, and (with prompts of these lengths) against
@@ -161,6 +164,23 @@ class InputProcessor:
         """The token controls checked against the vocabulary, bad_words tokenized and the constraint compiled
         (cached): once per request, off the engine thread. Safe to call again."""
         prepare_params(params, self.info.vocab_size, self.tokenizer, self.structured)
+
+    def pooling_request(self, request_id: str, token_ids: list[int], pooling: PoolingParams,
+                        arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                        param: str = "input") -> EngineRequest:
+        """An embedding input's checks (the vocabulary, the context, admission), then its EngineRequest: the
+        prompt's final hidden states pooled (engine/pooling.py), nothing generated."""
+        self.check_prompt(token_ids, param, generates=False)
+        params = SamplingParams(max_tokens=0)
+        try:
+            self.check_admission([len(token_ids)], params)
+        except AdmissionError:
+            raise AdmissionError(f"An input of {len(token_ids)} tokens does not fit in this engine's KV cache (one "
+                                 f"sequence fits at most {self.info.kv.max_tokens_per_seq()} tokens).",
+                                 param) from None
+        return EngineRequest(request_id, token_ids, params, None,
+                             time.monotonic() if arrival_time is None else arrival_time, priority, cache_salt,
+                             pooling)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                 arrival_time: float | None = None, priority: int = 0,

@@ -1,7 +1,8 @@
-"""The engine loop: schedule -> build the flat batch -> forward -> sample -> account and free
+"""The engine loop: schedule -> build the flat batch -> forward -> pool and sample -> account and free
 (`Scheduler.update_from_output`) -> outputs. Requests come in checked (`EngineRequest`, input_processor.py) and
 leave as `EngineOutput` deltas (protocol.py); the step's pieces live beside it: step.py (the batch and the step's
-context), sample.py (forks, beams, sampling, appending), output_processor.py (text, stops, outputs)."""
+context), pooling.py (embedding requests' vectors), sample.py (forks, beams, sampling, appending),
+output_processor.py (text, stops, outputs)."""
 from __future__ import annotations
 
 import gc
@@ -18,6 +19,7 @@ from pagedlm.engine.input_processor import EngineInfo, InputProcessor
 from pagedlm.engine.kv_offload import DiskOffload
 from pagedlm.engine.model_runner import ModelRunner
 from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.engine.pooling import PoolingState, pool_step
 from pagedlm.engine.protocol import EngineOutput, EngineRequest
 from pagedlm.engine.sample import StepSampler
 from pagedlm.engine.scheduler import Scheduler
@@ -36,6 +38,7 @@ from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler
 from pagedlm.sampling.structured import MaskPrefetcher, StructuredOutputManager
+from pagedlm.sampling.thinking import ThinkingScan
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +144,8 @@ class LLMEngine:
         params = request.params
         req = Request(request.request_id, request.prompt, request.prompt_token_ids, params, request.arrival_time,
                       request.priority, cache_salt=request.cache_salt)
+        if request.pooling is not None:
+            req.pooler = PoolingState(request.pooling)
         if params.use_beam_search:
             max_tokens = min(params.max_tokens, self.max_model_len - len(req.prompt_token_ids))
             req.beam = BeamSearch(params.beam_width, params.length_penalty, params.early_stopping, max_tokens,
@@ -157,6 +162,8 @@ class LLMEngine:
         seq = Sequence(list(req.prompt_token_ids), index=index, generator=gen, cache_salt=req.cache_salt)
         seq.detokenizer = self.output_processor.detokenizer(req)
         seq.spec = self.spec.state_for(req)
+        if req.params.thinking_token_budget is not None:
+            seq.thinking = ThinkingScan()
         return seq
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -205,8 +212,13 @@ class LLMEngine:
             ctx = StepContext(sched, build_batch(sched, self.block_manager))
             self.step_sampler.start_masks(ctx)  # on a worker thread, while the forward pass runs
             t0 = time.perf_counter()
+            hidden = None
             try:
-                logits = self.runner.execute(ctx.batch.chunks, ctx.batch.logits_index)
+                if ctx.batch.hidden_index:
+                    logits, hidden = self.runner.execute_with_hidden(ctx.batch.chunks, ctx.batch.logits_index,
+                                                                     ctx.batch.hidden_index)
+                else:
+                    logits = self.runner.execute(ctx.batch.chunks, ctx.batch.logits_index)
             finally:  # the matchers are the engine thread's again (forks copy them)
                 if ctx.masks is not None:
                     ctx.masks.wait()
@@ -218,6 +230,7 @@ class LLMEngine:
             raise
         ctx.now = time.monotonic()
         try:
+            pool_step(ctx, hidden, self.step_sampler.fail)
             self.step_sampler.sample(ctx, logits)
         finally:
             self.scheduler.update_from_output(sched, ctx.finished, ctx.num_generated_tokens)

@@ -122,3 +122,16 @@ class ModelRunner:
         layer_metas = [metas[g] for g in self.layer_group]
         logits = self.model(input_ids, positions, self.layer_caches, layer_metas, self.attn_backend, idx)
         return logits.float()
+
+    @torch.inference_mode()
+    def execute_with_hidden(self, chunks: list[Chunk], logits_indices: list[int],
+                            hidden_indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`execute`, and the float32 final hidden states (after the final norm) of the flat token positions in
+        `hidden_indices` (pooling requests')."""
+        input_ids, positions, metas = self.prepare(chunks)
+        idx, hidden_idx = (torch.tensor(i, dtype=torch.long, device=self.device)
+                           for i in (logits_indices, hidden_indices))
+        layer_metas = [metas[g] for g in self.layer_group]
+        logits, hidden = self.model.logits_and_hidden(input_ids, positions, self.layer_caches, layer_metas,
+                                                      self.attn_backend, idx, hidden_idx)
+        return logits.float(), hidden.float()

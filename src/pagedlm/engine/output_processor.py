@@ -91,6 +91,8 @@ class OutputProcessor:
                 out.prompt_logprobs = req.prompt_logprobs or [None]
         if finished:
             out.stats = self._stats(req)
+            if req.pooler is not None:
+                out.embedding = req.pooler.embedding
         elif not first and not out.outputs:
             return None
         return out

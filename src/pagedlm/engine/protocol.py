@@ -2,7 +2,9 @@
 replica's poll): a typed `EngineRequest` goes in, `EngineOutput` deltas come out (vLLM's EngineCoreRequest /
 EngineCoreOutput).
 
-An EngineRequest is what the InputProcessor (input_processor.py) built and checked: the engine trusts it.
+An EngineRequest is what the InputProcessor (input_processor.py) built and checked: the engine trusts it. One
+with `pooling` set (`PoolingParams`) generates nothing: its prompt's final hidden states are pooled into one
+vector, which its only (finished) output carries as `embedding`.
 
 An EngineOutput carries only what is new since the request's previous output: per sample (`CompletionDelta`) the
 new token ids, their text, their logprobs, and the finish and stop reason once it ended. Text that could still
@@ -22,9 +24,27 @@ from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, 
 from pagedlm.sampling.params import SamplingParams
 
 
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: the prompt's final hidden states (after the model's final norm) pooled into one
+    vector, the last token's (`last`: under causal attention it has seen every other) or the mean over every
+    token (`mean`), L2-normalized unless `normalize` is off."""
+
+    pooling: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"Unknown pooling {self.pooling!r}; known: {', '.join(POOLING_TYPES)}.")
+
+
 @dataclass
 class EngineRequest:
-    """A checked request: its prompt as token ids (and the text, if it came as text) and prepared params."""
+    """A checked request: its prompt as token ids (and the text, if it came as text) and prepared params;
+    `pooling`: an embedding request (its params are not sampled from)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -33,6 +53,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
+    pooling: PoolingParams | None = None
 
 
 @dataclass
@@ -78,6 +99,7 @@ class EngineOutput:
     metrics: RequestMetrics | None = None
     error: EngineError | None = None  # the engine failed the request (it finished)
     stats: FinishedRequestStats | None = None  # with the last output
+    embedding: list[float] | None = None  # a pooling request's vector, with its last output
 
     @property
     def num_new_tokens(self) -> int:
@@ -90,7 +112,8 @@ def merge_outputs(items: list[EngineOutput]) -> EngineOutput:
         return items[0]
     first, last = items[0], items[-1]
     merged = EngineOutput(first.request_id, [], last.finished, first.prompt_token_ids, first.prompt,
-                          first.prompt_logprobs, first.num_cached_tokens, last.metrics, last.error, last.stats)
+                          first.prompt_logprobs, first.num_cached_tokens, last.metrics, last.error, last.stats,
+                          last.embedding)
     by_index: dict[int, CompletionDelta] = {}
     texts: dict[int, list[str]] = {}
     for out in items:
@@ -123,6 +146,7 @@ class OutputAccumulator:
         self.metrics: RequestMetrics | None = None
         self.finished = False
         self.error: EngineError | None = None
+        self.embedding: list[float] | None = None
         self._samples: dict[int, CompletionOutput] = {}
         self._texts: dict[int, list[str]] = {}
 
@@ -132,6 +156,7 @@ class OutputAccumulator:
             self.prompt_logprobs, self.num_cached_tokens = out.prompt_logprobs, out.num_cached_tokens
         self.metrics = out.metrics or self.metrics
         self.finished, self.error = out.finished, out.error or self.error
+        self.embedding = out.embedding or self.embedding
         for d in out.outputs:
             s = self._samples.get(d.index)
             if s is None:
@@ -154,7 +179,7 @@ class OutputAccumulator:
                 pieces[:] = ["".join(pieces)]
             o.text = pieces[0] if pieces else ""
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             self.prompt_logprobs, self.metrics, self.num_cached_tokens, self.error)
+                             self.prompt_logprobs, self.metrics, self.num_cached_tokens, self.error, self.embedding)
 
     def snapshot(self) -> RequestOutput:
         """The request so far as a copy (costs its size)."""

@@ -89,7 +89,8 @@ class StepSampler:
                     drafted[len(targets)] = row
                 for j in range(len(drafts) + 1):  # the token after each accepted draft prefix
                     out = seq.output_token_ids + drafts[:j] if j else seq.output_token_ids
-                    rows.append(SamplingRow(req.params, req.prompt_token_ids, out, seq.generator))
+                    rows.append(SamplingRow(req.params, req.prompt_token_ids, out, seq.generator,
+                                            thinking=seq.thinking))
                     targets.append((req, seq))
                     index.append(row.index + j)
         self._fill_masks(ctx, rows, targets)
@@ -143,6 +144,8 @@ class StepSampler:
         child.parent_seq_id, child.forked_at = parent.seq_id, parent.num_tokens
         if parent.matcher is not None:
             child.matcher = parent.matcher.deep_copy()
+        if parent.thinking is not None:
+            child.thinking = parent.thinking.copy()
         self.bm.fork(parent, child)
         req.seqs.append(child)
         return child
@@ -224,6 +227,8 @@ class StepSampler:
             raise StructuredOutputError(f"The constraint stopped at output token {len(seq.output_token_ids)}: "
                                         f"{error[0] if error else token}")
         seq.output_token_ids.append(token)
+        if seq.thinking is not None:
+            seq.thinking.advance(req.params, seq.output_token_ids)
         seq.cumulative_logprob += logprob
         if top is not None:
             seq.unsent_logprobs.append(self.output_processor.decode_logprobs(top))

@@ -219,7 +219,7 @@ class Scheduler:
             req = self.waiting[0]
             if self.num_running_seqs + req.num_seqs_reserved > self.config.max_num_seqs:
                 break
-            hits = {s.seq_id: [] if req.wants_prompt_logprobs else bm.find_cached_prefix(s)[:hit_cap.get(s.seq_id)]
+            hits = {s.seq_id: [] if req.reads_every_position else bm.find_cached_prefix(s)[:hit_cap.get(s.seq_id)]
                     for s in req.live_seqs}
             if self.kv_loader is not None and self.kv_loader.defer(req, hits):
                 self.loading.append(self.waiting.popleft())

@@ -5,13 +5,18 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedlm.engine.protocol import CompletionDelta
 from pagedlm.outputs import PositionLogprobs, RequestMetrics
 from pagedlm.sampling.params import SamplingParams
+from pagedlm.sampling.thinking import ThinkingScan
 from pagedlm.spec.state import SpecState
+
+if TYPE_CHECKING:
+    from pagedlm.engine.pooling import PoolingState
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +68,7 @@ class Sequence:
     spec: SpecState | None = None  # a speculating sequence's proposer, drafts and acceptance (spec/state.py)
     parent_seq_id: int | None = None  # the sequence it was forked from (None: its request's first)
     forked_at: int = 0  # tokens (prompt and output) it shared with its parent when forked
+    thinking: ThinkingScan | None = None  # a thinking budget's scan of its output (sampling/thinking.py)
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -112,6 +118,7 @@ class Request:
     beam: object | None = None  # sampling.beam_search.BeamSearch for beam-search requests
     beam_outputs: list[CompletionDelta] | None = None  # the n best hypotheses, once the search is done
     output_started: bool = False  # its first output (with the prompt) was made
+    pooler: PoolingState | None = None  # an embedding request's vector, pooled as its prompt is computed
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -149,3 +156,9 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return (self.params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < len(self.prompt_token_ids))
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Every prompt position's output is read (prompt logprobs, mean pooling): a cached prefix, whose
+        positions are not computed, is not reused."""
+        return self.wants_prompt_logprobs or (self.pooler is not None and self.pooler.every_position)

@@ -77,7 +77,7 @@ class SpecDecoder:
     def state_for(self, req: Request) -> SpecState | None:
         """The speculation of a new sequence of `req` (None: it does not speculate)."""
         p, cfg = req.params, self.config
-        if p.use_beam_search or p.structured_outputs is not None:
+        if p.use_beam_search or p.structured_outputs is not None or req.pooler is not None:
             return None
         if p._prediction_token_ids:
             self._seen = True

@@ -53,18 +53,42 @@ class PromptLogprobRow:
 
 
 @dataclass
+class PoolRow:
+    """Prompt positions first .. end - 1 of a pooling request computed in this step, at hidden-state rows
+    index .. index + end - first - 1 (engine/pooling.py)."""
+
+    sched: ScheduledSeq
+    index: int
+    first: int
+    end: int
+
+    @property
+    def request(self) -> Request:
+        return self.sched.request
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.index, self.index + self.end - self.first)
+
+
+@dataclass
 class StepBatch:
-    """One step's model input (a chunk per scheduled sequence) and the logits rows it reads back."""
+    """One step's model input (a chunk per scheduled sequence), the logits rows it reads back and the final
+    hidden-state rows (pooling requests')."""
 
     chunks: list[Chunk] = field(default_factory=list)
     logits_index: list[int] = field(default_factory=list)  # positions in the flat batch whose logits come back
     prompt_logprobs: list[PromptLogprobRow] = field(default_factory=list)
     samples: list[SampleRow] = field(default_factory=list)
+    hidden_index: list[int] = field(default_factory=list)  # positions whose final hidden states come back
+    pools: list[PoolRow] = field(default_factory=list)
 
 
 def build_batch(sched: SchedulerOutput, block_manager: BlockManager) -> StepBatch:
     """The flat batch of the scheduled chunks, and the logits rows the step needs: prompt logprobs of the prompt
-    positions computed now, and one row per chunk that completes its sequence (to sample from)."""
+    positions computed now, and one row per chunk that completes its sequence (to sample from); a pooling
+    request's chunk reads hidden states instead: every position not pooled yet (mean), or the last one once its
+    chunk completes the prompt (last)."""
     batch = StepBatch()
     offset = 0
     for s in sched.scheduled:
@@ -79,7 +103,13 @@ def build_batch(sched: SchedulerOutput, block_manager: BlockManager) -> StepBatc
             if end > first:
                 batch.prompt_logprobs.append(PromptLogprobRow(s, len(batch.logits_index), first, end))
                 batch.logits_index.extend(range(offset + first - start, offset + end - start))
-        if s.completes:
+        if req.pooler is not None:
+            end = start + real
+            first = max(start, req.pooler.num_pooled) if req.pooler.every_position else end - 1
+            if end > first and (s.completes or req.pooler.every_position):
+                batch.pools.append(PoolRow(s, len(batch.hidden_index), first, end))
+                batch.hidden_index.extend(range(offset + first - start, offset + end - start))
+        elif s.completes:
             batch.samples.append(SampleRow(s, len(batch.logits_index), drafts))
             batch.logits_index.extend(range(offset + real - 1, offset + s.num_new_tokens))
         offset += s.num_new_tokens

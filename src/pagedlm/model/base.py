@@ -57,13 +57,24 @@ class CausalLM(nn.Module):
         """input_ids, positions: [num_tokens]; kv_caches[i], metas[i]: layer i's paged K/V and the batch layout of
         its KV cache group; `backend` writes and reads them. Returns logits [len(logits_indices), vocab] (all
         tokens if None)."""
+        return self.logits_and_hidden(input_ids, positions, kv_caches, metas, backend, logits_indices)[0]
+
+    def logits_and_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
+                          backend: AttentionBackend, logits_indices: torch.Tensor | None = None,
+                          hidden_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`'s logits, and the final hidden states (after the final norm: what the LM head reads) of the
+        rows `hidden_indices` [len(hidden_indices), hidden] (None without them)."""
         x = self.embed(input_ids)
         x, normed = self.run_layers(x, positions, kv_caches, metas, backend)
+        hidden = None
+        if hidden_indices is not None:
+            hidden = x[hidden_indices] if normed else self.norm(x[hidden_indices])
         if logits_indices is not None:
             x = x[logits_indices]
         if not normed:
             x = self.norm(x)
-        return self.compute_logits(x)
+        return self.compute_logits(x), hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -17,7 +17,7 @@ import torch
 from pagedlm.outputs import Logprob, PositionLogprobs
 from pagedlm.sampling.logits_kernel import argmax_logsumexp
 from pagedlm.sampling.params import SamplingParams
-from pagedlm.sampling.thinking import budget_forced_token
+from pagedlm.sampling.thinking import ThinkingScan, budget_forced_token
 
 _PROMPT_LOGPROBS_CHUNK = 512  # positions per log_softmax in prompt_logprobs, bounds peak memory
 
@@ -31,6 +31,7 @@ class SamplingRow:
     output_token_ids: list[int]  # tokens generated so far
     generator: torch.Generator | None = None  # seeded requests (on the logits' device); None -> global RNG
     bitmask: torch.Tensor | None = None  # constrained rows: int32 [words], bit t set = token t allowed
+    thinking: ThinkingScan | None = None  # a thinking budget's scan of the sequence's kept output (thinking.py)
 
 
 def build_allowed_mask(token_ids: list[int], vocab: int) -> torch.Tensor:
@@ -155,7 +156,7 @@ class Sampler:
         """Rows whose thinking budget is spent take the end tag's next token (where their grammar allows it)."""
         forced = []
         for i, r in enumerate(rows):
-            t = budget_forced_token(r.params, r.output_token_ids)
+            t = budget_forced_token(r.params, r.output_token_ids, r.thinking)
             if t is not None and t < vocab and (r.bitmask is None or (int(r.bitmask[t // 32]) >> (t % 32)) & 1):
                 forced.append((i, t))
         if forced:

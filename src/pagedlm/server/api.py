@@ -33,6 +33,7 @@ from starlette.middleware.cors import CORSMiddleware
 from pagedlm import __version__
 from pagedlm.engine.client import EngineClient
 from pagedlm.engine.embedding_engine import EmbeddingEngine
+from pagedlm.engine.protocol import POOLING_TYPES
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -82,7 +83,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
               responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL,
               embedders: Mapping[str, EmbeddingEngine] | None = None,
               reasoning_parser: str | None = None, thinking_token_budget: int | None = None, ui: bool = False,
-              ui_show_text: bool = False) -> FastAPI:
+              ui_show_text: bool = False, embedding_pooling: str = "last") -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -103,6 +104,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     stage_threads, stage_queue: each pre-engine stage's threads and the jobs that may wait for them (stages.py).
     responses_store_size, responses_store_ttl: the Responses API's stored responses per key, and for how long.
     embedders: the embedding models, by name (/v1/embeddings, /api/embed; names distinct from `engines`').
+    embedding_pooling: how the generation models' embeddings pool their final hidden states (engine.protocol
+    POOLING_TYPES: last, mean).
     reasoning_parser: split `<think>` reasoning out of chat answers (reasoning.REASONING_PARSERS; None: not).
     thinking_token_budget: chat requests without a `thinking_token_budget` of their own get this one (needs
     reasoning_parser; None: no budget).
@@ -115,6 +118,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         raise ValueError(f"Unknown reasoning parser {reasoning_parser!r}; known: {sorted(REASONING_PARSERS)}.")
     if thinking_token_budget is not None and (thinking_token_budget < 0 or reasoning_parser is None):
         raise ValueError("thinking_token_budget must be >= 0 and needs a reasoning parser.")
+    if embedding_pooling not in POOLING_TYPES:
+        raise ValueError(f"Unknown embedding pooling {embedding_pooling!r}; known: {', '.join(POOLING_TYPES)}.")
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"Unknown tool call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}.")
     if not engines:
@@ -134,7 +139,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         logger.info("%s: %s", name, tools.summary)
         models[name] = model = ServedModel(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
                                            limits, stages)
-        model.tool_template = tools.template
+        model.tool_template, model.embedding_pooling = tools.template, embedding_pooling
     front = Frontend(models, metrics, dispatcher, strict_request_fields, allow_client_priority)
     app.state.frontend = front
     front.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None

@@ -1,14 +1,15 @@
 """Embeddings: OpenAI's POST /v1/embeddings and Ollama's /api/embed and /api/embeddings, answered by the embedding
-models served with --embedding-model (engine/embedding_engine.py: a BERT encoder, batched). Inputs are checked as
-prompts are (count, characters, tokens, the key's cap) on the same stage pools; a generation model's name is a 400
-(pooling a decoder's hidden states is not supported)."""
+models served with --embedding-model (engine/embedding_engine.py: a BERT encoder, batched) or by a generation
+model, whose engine pools its final hidden states (endpoints/embed.py, engine/pooling.py: --embedding-pooling,
+L2-normalized). Inputs are checked as prompts are (count, characters, tokens, the key's cap) on the same stage
+pools."""
 from __future__ import annotations
 
 import asyncio
 import base64
 import time
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from fastapi import FastAPI, Request
@@ -20,9 +21,43 @@ from pagedlm.engine.errors import EngineError
 from pagedlm.server import ollama_protocol as O
 from pagedlm.server import protocol as P
 from pagedlm.server.bridge import Bridge, reply
+from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.errors import api_error
 from pagedlm.server.protocol import APIError
 from pagedlm.server.streaming import unless_disconnected
+
+
+class Embedder(Protocol):
+    """What answers a request's inputs: an embedding model (`EmbeddingEngine`) or a generation model's."""
+
+    dim: int
+    vocab_size: int
+    max_tokens: int  # per input
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]: ...
+
+    def truncate(self, ids: list[int]) -> list[int]: ...
+
+    async def embed(self, ids: list[list[int]]) -> torch.Tensor: ...
+
+
+class GenerationEmbedder:
+    """A served generation model as one request's `Embedder`: its tokenizer, its context as the longest input
+    (truncation keeps the first tokens), its engine pooling the hidden states."""
+
+    def __init__(self, model: ServedModel, request: Request) -> None:
+        self.model, self.request = model, request
+        self.dim, self.vocab_size = model.embedding_dim, model.processor.vocab_size
+        self.max_tokens = model.processor.max_model_len
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return self.model.embedding_ids(texts)
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        return ids[:self.max_tokens]
+
+    async def embed(self, ids: list[list[int]]) -> torch.Tensor:
+        return await self.model.embed(self.request, ids)
 
 
 class EmbeddingRequest(P.Request):
@@ -50,23 +85,30 @@ class EmbeddingsAPI:
         return [P.ModelCard(id=name, created=self.created, root=e.path.name, max_model_len=e.max_tokens)
                 for name, e in self.embedders.items()]
 
-    def engine(self, model: str | None) -> tuple[str, EmbeddingEngine]:
-        name = model.removesuffix(":latest") if model and model not in self.embedders else model
-        if not name and self.embedders:
-            name = next(iter(self.embedders))
-        if name in self.embedders:
-            return name, self.embedders[name]
-        if name in self.front.models or self.front.is_auto(name):
-            raise APIError(400, f"`{name}` is a generation model: embeddings come from an embedding model (served "
-                                "with --embedding-model); pooling a generation model's hidden states is not "
-                                "supported.", param="model")
-        served = ", ".join(self.embedders) or "none: start the server with --embedding-model"
-        what = f"The embedding model `{model}` does not exist" if model else "No embedding model is served"
-        raise APIError(404, f"{what} (served: {served}).", param="model", code="model_not_found")
+    def engine(self, model: str | None, request: Request) -> tuple[str, Embedder]:
+        """The embedder of `model` (none: the first embedding model, else the first generation model); 404 for a
+        name not served, 400 for the auto model (name the model to embed with)."""
+        names = (model, model.removesuffix(":latest")) if model else ()
+        for name in names:
+            if name in self.embedders:
+                return name, self.embedders[name]
+        for name in names:
+            if name in self.front.models:
+                return name, GenerationEmbedder(self.front.models[name], request)
+        if not model:
+            if self.embedders:
+                return next(iter(self.embedders.items()))
+            return self.front.default.name, GenerationEmbedder(self.front.default, request)
+        if self.front.is_auto(model):
+            raise APIError(400, f"`{model}` routes generation requests; name the model to embed with.",
+                           param="model")
+        served = ", ".join([*self.embedders, *self.front.models])
+        raise APIError(404, f"The model `{model}` does not exist (embeddings from: {served}).", param="model",
+                       code="model_not_found")
 
     async def openai(self, request: Request) -> Response:
         req, unknown = await self.bridge.parse(request, EmbeddingRequest)
-        name, engine = self.engine(req.model)
+        name, engine = self.engine(req.model, request)
         if req.dimensions is not None and req.dimensions != engine.dim:
             raise APIError(400, f"`{name}` makes {engine.dim}-dimensional embeddings; `dimensions` can only be "
                                 f"{engine.dim}.", param="dimensions")
@@ -82,7 +124,7 @@ class EmbeddingsAPI:
     async def ollama_embed(self, request: Request) -> Response:
         t0 = time.monotonic_ns()
         req, unknown = await self.bridge.parse(request, O.EmbedRequest)
-        _, engine = self.engine(req.model)
+        _, engine = self.engine(req.model, request)
         if req.dimensions is not None and req.dimensions != engine.dim:
             raise APIError(400, f"this model's embeddings have {engine.dim} dimensions", param="dimensions")
         inputs = [req.input] if isinstance(req.input, str) else req.input
@@ -93,11 +135,11 @@ class EmbeddingsAPI:
 
     async def ollama_embeddings(self, request: Request) -> Response:
         req, unknown = await self.bridge.parse(request, O.EmbeddingsRequest)
-        _, engine = self.engine(req.model)
+        _, engine = self.engine(req.model, request)
         vectors, _ = await self.embed(request, engine, [req.prompt], truncate=True)
         return reply(JSONResponse({}), {"embedding": vectors[0].tolist()}, unknown)
 
-    async def embed(self, request: Request, engine: EmbeddingEngine, inputs: list[str | list[int]],
+    async def embed(self, request: Request, engine: Embedder, inputs: list[str | list[int]],
                     truncate: bool) -> tuple[torch.Tensor, int]:
         """The inputs' vectors and token count, after the checks every prompt meets."""
         if self.front.draining:

@@ -1,8 +1,9 @@
 """Ollama's native API on the same app (and, with --ollama-port, on a second port such as 11434): /api/chat and
 /api/generate (NDJSON streams by default, `stream: false` for one object), /api/tags, /api/show, /api/ps and
 /api/version. Errors are Ollama's `{"error": "..."}` (api_errors.py). Generation runs through the chat path
-(bridge.py): the same checks, limits, routing and engine features as /v1/chat/completions; a raw /api/generate
-runs as a completion."""
+(bridge.py): the same checks, limits, routing and engine features as /v1/chat/completions, logprobs included
+(`logprobs`, `top_logprobs`: each answer object or NDJSON line carries its tokens'); a raw /api/generate runs as a
+completion."""
 from __future__ import annotations
 
 import datetime as dt
@@ -66,7 +67,7 @@ class OllamaAPI:
         if req.tools:
             body["tools"] = [{"type": "function", **t} if "type" not in t else t for t in req.tools]
         response = await self.bridge.chat(request, body, arrival)
-        return self._answer(response, req.model, "message", t0, unknown)
+        return self._answer(response, req, "message", t0, unknown)
 
     async def generate(self, request: Request) -> Response:
         arrival, t0 = time.monotonic(), time.monotonic_ns()
@@ -83,27 +84,32 @@ class OllamaAPI:
         common = self._common(req, name)
         if req.raw:
             common.pop("chat_template_kwargs", None)
-            body = {"model": name, "prompt": req.prompt, "max_tokens": common.pop("max_tokens", None), **common}
+            common.pop("top_logprobs", None)
+            body = {"model": name, "prompt": req.prompt, "max_tokens": common.pop("max_tokens", None), **common,
+                    **O.logprob_fields(req, raw=True)}
             response = await self.bridge.complete(request, body, arrival)
         else:
             system = [{"role": "system", "content": req.system}] if req.system else []
             body = {"model": name, "messages": [*system, {"role": "user", "content": req.prompt}], **common}
             response = await self.bridge.chat(request, body, arrival)
-        return self._answer(response, req.model, "response", t0, unknown)
+        return self._answer(response, req, "response", t0, unknown)
 
     def _common(self, req: O.ChatRequest | O.GenerateRequest, name: str) -> dict[str, Any]:
         body = {**O.sampling_fields(req.options, self.max_model_len(name)), **O.format_fields(req.format),
-                "stream": req.stream}
+                **O.logprob_fields(req, raw=False), "stream": req.stream}
         if req.stream:
             body["stream_options"] = {"include_usage": True}
         if req.think is not None:  # a level ("low", ...) means on: templates take enable_thinking
             body["chat_template_kwargs"] = {"enable_thinking": bool(req.think)}
         return body
 
-    def _answer(self, response: Response, model: str, key: str, t0: int, unknown: list[str]) -> Response:
-        """The OpenAI answer as Ollama's: one object, or NDJSON lines of deltas and a final `done` line."""
+    def _answer(self, response: Response, req: O.ChatRequest | O.GenerateRequest, key: str, t0: int,
+                unknown: list[str]) -> Response:
+        """The OpenAI answer as Ollama's: one object, or NDJSON lines of deltas (with their tokens' logprobs, when
+        asked) and a final `done` line."""
+        model, k = req.model, req.top_logprobs or 0
         if streaming(response):
-            return restream(response, self._lines(response.body_iterator, model, key, t0), NDJSON, unknown)
+            return restream(response, self._lines(response.body_iterator, model, key, t0, k), NDJSON, unknown)
         body = answer(response)
         choice = body["choices"][0]
         message = choice.get("message", {})
@@ -113,10 +119,12 @@ class OllamaAPI:
         else:
             out = {"response": choice.get("text", message.get("content")) or "",
                    **({"thinking": thinking} if thinking else {})}
-        return reply(response, {**_head(model), **out, **_done(choice["finish_reason"], body["usage"], t0)},
-                     unknown)
+        lps = O.logprobs(choice, k)
+        return reply(response, {**_head(model), **out, **_done(choice["finish_reason"], body["usage"], t0),
+                                **({"logprobs": lps} if lps else {})}, unknown)
 
-    async def _lines(self, body: AsyncIterator[str], model: str, key: str, t0: int) -> AsyncIterator[str]:
+    async def _lines(self, body: AsyncIterator[str], model: str, key: str, t0: int,
+                     k: int) -> AsyncIterator[str]:
         finish, usage = None, {}
         try:
             async for chunk in chunks(body):
@@ -125,12 +133,13 @@ class OllamaAPI:
                     delta = c.get("delta", {})
                     text = c.get("text", delta.get("content")) or ""
                     calls, thinking = delta.get("tool_calls"), delta.get("reasoning_content")
-                    if text or calls or thinking:
+                    lps = O.logprobs(c, k)
+                    if text or calls or thinking or lps:
                         if key == "message":
                             part = {"message": _message(text, calls, thinking)}
                         else:
                             part = {"response": text, **({"thinking": thinking} if thinking else {})}
-                        yield _line({**_head(model), **part, "done": False})
+                        yield _line({**_head(model), **part, "done": False, **({"logprobs": lps} if lps else {})})
                     finish = c.get("finish_reason") or finish
         except StreamFailed as e:
             yield _line({"error": e.message})

@@ -82,6 +82,8 @@ class _Generating(Request):
     stream: bool = True
     keep_alive: KeepAlive = None  # accepted, ignored: models stay loaded while the server runs
     think: bool | Literal["low", "medium", "high"] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None  # alternatives per token (0-20), with logprobs
 
 
 class ChatRequest(_Generating):
@@ -138,6 +140,34 @@ def sampling_fields(options: Options | None, max_model_len: int) -> dict[str, An
     if options.num_predict is not None and options.num_predict >= 0:
         out["max_tokens"] = options.num_predict
     return {k: v for k, v in out.items() if v is not None}
+
+
+def logprob_fields(req: _Generating, raw: bool) -> dict[str, Any]:
+    """`logprobs` / `top_logprobs` as the chat request's (`raw`: the completion request's) fields; 400 in Ollama's
+    words for a top_logprobs outside 0-20."""
+    k = req.top_logprobs or 0
+    if not 0 <= k <= 20:
+        raise APIError(400, "top_logprobs must be between 0 and 20", param="top_logprobs")
+    if not req.logprobs:
+        return {}
+    return {"logprobs": k} if raw else {"logprobs": True, "top_logprobs": k}
+
+
+def logprobs(choice: dict[str, Any], k: int) -> list[dict[str, Any]] | None:
+    """An OpenAI choice's logprobs as Ollama's `[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`:
+    a chat choice's are that already; a completion's (tokens, token_logprobs, top_logprobs by text: the sampled
+    token and the top `k`) are rebuilt, the `k` alternatives highest first."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return None
+    if "content" in lp:
+        return lp["content"] or None
+    out = []
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        best = sorted((top or {}).items(), key=lambda kv: -kv[1])[:k]
+        out.append({"token": token, "logprob": value, "bytes": list(token.encode()),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in best]})
+    return out or None
 
 
 def format_fields(fmt: Format) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from pagedlm.config import (
 )
 from pagedlm.config.loop import LIMITS
 from pagedlm.config.router import ROUTING
+from pagedlm.engine.protocol import POOLING_TYPES
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
     DEFAULT_MAX_CHAT_MESSAGES,
@@ -70,6 +71,10 @@ class ServerConfig:
     embedding_model: list[str] | None = option(None, "also serve this embedding model for /v1/embeddings and "
                                                "/api/embed (repeatable; NAME=MODEL names it; all-minilm-l6-v2 or a "
                                                "sentence-transformers BERT directory)", metavar="[NAME=]MODEL")
+    embedding_pooling: str = option("last", "how a generation model's embeddings (/v1/embeddings, /api/embed) pool "
+                                    "its final hidden states: the last token's (vLLM's default for decoders) or the "
+                                    "mean of all tokens' (llama.cpp's --pooling mean); L2-normalized",
+                                    choices=POOLING_TYPES)
     max_body_bytes: int = option(8 * 2**20, "largest request body, e.g. 8MiB (larger: 413)", parse=_size)
     disable_access_log: bool = option(False, "do not log each request")
     max_connections: int = option(DEFAULT_MAX_CONNECTIONS, "open HTTP connections served; a request on a connection "

@@ -2,7 +2,8 @@
 response.in_progress, response.output_item.added, response.content_part.added, response.output_text.delta / .done,
 response.function_call_arguments.delta / .done, response.output_item.done, response.completed or
 response.incomplete), and GET / DELETE /v1/responses/{id} over the per-key store (response_store.py) that
-`previous_response_id` continues from. Generation runs through the chat path (bridge.py); errors are OpenAI's."""
+`previous_response_id` continues from. Generation runs through the chat path (bridge.py), logprobs too (the chat
+answer's, in the output text and its delta events); errors are OpenAI's."""
 from __future__ import annotations
 
 import json
@@ -59,7 +60,9 @@ class ResponsesAPI:
         message = choice["message"]
         output = [R.reasoning_item(R.item_id("rs"), message["reasoning_content"])] \
             if message.get("reasoning_content") else []
-        output += [R.message_item(R.item_id("msg"), message["content"])] if message.get("content") else []
+        lps = (choice.get("logprobs") or {}).get("content") if R.wants_logprobs(req) else None
+        output += [R.message_item(R.item_id("msg"), message["content"], logprobs=lps)] if message.get("content") \
+            else []
         output += [R.call_item(R.item_id("fc"), c) for c in message.get("tool_calls") or []]
         return reply(response, turn.finish(output, choice["finish_reason"], out["usage"]), unknown)
 
@@ -112,12 +115,14 @@ class Turn:
         output: list[dict[str, Any]] = []
         text, text_item, text_index, finish, usage = "", None, 0, None, {}
         thinking, thought, thought_index = "", None, 0
+        lps = TextLogprobs()
         try:
             async for chunk in chunks(body):
                 usage = chunk.get("usage") or usage
                 for c in chunk.get("choices", []):
                     delta = c.get("delta", {})
                     finish = c.get("finish_reason") or finish
+                    lps.add(c)
                     if delta.get("reasoning_content"):
                         if thought is None:
                             thought = R.reasoning_item(R.item_id("rs"), "", "in_progress")
@@ -146,9 +151,9 @@ class Turn:
                         text += delta["content"]
                         yield seq.event("response.output_text.delta", item_id=text_item["id"],
                                         output_index=text_index, content_index=0,
-                                        delta=delta["content"], logprobs=[])
+                                        delta=delta["content"], logprobs=lps.take())
                     for call in delta.get("tool_calls") or []:
-                        for ev in _close_text(seq, text_index, text_item, text):
+                        for ev in _close_text(seq, text_index, text_item, text, lps.all):
                             yield ev
                         text_item = None
                         for ev in _call_events(seq, output, call):
@@ -157,21 +162,39 @@ class Turn:
             error = {"code": "server_error", "message": e.message}
             yield seq.event("response.failed", response=self.object("failed", output, usage, error))
             return
-        for ev in _close_text(seq, text_index, text_item, text):
+        for ev in _close_text(seq, text_index, text_item, text, lps.all):
             yield ev
         final = self.finish(output, finish, usage)
         yield seq.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
                         response=final)
 
-def _close_text(seq: EventCounter, index: int, item: dict[str, Any] | None, text: str) -> list[str]:
-    """The events that end the message item `item` (at `output[index]`) with its whole `text`."""
+class TextLogprobs:
+    """The logprobs of a streamed answer's tokens (its chunks' `logprobs.content`, when the request asked): each
+    text delta carries those that came since the previous one (a chunk may bring tokens whose text is held back),
+    the done events all of them."""
+
+    def __init__(self) -> None:
+        self.all: list[dict[str, Any]] = []
+        self._sent = 0
+
+    def add(self, choice: dict[str, Any]) -> None:
+        self.all += (choice.get("logprobs") or {}).get("content") or []
+
+    def take(self) -> list[dict[str, Any]]:
+        new, self._sent = self.all[self._sent:], len(self.all)
+        return new
+
+
+def _close_text(seq: EventCounter, index: int, item: dict[str, Any] | None, text: str,
+                logprobs: list[dict[str, Any]]) -> list[str]:
+    """The events that end the message item `item` (at `output[index]`) with its whole `text` (and `logprobs`)."""
     if item is None or item["status"] == "completed":
         return []
-    item.update(R.message_item(item["id"], text))
+    item.update(R.message_item(item["id"], text, logprobs=logprobs))
     return [seq.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                      text=text, logprobs=[]),
+                      text=text, logprobs=logprobs),
             seq.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                      part=R.output_text(text)),
+                      part=R.output_text(text, logprobs)),
             seq.event("response.output_item.done", output_index=index, item=item)]
 
 

@@ -1,6 +1,6 @@
 """OpenAI's Responses API requests (POST /v1/responses) as a pydantic model, their input items as OpenAI chat
-messages (messages, function calls and their outputs), their tools, tool_choice and text.format as the chat
-request's fields, and the output items of a chat answer."""
+messages (messages, function calls and their outputs), their tools, tool_choice, text.format and logprobs
+(`include` and `top_logprobs`) as the chat request's fields, and the output items of a chat answer."""
 from __future__ import annotations
 
 import uuid
@@ -41,7 +41,8 @@ class ResponsesRequest(Request):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs": the output text's logprobs; others ignored
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, with those logprobs
     reasoning: dict[str, Any] | None = None  # {"effort": ...}: none or minimal turns a template's thinking off
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -123,6 +124,8 @@ def chat_fields(req: ResponsesRequest) -> dict[str, Any]:
                            param="tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     out["tool_choice"] = choice
+    if wants_logprobs(req):  # the chat answer's logprobs are OpenAI's Responses shape already
+        out["logprobs"], out["top_logprobs"] = True, req.top_logprobs or 0
     if req.reasoning is not None:
         out["chat_template_kwargs"] = {"enable_thinking": req.reasoning.get("effort") not in ("none", "minimal")}
     fmt = req.text.format if req.text else None
@@ -136,13 +139,22 @@ def chat_fields(req: ResponsesRequest) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+LOGPROBS = "message.output_text.logprobs"
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the output text carries logprobs: `include` asks for them (`top_logprobs` alone does not)."""
+    return LOGPROBS in (req.include or ())
+
+
 def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(iid: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(iid: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": iid, "status": status, "role": "assistant",
-            "content": [output_text(text)] if status == "completed" else []}
+            "content": [output_text(text, logprobs)] if status == "completed" else []}
 
 
 def reasoning_item(iid: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -150,8 +162,10 @@ def reasoning_item(iid: str, text: str, status: str = "completed") -> dict[str, 
             "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An output_text content part; `logprobs`: its tokens' ({token, logprob, bytes, top_logprobs}, as a chat
+    answer's `logprobs.content`)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(iid: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:

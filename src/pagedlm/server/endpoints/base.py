@@ -121,20 +121,24 @@ class EndpointBase:
             field = next((f for f in CONSTRAINT_FIELDS if getattr(req, f, None) is not None), None)
             raise api_error(e, field if e.param == "structured_outputs" else None) from None
 
-    def cache_salt(self, request: Request, req: P.SamplingRequest) -> str | None:
+    def cache_salt(self, request: Request, salt: str | None) -> str | None:
         """The client's `cache_salt`, prefixed (with --prefix-cache-per-key) by a hash of its API key."""
         key = getattr(request.state, "api_key", None) if self.prefix_cache_per_key else None
         if key is None:
-            return req.cache_salt
+            return salt
         tenant = hashlib.sha256(key.encode()).hexdigest()[:32]
-        return tenant if req.cache_salt is None else f"{tenant}:{req.cache_salt}"
+        return tenant if salt is None else f"{tenant}:{salt}"
 
     async def submit(self, request: Request, req: P.SamplingRequest, rid: str, prompts: list[Prompt],
                      params: SamplingParams, arrival: float) -> list[RequestStream]:
         """Queue every prompt or none: on any refusal the accepted ones are aborted and the error raised."""
-        salt = self.cache_salt(request, req)
-        streams = [self.engine.submit(EngineRequest(i, p.token_ids, params, p.text, arrival, req.priority, salt))
-                   for i, p in zip(request_ids(rid, len(prompts)), prompts)]
+        salt = self.cache_salt(request, req.cache_salt)
+        return await self.submit_requests([EngineRequest(i, p.token_ids, params, p.text, arrival, req.priority, salt)
+                                           for i, p in zip(request_ids(rid, len(prompts)), prompts)])
+
+    async def submit_requests(self, requests: list[EngineRequest]) -> list[RequestStream]:
+        """Queue every request or none (`submit`'s rule)."""
+        streams = [self.engine.submit(r) for r in requests]
         try:
             results = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)
         except BaseException:
