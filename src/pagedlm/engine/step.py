@@ -52,23 +52,9 @@ class PromptLogprobRow:
         return slice(self.index, self.index + self.end - self.first)
 
 
-@dataclass
-class PoolRow:
+class PoolRow(PromptLogprobRow):
     """Prompt positions first .. end - 1 of a pooling request computed in this step, at hidden-state rows
     index .. index + end - first - 1 (engine/pooling.py)."""
-
-    sched: ScheduledSeq
-    index: int
-    first: int
-    end: int
-
-    @property
-    def request(self) -> Request:
-        return self.sched.request
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.index, self.index + self.end - self.first)
 
 
 @dataclass
