@@ -83,8 +83,9 @@ class ServerConfig:
                                     "before the template runs", group=LIMITS)
     max_prompt_chars: int = option(DEFAULT_MAX_PROMPT_CHARS, "most characters of one prompt (a chat as its template "
                                    "renders it, a text prompt); beyond: 400, before tokenizing", group=LIMITS)
-    stage_threads: int = option(DEFAULT_STAGE_THREADS, "worker threads of each stage before the engine (parsing, "
-                                "chat templates, tokenizing, grammar), each stage its own", group=LIMITS)
+    stage_threads: int = option(DEFAULT_STAGE_THREADS, "worker threads of each stage of a request's work off the "
+                                "engine (parsing, chat templates, tokenizing, grammar, answers with logprobs), "
+                                "each stage its own", group=LIMITS)
     stage_queue: int = option(DEFAULT_STAGE_QUEUE, "jobs of one such stage that may wait for its threads; beyond: "
                               "503 server_busy", group=LIMITS)
     allowed_origins: str = option("", "comma-separated origins allowed by CORS (default none: browsers cannot use "

@@ -153,6 +153,9 @@ class SamplingRequest(Request):
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true.", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs are not streamed (as in vLLM): ask for them without stream.",
+                           param="prompt_logprobs")
         self.token_logit_bias()
         self.structured_outputs_params()
 

@@ -22,6 +22,7 @@ from pagedlm.server.endpoints.results import Chunk, Stream
 from pagedlm.server.errors import api_error
 from pagedlm.server.limits import RequestLimits, check_prompt_logprobs
 from pagedlm.server.protocol import APIError
+from pagedlm.server.response_models import PromptLogprobs
 from pagedlm.server.stages import StagePools
 from pagedlm.server.streaming import abort_all, first_outputs
 from pagedlm.server.tools import HermesToolParser
@@ -36,6 +37,7 @@ class Prompt:
     token_ids: list[int]
     text: str | None = None  # the text the client sent, if it sent text
     echo_logprobs: tuple[P.CompletionLogprobs, int] | None = None  # echo's logprobs and text length, made once
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's prompt_logprobs, made once
 
 
 def request_ids(rid: str, num_prompts: int) -> list[str]:

@@ -43,10 +43,16 @@ class ChatEndpoint(EndpointBase):
             chunks = self._chat_chunks(req, rid, streams, params, len(ids))
             return await self.stream(request, streams, routed, chunks)
         (out,) = await collect(request, streams)
-        return Answer(P.ChatCompletionResponse(
-            id=rid, model=self.name, choices=[self._chat_choice(req, o) for o in out.outputs],
-            usage=final_usage([out], params),
-            prompt_logprobs=L.prompt(out) if req.prompt_logprobs is not None else None))
+
+        def answer() -> P.ChatCompletionResponse:
+            return P.ChatCompletionResponse(
+                id=rid, model=self.name, choices=[self._chat_choice(req, o) for o in out.outputs],
+                usage=final_usage([out], params),
+                prompt_logprobs=L.prompt(out) if req.prompt_logprobs is not None else None)
+
+        # with logprobs, the answer is built on the render stage's threads, not on the event loop
+        with_logprobs = req.logprobs or req.prompt_logprobs is not None
+        return Answer(await self.stages.run("render", answer) if with_logprobs else answer())
 
     def _chat_params(self, req: P.ChatCompletionRequest) -> SamplingParams:
         """The request's params; a tool choice that forces calls ("required", a named function) adds the calls'
