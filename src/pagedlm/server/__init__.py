@@ -4,6 +4,7 @@ DEFAULT_HEALTH_STEP_TIMEOUT = 120.0  # seconds one engine step may run with requ
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256  # prompts x n (or beam_width) of one request
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20  # prompt positions x (k + 1) x copies (choices) in one response
 MAX_GENERATED_LOGPROB_ENTRIES = 1 << 21  # generated tokens x (k + 1) of one request (~150 bytes each kept on host)
+DEFAULT_LOGPROB_BUDGET = 1 << 22  # logprob entries all admitted requests may keep on the host at once (~600 MB)
 DEFAULT_MAX_CHAT_MESSAGES = 2048  # messages of one chat request (OpenAI's own bound)
 DEFAULT_MAX_PROMPT_CHARS = 1 << 22  # characters of one prompt before tokenization (a rendered chat, a text prompt)
 DEFAULT_MAX_REQUESTS_PER_KEY = 256  # engine requests (prompts) one API key may have waiting or running

@@ -35,6 +35,7 @@ from pagedlm.engine.client import EngineClient
 from pagedlm.engine.embedding_engine import EmbeddingEngine
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
+    DEFAULT_LOGPROB_BUDGET,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_RESPONSES_STORE_SIZE,
@@ -52,7 +53,7 @@ from pagedlm.server.dispatch import Dispatcher
 from pagedlm.server.embeddings import EmbeddingRequest, add_embedding_routes
 from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
-from pagedlm.server.limits import KeyLeases, RequestLimits
+from pagedlm.server.limits import KeyLeases, LogprobBudget, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.ollama import add_ollama_routes
@@ -82,7 +83,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
               responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL,
               embedders: Mapping[str, EmbeddingEngine] | None = None,
               reasoning_parser: str | None = None, thinking_token_budget: int | None = None, ui: bool = False,
-              ui_show_text: bool = False) -> FastAPI:
+              ui_show_text: bool = False, logprob_budget: int = DEFAULT_LOGPROB_BUDGET) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -107,6 +108,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     thinking_token_budget: chat requests without a `thinking_token_budget` of their own get this one (needs
     reasoning_parser; None: no budget).
     ui: serve the memory views (GET /debug/state, the web view at /ui; ui.py); ui_show_text: they show text.
+    logprob_budget: logprob entries all admitted requests may keep on the host at once (limits.LogprobBudget; 0:
+    no budget).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
@@ -124,16 +127,16 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         raise ValueError(f"Embedding and generation models share names: {sorted(set(embedders) & set(engines))}")
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
-    stages = StagePools(stage_threads, stage_queue)
+    stages, budget = StagePools(stage_threads, stage_queue), LogprobBudget(logprob_budget)
     app = FastAPI(title="pagedlm", version=__version__, on_shutdown=[stages.shutdown])
     metrics = ServerMetrics(engines, router=dispatcher.router if dispatcher is not None else None,
-                             stages=stages)
+                             stages=stages, logprob_budget=budget)
     models = {}
     for name, engine in engines.items():
         tools = tool_support(engine.input_processor.tokenizer.hf.chat_template, tool_call_parser)
         logger.info("%s: %s", name, tools.summary)
         models[name] = model = ServedModel(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
-                                           limits, stages)
+                                           limits, stages, budget)
         model.tool_template = tools.template
     front = Frontend(models, metrics, dispatcher, strict_request_fields, allow_client_priority)
     app.state.frontend = front

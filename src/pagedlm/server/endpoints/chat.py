@@ -36,7 +36,7 @@ class ChatEndpoint(EndpointBase):
         ids = await self.stages.run("chat", self.chat_request_prompt, req, tools)
         self.check_prompt(ids)
         params = self._chat_params(req)
-        await self.check_and_prepare(req, params, [len(ids)], 1)
+        await self.check_and_prepare(request, req, params, [len(ids)], 1)
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request, req, rid, [Prompt(ids)], params, arrival)
         if req.stream:

@@ -29,7 +29,7 @@ class CompletionsEndpoint(EndpointBase):
         params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=req.prompt_logprobs
                                      if req.prompt_logprobs is not None else k if req.echo else None)
         copies = (req.prompt_logprobs is not None) + (req.echo and k is not None)
-        await self.check_and_prepare(req, params, [len(p.token_ids) for p in prompts], params.n * copies)
+        await self.check_and_prepare(request, req, params, [len(p.token_ids) for p in prompts], params.n * copies)
         rid = rid or f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request, req, rid, prompts, params, arrival)
         if req.stream:
