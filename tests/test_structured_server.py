@@ -278,6 +278,10 @@ def test_unknown_fields_header_and_strict_mode(server, strict):
     known = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "guided_choice": ["a"],
                                              "prompt_logprobs": 0, "bad_words": ["zz"]})
     assert known.status_code == 200 and UNKNOWN_FIELDS_HEADER not in known.headers
+    for path, fields in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                         ("/api/generate", {"prompt": "x", "stream": False, "options": {"num_predict": 1}})):
+        r = post(server, path, {**fields, " \u00e9\u00e9 ": 1})  # a header that began with a space: no response
+        assert r.status_code == 200 and r.headers[UNKNOWN_FIELDS_HEADER] == "??", (path, r.text)  # (the fuzzer's)
     msg = error(post(strict, "/v1/completions", body))
     assert "frobnicate" in msg and "response_format.extra_thing" in msg
     assert "functions" in error(post(strict, "/v1/chat/completions", {"messages": MSGS, "functions": []}))
