@@ -15,7 +15,8 @@ frontend.py (parsing, admission, model resolution), auto.py (the auto model: the
 cascade), dispatch.py (the router's decisions and the engines' live load), endpoints/ (one model's endpoints, their
 typed results, rendered as JSON or SSE), streaming.py (engine streams as the endpoints read them), middleware.py
 (Host, key, Content-Type, body size checks), wire.py (request bodies in, JSON out), errors.py (engine errors as
-OpenAI errors). Engines are seen only through their `EngineClient` contract (engine/client.py).
+OpenAI errors), openapi.py (/openapi.json with the bodies the routes parse). Engines are seen only through their
+`EngineClient` contract (engine/client.py).
 """
 from __future__ import annotations
 
@@ -24,9 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -43,20 +42,18 @@ from pagedlm.server import (
     DEFAULT_STAGE_QUEUE,
     DEFAULT_STAGE_THREADS,
 )
-from pagedlm.server import anthropic_protocol as A
-from pagedlm.server import ollama_protocol as O
 from pagedlm.server import protocol as P
-from pagedlm.server import responses_protocol as R
 from pagedlm.server.anthropic import add_anthropic_routes
 from pagedlm.server.bridge import Bridge
 from pagedlm.server.dispatch import Dispatcher
-from pagedlm.server.embeddings import EmbeddingRequest, add_embedding_routes
+from pagedlm.server.embeddings import add_embedding_routes
 from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.limits import KeyLeases, LogprobBudget, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.ollama import add_ollama_routes
+from pagedlm.server.openapi import Served, document_bodies
 from pagedlm.server.protocol import APIError, shutting_down
 from pagedlm.server.reasoning import REASONING_PARSERS
 from pagedlm.server.response_store import ResponseStore
@@ -227,29 +224,9 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     add_anthropic_routes(app, bridge)
     add_responses_routes(app, bridge, ResponseStore(responses_store_size, responses_store_ttl))
     embeddings = add_embedding_routes(app, bridge, embedders)
-    _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
-                           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
-                           "/api/chat": O.ChatRequest, "/api/generate": O.GenerateRequest, "/api/show": O.ShowRequest,
-                           "/v1/messages": A.MessagesRequest, "/v1/messages/count_tokens": A.CountTokensRequest,
-                           "/v1/responses": R.ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
-                           "/api/embed": O.EmbedRequest, "/api/embeddings": O.EmbeddingsRequest})
+    document_bodies(app, Served(
+        list(engines), dispatcher.name if dispatcher is not None else None, list(embedders),
+        max(e.max_model_len for e in engines.values()), min(e.input_processor.vocab_size for e in engines.values()),
+        min((e.vocab_size for e in embedders.values()), default=None), allow_client_priority))
     return app
 
-
-def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """/openapi.json describes the bodies these POST routes parse themselves (wire.parse_request, for its 400s),
-    as their models' JSON schemas, so that clients and fuzzers see what the handlers take."""
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in bodies.items():
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
-                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi

@@ -8,7 +8,7 @@ import asyncio
 import base64
 import time
 from collections.abc import Mapping
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from fastapi import FastAPI, Request
@@ -27,9 +27,9 @@ from pagedlm.server.streaming import unless_disconnected
 
 class EmbeddingRequest(P.Request):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[P.Int] | list[list[P.Int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Annotated[int, Field(ge=1), P.WHOLE] | None = None
     user: str | None = None
 
 
