@@ -354,3 +354,37 @@ def test_a_flood_of_slow_constraints_stalls_no_other_stage(engine, monkeypatch):
             t.join(60)
         srv.stop()
     assert sorted(r.status_code for r in results) == [200] * 5 + [503] * (FLOOD - 5)
+
+
+def test_a_full_render_stage_ends_a_started_stream_with_an_error_event(engine, monkeypatch):
+    """A stream's echo logprobs are made on the render stage; when that stage is full (here: one thread, no queue,
+    held by another request's answer) the stream, already started, ends with a server_busy error event and
+    [DONE] instead of a dropped connection; the held request is then answered."""
+    from pagedlm.server.endpoints import logprobs as logprob_format
+
+    entered, release = threading.Event(), threading.Event()
+    real = logprob_format.add_completion
+
+    def held(tok, lp, ids, *a):
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return real(tok, lp, ids, *a)
+
+    monkeypatch.setattr(logprob_format, "add_completion", held)
+    srv = InProcessServer(build_app({"tiny": engine}, stage_threads=1, stage_queue=0))
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 2, "echo": True, "logprobs": 1}
+    answers: list[httpx.Response] = []
+    first = threading.Thread(target=lambda: answers.append(srv.post("/v1/completions", json=body)))
+    try:
+        first.start()
+        assert entered.wait(30)
+        r = srv.post("/v1/completions", json={**body, "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+        assert json.loads(events[-2])["error"]["code"] == "server_busy"
+    finally:
+        release.set()
+        first.join(30)
+        srv.stop()
+    assert answers[0].status_code == 200 and len(answers[0].json()["choices"][0]["logprobs"]["tokens"]) > 2
