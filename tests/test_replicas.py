@@ -112,6 +112,129 @@ def test_bad_replica_flags_fail_before_anything_starts(capsys):
         LLM(model="no-such-model", data_parallel_size=2, block_size=3)
 
 
+# ---- the Ray watch (no Ray: a fake cluster handle) ----
+
+class _FakeClient:
+    """What a replica set and the watch use of a ReplicaClient."""
+
+    input_processor, max_waiting, stall_timeout, tokenizer, on_lost = None, 8, 0.0, "tokenizer", None
+
+    def __init__(self, name: str) -> None:
+        self.name, self.restarts, self.shut_remote = name, 0, None
+
+    @property
+    def is_running(self) -> bool:
+        return self.shut_remote is None
+
+    def add_listener(self, fn) -> None:
+        pass
+
+    def shutdown(self, timeout: float = 10.0, remote: bool = True) -> None:
+        self.shut_remote = remote
+
+    def carry_over(self, prev: _FakeClient) -> None:
+        self.restarts = prev.restarts + 1
+
+
+class _FakeCluster:
+    """A joined cluster that goes away (`gone`) and comes back: down while gone, and joined again only after."""
+
+    started, num_cpus, cpus, probe = False, 2.0, [0, 1], "head:6379"
+
+    def __init__(self) -> None:
+        self.gone, self.events = False, []
+
+    def down_reason(self) -> str | None:
+        return "the Ray cluster at head:6379 does not answer" if self.gone else None
+
+    def disconnect(self) -> None:
+        self.events.append("disconnect")
+
+    def reconnect(self, **init_kwargs) -> None:
+        self.events.append("reconnect")
+        if self.gone:
+            raise ConnectionError("the Ray cluster at head:6379 is not back")
+
+    def stop(self) -> None:
+        pass
+
+
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_the_ray_watch_brings_a_joined_cluster_back_with_every_set(monkeypatch):
+    """A joined cluster (--ray-address) that stops answering: each replica set on it says why (/health's 503),
+    its replicas are taken out (their requests fail), the watch leaves Ray and tries to join again, periodically,
+    until the cluster is back; then every set gets fresh replicas (restart counters carried over) and is healthy,
+    and the watch goes on watching (a second outage too). The state machine with a fake cluster handle: a real
+    cluster stopped and started again takes longer than a unit test should (test_the_joined_gcs_probe... covers
+    the probe)."""
+    from pagedlm.dp.cluster import RayCluster
+    from pagedlm.dp.launch import RayWatch
+    from pagedlm.dp.replica_set import ReplicaSet
+
+    monkeypatch.setattr(RayWatch, "WATCH_S", 0.005)
+    monkeypatch.setattr(RayWatch, "RETRY_S", 0.005)
+    monkeypatch.setattr(RayWatch, "MAX_RETRY_S", 0.01)
+    monkeypatch.setattr(RayWatch, "current", None)
+    cluster, started = _FakeCluster(), []
+
+    def start(c, tokenizer=None) -> list[_FakeClient]:
+        assert tokenizer in (None, "tokenizer")
+        started.append(c)
+        return [_FakeClient("0"), _FakeClient("1")]
+
+    watch = RayWatch.of(cluster, {})
+    sets = []
+    for c in (cluster, RayCluster(False, 2.0, [0, 1])):  # a second model's set joins the same Ray: one watch
+        assert RayWatch.of(c, {}) is watch
+        sets.append(ReplicaSet(start(c)))
+        watch.add(sets[-1], c, start)
+    try:
+        for outage in (1, 2):
+            assert all(rs.down_reason is None for rs in sets)
+            old = [list(rs.replicas.values()) for rs in sets]
+            cluster.gone, cluster.events = True, []
+            _until(lambda: all(rs.down_reason for rs in sets), "the sets say that Ray is down")
+            for rs in sets:
+                assert "does not answer" in rs.down_reason and "joining it again" in rs.down_reason
+            assert all(c.shut_remote is False for clients in old for c in clients)  # out, their actors gone
+            _until(lambda: cluster.events.count("reconnect") >= 3, "tries to join again, periodically")
+            assert cluster.events[0] == "disconnect" and all(rs.down_reason for rs in sets)
+            cluster.gone = False
+            _until(lambda: all(rs.down_reason is None for rs in sets), "the sets are back")
+            for rs, clients in zip(sets, old):
+                assert sorted(rs.replicas) == ["0", "1"] and all(rs.replicas[c.name] is not c for c in clients)
+                assert {c.restarts for c in rs.replicas.values()} == {outage}
+            assert started[-2:] == [cluster, sets[1].watch.cluster]
+    finally:
+        for rs in sets:
+            rs.shutdown(timeout=5.0)
+    assert watch.closed.is_set() and not watch.sets
+
+
+def test_the_joined_gcs_probe_says_when_a_cluster_is_gone_and_is_not_joined_before_it_answers(monkeypatch):
+    """A joined cluster is down while its GCS (host:port) takes no connection; reconnecting before it answers is a
+    ConnectionError at once, without ray.init (which would wait on a cluster that is gone)."""
+    import socket
+
+    from pagedlm.dp import cluster as cluster_module
+
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        joined = cluster_module.RayCluster(False, 2.0, [0], "auto", f"127.0.0.1:{gcs.getsockname()[1]}")
+        assert joined.down_reason() is None
+    assert "the Ray cluster at auto (127.0.0.1:" in joined.down_reason()
+    monkeypatch.setattr(cluster_module, "connect_ray", lambda *a, **kw: pytest.fail("joined a cluster that is gone"))
+    with pytest.raises(ConnectionError, match="is not back"):
+        joined.reconnect()
+
+
 # ---- replicas on Ray ----
 
 def test_a_local_ray_starts_only_with_token_authentication(monkeypatch):

@@ -314,7 +314,10 @@ def test_errors_map_to_client_exceptions(server, client):
            dict(extra_body={"top_k": -5}), dict(extra_body={"min_tokens": 50}, max_tokens=10),
            dict(prompt="word " * 600), dict(prompt=[1, 2, 10**6]), dict(prompt=[]), dict(prompt=""),
            dict(extra_body={"max_tokens": "5"}), dict(extra_body={"n": True}), dict(extra_body={"stop": 5}),
-           dict(extra_body={"temperature": "hot"}), dict(logit_bias={"1": 500}), dict(suffix="x")]
+           dict(extra_body={"temperature": "hot"}), dict(logit_bias={"1": 500}), dict(suffix="x"),
+           dict(extra_body={"max_tokens": 4.5}), dict(extra_body={"n": 2.0, "max_tokens": 0.0})]
+    whole = client.completions.create(model="tiny", prompt=[40, 41.0], extra_body={"max_tokens": 3.0, "n": 2.0})
+    assert len(whole.choices) == 2 and whole.usage.prompt_tokens == 2  # 3.0 is the integer 3 (JSON Schema's too)
     for kw in bad:
         kw = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, **kw}
         with pytest.raises(openai.BadRequestError) as ei:

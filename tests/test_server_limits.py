@@ -257,6 +257,48 @@ def test_generated_logprobs_are_bounded_per_request(engine):
         srv.stop()
 
 
+def test_logprobs_kept_share_the_servers_budget_and_are_released_on_disconnect(engine):
+    """The logprob entries admitted requests keep (generated: prompts x n x max_tokens x (k + 1); prompt logprobs:
+    positions x (k + 1)) share one server-wide budget: beyond what is free a 429 (Retry-After), beyond the whole
+    budget a 400; a request holds its share until its response has ended, also when its client goes away
+    mid-stream (the share comes back: nothing leaks)."""
+    srv = InProcessServer(build_app({"tiny": engine}, logprob_budget=20_000))
+    streamed = dict(max_tokens=480, logprobs=20, ignore_eos=True)  # 480 x 21 = 10,080 entries
+    held_body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "stream": True, **streamed}).encode()
+
+    def post(path: str, **body) -> httpx.Response:
+        return srv.post(path, json={"model": "tiny", **body})
+
+    try:
+        with socket.socket() as held:  # reads the head of its stream, then nothing: the stream stays open
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            held.connect(("127.0.0.1", _port(srv)))
+            held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(held_body) + held_body)
+            assert held.recv(12) == b"HTTP/1.1 200"
+            assert srv.metrics()["pagedlm:logprob_entries_held"] == 10_080
+            for path, body in (("/v1/completions", dict(prompt="Hello", **streamed)),
+                               ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}],
+                                                             max_tokens=480, logprobs=True, top_logprobs=20)),
+                               ("/v1/completions", dict(prompt=[40] * 480, prompt_logprobs=20, max_tokens=1))):
+                r = post(path, **body)
+                err = r.json()["error"]
+                assert r.status_code == 429 and err["code"] == "rate_limit_exceeded", (body, r.text)
+                assert "logprob_budget" in err["message"] and r.headers["retry-after"]
+            assert post("/v1/completions", prompt="Hello", max_tokens=20, logprobs=20).status_code == 200  # fits
+            r = post("/v1/completions", prompt="Hello", n=2, **streamed)  # 20,160: more than the whole budget
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+            assert srv.metrics()["pagedlm:logprob_entries_held"] == 10_080
+        deadline = time.monotonic() + 10
+        while srv.metrics()["pagedlm:logprob_entries_held"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server sees the closed stream asynchronously
+        assert srv.metrics()["pagedlm:logprob_entries_held"] == 0
+        assert post("/v1/completions", prompt="Hello", **streamed).status_code == 200
+        assert srv.metrics()["pagedlm:logprob_entries_held"] == 0 and srv.wait_idle()["pagedlm:kv_blocks_used"] == 0
+    finally:
+        srv.stop()
+
+
 # --- pre-engine stages ----------------------------------------------------------------------------------------------
 FLOOD = 40  # more than the default thread pool's workers (at most 32) that every stage shared before
 
@@ -312,3 +354,37 @@ def test_a_flood_of_slow_constraints_stalls_no_other_stage(engine, monkeypatch):
             t.join(60)
         srv.stop()
     assert sorted(r.status_code for r in results) == [200] * 5 + [503] * (FLOOD - 5)
+
+
+def test_a_full_render_stage_ends_a_started_stream_with_an_error_event(engine, monkeypatch):
+    """A stream's echo logprobs are made on the render stage; when that stage is full (here: one thread, no queue,
+    held by another request's answer) the stream, already started, ends with a server_busy error event and
+    [DONE] instead of a dropped connection; the held request is then answered."""
+    from pagedlm.server.endpoints import logprobs as logprob_format
+
+    entered, release = threading.Event(), threading.Event()
+    real = logprob_format.add_completion
+
+    def held(tok, lp, ids, *a):
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return real(tok, lp, ids, *a)
+
+    monkeypatch.setattr(logprob_format, "add_completion", held)
+    srv = InProcessServer(build_app({"tiny": engine}, stage_threads=1, stage_queue=0))
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 2, "echo": True, "logprobs": 1}
+    answers: list[httpx.Response] = []
+    first = threading.Thread(target=lambda: answers.append(srv.post("/v1/completions", json=body)))
+    try:
+        first.start()
+        assert entered.wait(30)
+        r = srv.post("/v1/completions", json={**body, "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+        assert json.loads(events[-2])["error"]["code"] == "server_busy"
+    finally:
+        release.set()
+        first.join(30)
+        srv.stop()
+    assert answers[0].status_code == 200 and len(answers[0].json()["choices"][0]["logprobs"]["tokens"]) > 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Literal
 
 import jsonschema
@@ -196,30 +197,60 @@ def test_echo_scoring_and_prompt_logprobs(server):
     assert "needs echo" in error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0}))
 
 
-def test_prompt_logprobs_bounded_and_converted_once(server, monkeypatch):
+def test_prompt_logprobs_bounded_and_converted_once_off_the_event_loop(server, monkeypatch):
     """n x prompt length x (k + 1) beyond MAX_PROMPT_LOGPROB_ENTRIES is a 400 before any work (prompt_logprobs
     or echo + logprobs: both repeat per choice); below it, the prompt's logprobs are converted once per prompt
-    whatever n, and every choice carries the same."""
+    whatever n, on the render stage's threads (not the event loop's; streamed echo too), and every choice carries
+    what the conversion made. prompt_logprobs are not streamed (a 400, as in vLLM)."""
     prompt = [40 + i % 300 for i in range(500)]
     assert 100 * 500 * 21 > MAX_PROMPT_LOGPROB_ENTRIES
     for body in ({"prompt_logprobs": 20, "max_tokens": 0}, {"echo": True, "logprobs": 20, "max_tokens": 0},
-                 {"prompt_logprobs": 20, "max_tokens": 1, "stream": True}):
+                 {"echo": True, "logprobs": 20, "max_tokens": 1, "stream": True}):
         r = post(server, "/v1/completions", {"prompt": prompt, "n": 100, **body})
         assert "prompt logprobs" in error(r) and r.json()["error"]["type"] == "invalid_request_error", body
+    for path, body in (("/v1/completions", {"prompt": prompt[:5]}), ("/v1/chat/completions", {"messages": MSGS})):
+        r = post(server, path, {**body, "prompt_logprobs": 1, "max_tokens": 1, "stream": True})
+        assert "not streamed" in error(r) and r.json()["error"]["param"] == "prompt_logprobs"
     chat = post(server, "/v1/chat/completions", {"messages": MSGS, "n": 2, "prompt_logprobs": 20, "max_tokens": 1})
     assert chat.status_code == 200 and len(chat.json()["prompt_logprobs"]) > 5  # one copy per response in chat
     converted, echoed = [], []
     real_convert, real_echo = logprob_format.prompt, logprob_format.add_completion
-    monkeypatch.setattr(logprob_format, "prompt", lambda out: converted.append(1) or real_convert(out))
-    monkeypatch.setattr(logprob_format, "add_completion",
-                        lambda tok, lp, ids, *a: echoed.append(len(ids)) or real_echo(tok, lp, ids, *a))
+
+    def convert(out):
+        made = real_convert(out)
+        converted.append((threading.current_thread().name, [None if e is None else {t: lp.model_dump()
+                                                                                  for t, lp in e.items()}
+                                                            for e in made]))
+        return made
+
+    def echo(tok, lp, ids, *a):
+        if len(ids) == 20:  # the prompt's, not a generated token's
+            echoed.append(threading.current_thread().name)
+        return real_echo(tok, lp, ids, *a)
+
+    monkeypatch.setattr(logprob_format, "prompt", convert)
+    monkeypatch.setattr(logprob_format, "add_completion", echo)
     r = post(server, "/v1/completions", {"prompt": prompt[:20], "n": 4, "prompt_logprobs": 2, "echo": True,
                                          "logprobs": 1, "max_tokens": 0}).json()
     plps = [c["prompt_logprobs"] for c in r["choices"]]
     assert len(plps) == 4 and plps[0][0] is None and len(plps[0]) == 20 and all(p == plps[0] for p in plps)
     assert all(len(c["logprobs"]["tokens"]) == 20 for c in r["choices"])
-    assert len(converted) == 1 and [n for n in echoed if n] == [20]
-
+    assert len(converted) == 1 and len(echoed) == 1 and plps[0] == converted[0][1]
+    chat = post(server, "/v1/chat/completions", {"messages": MSGS, "prompt_logprobs": 1, "max_tokens": 1}).json()
+    assert len(converted) == 2 and chat["prompt_logprobs"] == converted[1][1]
+    sse = post(server, "/v1/completions", {"prompt": prompt[:20], "n": 2, "echo": True, "logprobs": 1, "max_tokens": 2,
+                                           "stream": True})
+    firsts: dict[int, dict] = {}  # each choice's first chunk: the echo
+    for line in sse.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                firsts.setdefault(c["index"], c["logprobs"])
+    want = r["choices"][0]["logprobs"]
+    assert sorted(firsts) == [0, 1] and all(f["tokens"][:20] == want["tokens"] for f in firsts.values())
+    assert all(f["token_logprobs"][:20] == want["token_logprobs"] for f in firsts.values())
+    assert len(echoed) == 2
+    threads = {name for name, _ in converted} | set(echoed)
+    assert all(t.startswith("pagedlm-render") for t in threads), threads
 
 def test_deeply_nested_json_text_is_400(server):
     """JSON given as text inside a request (a schema, an assistant's tool-call arguments) nested past the depth
@@ -247,6 +278,10 @@ def test_unknown_fields_header_and_strict_mode(server, strict):
     known = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "guided_choice": ["a"],
                                              "prompt_logprobs": 0, "bad_words": ["zz"]})
     assert known.status_code == 200 and UNKNOWN_FIELDS_HEADER not in known.headers
+    for path, fields in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                         ("/api/generate", {"prompt": "x", "stream": False, "options": {"num_predict": 1}})):
+        r = post(server, path, {**fields, " \u00e9\u00e9 ": 1})  # a header that began with a space: no response
+        assert r.status_code == 200 and r.headers[UNKNOWN_FIELDS_HEADER] == "??", (path, r.text)  # (the fuzzer's)
     msg = error(post(strict, "/v1/completions", body))
     assert "frobnicate" in msg and "response_format.extra_thing" in msg
     assert "functions" in error(post(strict, "/v1/chat/completions", {"messages": MSGS, "functions": []}))

@@ -17,7 +17,8 @@ class ParallelConfig:
     data_parallel_size: int = option(1, "engine replicas per model, each a Ray actor on its share of the cores (1: "
                                      "the engine runs in this process)", aliases=("-dp",), group=REPLICAS)
     ray_address: str | None = option(None, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of "
-                                     "starting a local one", group=REPLICAS)
+                                     "starting a local one; while it does not answer /health is 503, and it is "
+                                     "joined again once it is back", group=REPLICAS)
     replica_policy: str = option("prefix", "how requests are spread over replicas (prefix: the replica caching the "
                                  "longest prefix of the prompt, unless much busier)", choices=REPLICA_POLICIES,
                                  group=REPLICAS)

@@ -5,7 +5,7 @@ the front end's proxy of one actor, and its `RemoteStream`), `prefix_index.py` (
 replica caches), `placement.py` (which replica takes a request: pure policy, the model router uses it too),
 `replica_set.py` (`ReplicaSet`: the replicas as one engine, retries on a lost replica), `cluster.py` (Ray: join
 or start a local cluster, launch the actors), `launch.py` (`launch_replica_set`, and `RayWatch`, which restarts a
-local Ray that went down).
+local Ray that went down, or joins a cluster again when it is back).
 
 Nothing is imported here, so that `placement` stays light for the router.
 """

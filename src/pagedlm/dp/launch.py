@@ -1,11 +1,13 @@
 """Start a replica set on Ray: join the cluster at `parallel.ray_address` (or start a local one), launch
-`parallel.data_parallel_size` replica actors and their clients, and, on a local Ray of its own, watch it
-(`RayWatch`): if Ray's raylet or GCS dies, every replica goes with it, so Ray and the replicas are started again."""
+`parallel.data_parallel_size` replica actors and their clients, and watch that Ray (`RayWatch`, one per process,
+every replica set on it): if a local Ray's raylet or GCS dies, or a joined cluster stops answering, every replica
+goes with it, so the watch starts Ray again (or joins the cluster again once it is back) and the replicas with it."""
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pagedlm.config import EngineConfig, LoopConfig, ParallelConfig
 from pagedlm.dp.client import ReplicaClient
@@ -20,7 +22,8 @@ StartReplicas = Callable[..., list[ReplicaClient]]  # (cluster, tokenizer=None) 
 def launch_replica_set(engine: EngineConfig, parallel: ParallelConfig, loop: LoopConfig | None = None,
                        ray_init_kwargs: dict | None = None) -> ReplicaSet:
     """Start (or join, with `parallel.ray_address`) Ray, `parallel.data_parallel_size` actors of `engine` and
-    their clients, as one `ReplicaSet`; its `shutdown` kills the actors and stops a Ray it started."""
+    their clients, as one `ReplicaSet`, watched by the process's `RayWatch`; its `shutdown` kills the actors and
+    stops a Ray it started."""
     import ray
 
     init_kwargs = ray_init_kwargs or {}
@@ -55,60 +58,119 @@ def launch_replica_set(engine: EngineConfig, parallel: ParallelConfig, loop: Loo
         cluster.stop()
 
     rs = ReplicaSet(start(cluster), parallel.replica_policy, on_shutdown=stop)
-    if cluster.started:
-        rs.watch = RayWatch(rs, cluster, start, init_kwargs)
+    RayWatch.of(cluster, init_kwargs).add(rs, cluster, start)
     return rs
 
 
+@dataclass
+class Watched:
+    """A replica set on the watched Ray: its cluster (as it connected) and how its replicas start."""
+
+    watch: RayWatch
+    rs: ReplicaSet
+    cluster: RayCluster
+    start: StartReplicas
+    old: list[ReplicaClient] = field(default_factory=list)  # its replicas when Ray went down
+
+    def stop(self, timeout: float) -> None:
+        """The set stops: no longer watched (the watch's thread ends with its last set; a restart under way
+        ends first)."""
+        self.watch.remove(self, timeout)
+
+
 class RayWatch:
-    """A thread while a set's own local Ray runs: if Ray's raylet or GCS dies, restart Ray and the replicas (the
-    set answers `down_reason` meanwhile; requests fail over to nothing and get 503)."""
+    """A thread while replica sets run on this process's Ray (`cluster`: the connection it made, which knows how
+    to make it again). When Ray is down (RayCluster.down_reason), every set says why (`ray_down`: /health's 503),
+    its replicas' requests fail, and the watch leaves Ray, then tries every RETRY_S (doubling up to MAX_RETRY_S)
+    to start it again (a local Ray) or to join it again once it answers (a joined cluster), and the replicas."""
 
-    WATCH_S = 1.0  # how often it checks that Ray's processes run
+    WATCH_S = 1.0  # how often it checks that Ray is up
+    RETRY_S, MAX_RETRY_S = 1.0, 10.0  # the first wait between tries to bring Ray back, and the longest
+    current: RayWatch | None = None  # the process's (one Ray per process)
+    _current_lock = threading.Lock()
 
-    def __init__(self, rs: ReplicaSet, cluster: RayCluster, start: StartReplicas, init_kwargs: dict) -> None:
-        self.rs, self.cluster, self.start, self.init_kwargs = rs, cluster, start, init_kwargs
-        self._closed = threading.Event()
+    @classmethod
+    def of(cls, cluster: RayCluster, init_kwargs: dict) -> RayWatch:
+        """The process's watch: a new one for a Ray this process started or joined, else the one watching it."""
+        with cls._current_lock:
+            current = cls.current
+            if current is None or current.closed.is_set() or (
+                    current.cluster is not cluster and (cluster.started or cluster.probe is not None)):
+                if cls.current is not None:
+                    cls.current.close(5.0)
+                cls.current = cls(cluster, init_kwargs)
+            return cls.current
+
+    def __init__(self, cluster: RayCluster, init_kwargs: dict) -> None:
+        self.cluster, self.init_kwargs = cluster, init_kwargs
+        self.sets: list[Watched] = []
+        self._lock = threading.Lock()
+        self.closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedlm-ray-watch", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float) -> None:
-        """Stop watching; a restart under way ends first."""
-        self._closed.set()
-        self._thread.join(timeout)
+    def add(self, rs: ReplicaSet, cluster: RayCluster, start: StartReplicas) -> None:
+        rs.watch = w = Watched(self, rs, cluster, start)
+        with self._lock:
+            self.sets.append(w)
+
+    def remove(self, w: Watched, timeout: float) -> None:
+        with self._lock:
+            if w in self.sets:
+                self.sets.remove(w)
+            last = not self.sets
+        if last:
+            self.close(timeout)
+
+    def close(self, timeout: float) -> None:
+        self.closed.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
-        rs, cluster = self.rs, self.cluster
-        while not self._closed.wait(self.WATCH_S):
-            why = cluster.down_reason()
-            if why is None:
-                continue
-            rs.ray_down = f"{why}; restarting Ray and the replicas"
-            logger.error("The local Ray cluster is down (%s): every replica went with it. Restarting Ray and "
-                         "the %d replicas", why, len(rs.replicas))
-            old = list(rs.replicas.values())
-            for c in old:
+        while not self.closed.wait(self.WATCH_S):
+            why = self.cluster.down_reason()
+            if why is not None and not self.closed.is_set():
+                self._down(why)
+                self._bring_back()
+
+    def _down(self, why: str) -> None:
+        what = ("restarting Ray and the replicas" if self.cluster.started else
+                "joining it again, and starting the replicas, once it answers")
+        with self._lock:
+            sets = list(self.sets)
+        for w in sets:
+            w.rs.ray_down = f"{why}; {what}"
+            w.old = list(w.rs.replicas.values())
+            logger.error("Ray is down (%s): the %d replicas went with it; %s", why, len(w.old), what)
+            for c in w.old:
                 c.shutdown(timeout=5.0, remote=False)  # its open requests fail (EngineDeadError); its actor is gone
-            self._restart(old)
+        self.cluster.disconnect()
 
-    def _restart(self, old: list[ReplicaClient]) -> None:
-        import ray
-
-        rs, cluster, delay = self.rs, self.cluster, 1.0
-        while not self._closed.is_set():
+    def _bring_back(self) -> None:
+        delay = self.RETRY_S
+        while not self.closed.is_set():
+            with self._lock:
+                sets = list(self.sets)
             try:
-                ray.shutdown()
-                fresh = connect_ray(None, **self.init_kwargs)
-                cluster.num_cpus, cluster.cpus = fresh.num_cpus, fresh.cpus
-                clients = self.start(cluster, old[0].tokenizer)
+                self.cluster.reconnect(**self.init_kwargs)
+                fresh = []
+                for w in sets:
+                    if w.cluster is not self.cluster:  # another set on the same Ray: its share of the new one
+                        w.cluster.num_cpus, w.cluster.cpus = self.cluster.num_cpus, self.cluster.cpus
+                    fresh.append(w.start(w.cluster, w.old[0].tokenizer))
+            except ConnectionError as e:
+                logger.warning("%s; trying again in %.0f s", e, delay)
             except Exception:  # noqa: BLE001 - try again
-                logger.exception("Restarting Ray failed; trying again in %.0f s", delay)
-                self._closed.wait(delay)
-                delay = min(2 * delay, 30.0)
-                continue
-            for new, prev in zip(clients, old):
-                new.carry_over(prev)
-            rs.adopt(clients)
-            rs.ray_down = None
-            logger.warning("Ray and its %d replicas are back", len(clients))
-            return
+                logger.exception("Bringing Ray and the replicas back failed; trying again in %.0f s", delay)
+                self.cluster.disconnect()  # the replicas started so far go with this connection
+            else:
+                for w, clients in zip(sets, fresh):
+                    for new, prev in zip(clients, w.old):
+                        new.carry_over(prev)
+                    w.rs.adopt(clients)
+                    w.rs.ray_down = None
+                    logger.warning("Ray and the %d replicas are back", len(clients))
+                return
+            self.closed.wait(delay)
+            delay = min(2 * delay, self.MAX_RETRY_S)

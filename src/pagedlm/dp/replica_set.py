@@ -10,9 +10,9 @@ with the request on it (died, hung, engine loop stopped): a request that sent no
 placed again on another replica (`retries` counts them per lost replica); a started stream fails with
 EngineDeadError, which the server turns into an error event and `[DONE]`.
 
-A set started on its own local Ray (launch.py) is watched: when Ray's raylet or GCS process dies, every replica
-goes with it and Ray cannot bring them back, so the set says why (`down_reason`, /health's 503) while Ray and its
-replicas are started again.
+A set is watched (launch.py's `RayWatch`): when the local Ray's raylet or GCS process dies, or a joined cluster
+stops answering, every replica goes with it and Ray cannot bring them back, so the set says why (`down_reason`,
+/health's 503) while Ray is started again (or joined again once it is back) and its replicas with it.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class ReplicaRequest:
 
 
 class Watch(Protocol):
-    """What watches the set's Ray (launch.py's `RayWatch`)."""
+    """The set's place in what watches its Ray (launch.py's `RayWatch`)."""
 
     def stop(self, timeout: float) -> None: ...
 
@@ -59,8 +59,8 @@ class Watch(Protocol):
 class ReplicaSet(EngineClient):
     """`replicas` of one model behind the engine interface the server uses (`EngineClient`: submit / abort / stats /
     listeners / fail_all / shutdown). policy: a placement policy (default prefix affinity); max_retries: times a
-    request is placed again after losing its replica. `ray_down`: why its Ray is down, while a `watch` restarts
-    it."""
+    request is placed again after losing its replica. `ray_down`: why its Ray is down, while a `watch` brings it
+    back."""
 
     def __init__(self, replicas: list[ReplicaClient], policy: ReplicaPolicy | str = "prefix", max_retries: int = 2,
                  on_shutdown: Callable[[], None] | None = None) -> None:
@@ -77,7 +77,7 @@ class ReplicaSet(EngineClient):
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._placing = 0
         self._on_shutdown = on_shutdown
-        self.ray_down: str | None = None  # why the local Ray is down, while it is restarted
+        self.ray_down: str | None = None  # why its Ray is down, while it is brought back
         self.watch: Watch | None = None
         self.adopt(replicas)
 

@@ -5,14 +5,35 @@ documents and Anthropic's server tools (web search, code execution, ...) are ref
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, WithJsonSchema
 
-from pagedlm.server.protocol import MAX_TOOLS, APIError, Request
+from pagedlm.server.protocol import MAX_TOOLS, WHOLE, APIError, Request
+
+
+def _block(kind: str, *required: str, **properties: Any) -> dict[str, Any]:
+    """The JSON schema of a content block of type `kind` (/openapi.json; the blocks are read by hand below)."""
+    return {"type": "object", "properties": {"type": {"const": kind}, **properties}, "required": ["type", *required]}
+
+
+_TEXT = _block("text", "text", text={"type": "string"})
+_THINKING = {"type": "object", "properties": {"type": {"enum": ["thinking", "redacted_thinking"]}},
+             "required": ["type"]}
+_TOOL_USE = _block("tool_use", "name", id={"type": "string"}, name={"type": "string"}, input={"type": "object"})
+_TOOL_RESULT = _block("tool_result", "tool_use_id", tool_use_id={"type": "string"},
+                      content={"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT}]})
+
+
+def _content(*blocks: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": list(blocks)}}]}
 
 
 class Message(Request):
+    # the blocks each role may send: text and thinking; a user's tool results, an assistant's tool uses
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "user"}, "content": _content(_TEXT, _TOOL_RESULT, _THINKING)}},
+        {"properties": {"role": {"const": "assistant"}, "content": _content(_TEXT, _TOOL_USE, _THINKING)}}]})
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
@@ -21,7 +42,8 @@ class Tool(Request):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-    type: str | None = None  # "custom" (or none): a client tool; anything else is a server tool
+    # "custom" (or none): a client tool; anything else is a server tool (a 400)
+    type: Annotated[str | None, WithJsonSchema({"anyOf": [{"const": "custom"}, {"type": "null"}]})] = None
     cache_control: dict[str, Any] | None = None
 
 
@@ -33,7 +55,7 @@ class ToolChoice(Request):
 
 class Thinking(Request):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = Field(None, ge=1)
+    budget_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
 
 
 class OutputFormat(Request):
@@ -49,18 +71,18 @@ class OutputConfig(Request):
 class _Conversation(Request):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
+    system: str | Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "items": _TEXT})] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
 
 class MessagesRequest(_Conversation):
-    max_tokens: int = Field(ge=1)
+    max_tokens: Annotated[int, Field(ge=1), WHOLE]
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: Annotated[int, Field(ge=0), WHOLE] | None = None
     stream: bool = False
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None

@@ -15,7 +15,8 @@ frontend.py (parsing, admission, model resolution), auto.py (the auto model: the
 cascade), dispatch.py (the router's decisions and the engines' live load), endpoints/ (one model's endpoints, their
 typed results, rendered as JSON or SSE), streaming.py (engine streams as the endpoints read them), middleware.py
 (Host, key, Content-Type, body size checks), wire.py (request bodies in, JSON out), errors.py (engine errors as
-OpenAI errors). Engines are seen only through their `EngineClient` contract (engine/client.py).
+OpenAI errors), openapi.py (/openapi.json with the bodies the routes parse). Engines are seen only through their
+`EngineClient` contract (engine/client.py).
 """
 from __future__ import annotations
 
@@ -24,9 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -36,6 +35,7 @@ from pagedlm.engine.embedding_engine import EmbeddingEngine
 from pagedlm.engine.protocol import POOLING_TYPES
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
+    DEFAULT_LOGPROB_BUDGET,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_RESPONSES_STORE_SIZE,
@@ -43,20 +43,18 @@ from pagedlm.server import (
     DEFAULT_STAGE_QUEUE,
     DEFAULT_STAGE_THREADS,
 )
-from pagedlm.server import anthropic_protocol as A
-from pagedlm.server import ollama_protocol as O
 from pagedlm.server import protocol as P
-from pagedlm.server import responses_protocol as R
 from pagedlm.server.anthropic import add_anthropic_routes
 from pagedlm.server.bridge import Bridge
 from pagedlm.server.dispatch import Dispatcher
-from pagedlm.server.embeddings import EmbeddingRequest, add_embedding_routes
+from pagedlm.server.embeddings import add_embedding_routes
 from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
-from pagedlm.server.limits import KeyLeases, RequestLimits
+from pagedlm.server.limits import KeyLeases, LogprobBudget, RequestLimits
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.ollama import add_ollama_routes
+from pagedlm.server.openapi import Served, document_bodies
 from pagedlm.server.protocol import APIError, shutting_down
 from pagedlm.server.reasoning import REASONING_PARSERS
 from pagedlm.server.response_store import ResponseStore
@@ -83,7 +81,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
               responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL,
               embedders: Mapping[str, EmbeddingEngine] | None = None,
               reasoning_parser: str | None = None, thinking_token_budget: int | None = None, ui: bool = False,
-              ui_show_text: bool = False, embedding_pooling: str = "last") -> FastAPI:
+              ui_show_text: bool = False, embedding_pooling: str = "last",
+              logprob_budget: int = DEFAULT_LOGPROB_BUDGET) -> FastAPI:
     """The app serving each engine under its name (the first is the default for requests without `model`).
 
     api_key: one key or several; if set, a bearer token everywhere except PUBLIC_PATHS.
@@ -110,6 +109,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     thinking_token_budget: chat requests without a `thinking_token_budget` of their own get this one (needs
     reasoning_parser; None: no budget).
     ui: serve the memory views (GET /debug/state, the web view at /ui; ui.py); ui_show_text: they show text.
+    logprob_budget: logprob entries all admitted requests may keep on the host at once (limits.LogprobBudget; 0:
+    no budget).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k.strip() for k in keys):
@@ -129,16 +130,16 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         raise ValueError(f"Embedding and generation models share names: {sorted(set(embedders) & set(engines))}")
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}.")
-    stages = StagePools(stage_threads, stage_queue)
+    stages, budget = StagePools(stage_threads, stage_queue), LogprobBudget(logprob_budget)
     app = FastAPI(title="pagedlm", version=__version__, on_shutdown=[stages.shutdown])
     metrics = ServerMetrics(engines, router=dispatcher.router if dispatcher is not None else None,
-                             stages=stages)
+                             stages=stages, logprob_budget=budget)
     models = {}
     for name, engine in engines.items():
         tools = tool_support(engine.input_processor.tokenizer.hf.chat_template, tool_call_parser)
         logger.info("%s: %s", name, tools.summary)
         models[name] = model = ServedModel(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
-                                           limits, stages)
+                                           limits, stages, budget)
         model.tool_template, model.embedding_pooling = tools.template, embedding_pooling
     front = Frontend(models, metrics, dispatcher, strict_request_fields, allow_client_priority)
     app.state.frontend = front
@@ -229,29 +230,9 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     add_anthropic_routes(app, bridge)
     add_responses_routes(app, bridge, ResponseStore(responses_store_size, responses_store_ttl))
     embeddings = add_embedding_routes(app, bridge, embedders)
-    _document_bodies(app, {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
-                           "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest,
-                           "/api/chat": O.ChatRequest, "/api/generate": O.GenerateRequest, "/api/show": O.ShowRequest,
-                           "/v1/messages": A.MessagesRequest, "/v1/messages/count_tokens": A.CountTokensRequest,
-                           "/v1/responses": R.ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
-                           "/api/embed": O.EmbedRequest, "/api/embeddings": O.EmbeddingsRequest})
+    document_bodies(app, Served(
+        list(engines), dispatcher.name if dispatcher is not None else None, list(embedders),
+        max(e.max_model_len for e in engines.values()), min(e.input_processor.vocab_size for e in engines.values()),
+        min((e.vocab_size for e in embedders.values()), default=None), allow_client_priority))
     return app
 
-
-def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """/openapi.json describes the bodies these POST routes parse themselves (wire.parse_request, for its 400s),
-    as their models' JSON schemas, so that clients and fuzzers see what the handlers take."""
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in bodies.items():
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
-                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi

@@ -1,10 +1,35 @@
-"""Each API's error shape: an `APIError` as the body its clients expect, chosen by the request's path. OpenAI's
-(`{"error": {"message", "type", "param", "code"}}`) is the default; Ollama's routes (/api/...) answer
-`{"error": "<message>"}` and Anthropic's (/v1/messages...) `{"type": "error", "error": {"type", "message"}}`.
-The status code is the same in every shape."""
+"""`APIError`, an error answered to a client, and each API's shape of it: the body its clients expect, chosen by
+the request's path. OpenAI's (`{"error": {"message", "type", "param", "code"}}`) is the default; Ollama's routes
+(/api/...) answer `{"error": "<message>"}` and Anthropic's (/v1/messages...) `{"type": "error", "error": {"type",
+"message"}}`. The status code is the same in every shape."""
 from __future__ import annotations
 
-from pagedlm.server.protocol import APIError
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+RETRY_AFTER_S = 1  # the Retry-After of 503s (queue full, no model available, shutting down)
+
+
+class Unavailable(APIError):
+    """The chosen model could not take or finish the request (queue full, failed, stopped) before anything
+    reached the client; a routed request tries another model."""
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down.", type="server_error", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
 
 OLLAMA_PREFIX = "/api/"
 ANTHROPIC_PREFIX = "/v1/messages"

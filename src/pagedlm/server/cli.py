@@ -102,7 +102,8 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
                         responses_store_size=srv.responses_store_size,
                         responses_store_ttl=srv.responses_store_ttl, embedders=embedders,
                         reasoning_parser=srv.reasoning_parser, thinking_token_budget=srv.thinking_token_budget,
-                        ui=srv.serves_ui, ui_show_text=srv.ui_show_text, embedding_pooling=srv.embedding_pooling)
+                        ui=srv.serves_ui, ui_show_text=srv.ui_show_text, logprob_budget=srv.logprob_budget,
+                        embedding_pooling=srv.embedding_pooling)
         url = _url(sock)
         served = ", ".join([*engines, *([dispatcher.name] if dispatcher else []), *embedders])
         logger.info("Serving %s at %s (OpenAI API: %s/v1)%s%s", served, url, url,

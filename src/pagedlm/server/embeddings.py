@@ -9,7 +9,7 @@ import asyncio
 import base64
 import time
 from collections.abc import Mapping
-from typing import Literal, Protocol
+from typing import Annotated, Literal, Protocol
 
 import torch
 from fastapi import FastAPI, Request
@@ -62,9 +62,9 @@ class GenerationEmbedder:
 
 class EmbeddingRequest(P.Request):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[P.Int] | list[list[P.Int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Annotated[int, Field(ge=1), P.WHOLE] | None = None
     user: str | None = None
 
 

@@ -33,11 +33,13 @@ class RequestLimits:
             raise APIError(400, f"The request has {count} messages; at most {self.max_chat_messages} are allowed "
                                 "(max_chat_messages).", param="messages")
 
-    def check_logprobs(self, prompt_lens: list[int], params: SamplingParams, max_model_len: int) -> None:
+    def check_logprobs(self, prompt_lens: list[int], params: SamplingParams, max_model_len: int) -> int:
         """400 unless the generated-token logprobs the request's sequences would keep, prompts x n (or beam_width)
-        x max_tokens (unset: what the context leaves) x (k + 1), are within max_logprob_entries."""
+        x max_tokens (unset: what the context leaves) x (k + 1), are within max_logprob_entries. Returns the
+        logprob entries the engine keeps for the request: those, plus its prompts' (positions x (k + 1))."""
+        kept = 0 if params.prompt_logprobs is None else sum(prompt_lens) * (params.prompt_logprobs + 1)
         if params.logprobs is None:
-            return
+            return kept
         width = (params.beam_width or params.n) if params.use_beam_search else params.n
         limit = max_model_len if params.max_tokens is None else params.max_tokens
         tokens = sum(max(0, min(limit, max_model_len - n)) for n in prompt_lens)
@@ -47,6 +49,7 @@ class RequestLimits:
                                 f"{params.logprobs + 1}); at most {self.max_logprob_entries} are allowed: lower (or "
                                 "set) max_tokens, n or the logprobs.",
                            param="max_tokens" if params.max_tokens is None else "logprobs")
+        return kept + entries
 
     def check_text_prompts(self, prompts: list) -> None:
         for p in prompts:
@@ -107,6 +110,46 @@ class Lease:
             else:
                 self.leases.held.pop(self.key, None)
             self.count = 0
+
+
+class LogprobBudget:
+    """The logprob entries all admitted requests together may keep on the host (`total`; 0: no budget): each holds
+    what `RequestLimits.check_logprobs` counts from its admission until its response has ended (answered, failed,
+    or its client gone: the middleware releases its `holds`). Event-loop thread only."""
+
+    def __init__(self, total: int) -> None:
+        if total < 0:
+            raise ValueError(f"logprob_budget must be >= 0, got {total}.")
+        self.total, self.held = total, 0
+
+    def take(self, entries: int, holds: list[LogprobHold], param: str) -> None:
+        """Hold `entries` until `holds` are released; 429 (Retry-After) while the others hold too much for them,
+        400 if they exceed the whole budget (naming `param`)."""
+        if not self.total or not entries:
+            return
+        if entries > self.total:
+            raise APIError(400, f"The request would keep {entries} logprobs on the server; all requests together "
+                                f"may keep at most {self.total} (logprob_budget): lower max_tokens, n or the "
+                                "logprobs.", param=param)
+        if self.held + entries > self.total:
+            raise APIError(429, f"The server's requests keep {self.held} logprobs of the {self.total} they may "
+                                f"(logprob_budget), and this one would keep {entries}: retry when others have "
+                                "finished, or ask for fewer.", type="requests", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.held += entries
+        holds.append(LogprobHold(self, entries))
+
+
+@dataclass
+class LogprobHold:
+    """One request's share of the `LogprobBudget`."""
+
+    budget: LogprobBudget
+    entries: int
+
+    def release(self) -> None:
+        self.budget.held -= self.entries
+        self.entries = 0
 
 
 def check_prompt_logprobs(prompt_lens: list[int], params: SamplingParams, copies: int) -> None:

@@ -23,6 +23,7 @@ from pagedlm.engine.client import EngineClient, StepRecord
 
 if TYPE_CHECKING:
     from pagedlm.router import Router
+    from pagedlm.server.limits import LogprobBudget
     from pagedlm.server.stages import StagePools
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -219,6 +220,19 @@ class _StageCollector(Collector):
         yield from (jobs, threads, refused)
 
 
+class _LogprobBudgetCollector(Collector):
+    """The logprob entries admitted requests hold of the server's budget (limits.LogprobBudget)."""
+
+    def __init__(self, budget: LogprobBudget) -> None:
+        self.budget = budget
+
+    def collect(self):
+        yield _G("pagedlm:logprob_entries_held", "Logprob entries the admitted requests keep on the host.",
+                 value=self.budget.held)
+        yield _G("pagedlm:logprob_budget", "Logprob entries all requests may keep at once (0: no budget).",
+                 value=self.budget.total)
+
+
 class _ModelHistograms:
     """One model's children of the shared latency/size histograms; `on_step` is its engine listener."""
 
@@ -261,12 +275,14 @@ class ServerMetrics:
     listeners on them; with a `router`, also its counters and gauges. `render()` gives the exposition text."""
 
     def __init__(self, engines: Mapping[str, EngineClient], router: Router | None = None,
-                 stages: StagePools | None = None) -> None:
+                 stages: StagePools | None = None, logprob_budget: LogprobBudget | None = None) -> None:
         disable_created_metrics()  # no `_created` series (process-wide), as vLLM does
         self.registry = reg = CollectorRegistry()
         reg.register(_EngineCollector(engines))
         if stages is not None:
             reg.register(_StageCollector(stages))
+        if logprob_budget is not None:
+            reg.register(_LogprobBudgetCollector(logprob_budget))
         ProcessCollector(registry=reg)  # process_resident_memory_bytes etc.: host memory of the server process
         lbl = ["model_name"]
 

@@ -18,7 +18,8 @@ class Guard:
     """ASGI middleware, before any parsing: Host header (400, DNS rebinding), API key (401: a bearer token, or
     Anthropic's `x-api-key` header), JSON Content-Type (415: no "simple" cross-site form posts) and request-body
     size (413); errors in the shape of the API the path belongs to (api_errors.py). A request with a key gets a
-    `key_lease` in its state (see limits.KeyLeases), given back when the app has answered."""
+    `key_lease` in its state (see limits.KeyLeases), and every request a list `holds` (its shares of server-wide
+    budgets: limits.LogprobHold), all given back when the app has answered (or the client went away)."""
 
     def __init__(self, app: Any, api_keys: list[str], max_body_bytes: int,
                  allowed_hosts: frozenset[str] | None = None, leases: KeyLeases | None = None) -> None:
@@ -36,7 +37,8 @@ class Guard:
 
         if self.allowed_hosts is not None and not host_allowed(headers.get("host", ""), self.allowed_hosts):
             return await error(APIError(400, "Invalid Host header (see --allowed-hosts).", code="invalid_host"))
-        lease = None
+        lease, holds = None, []
+        scope.setdefault("state", {})["holds"] = holds
         if self.api_keys and path not in PUBLIC_PATHS and not path.startswith(PUBLIC_PREFIXES):
             key = self._key(headers.get("authorization", ""), headers.get("x-api-key"))
             if key is None:
@@ -82,6 +84,8 @@ class Guard:
         finally:
             if lease is not None:
                 lease.release()
+            for hold in holds:
+                hold.release()
 
     def _key(self, authorization: str, x_api_key: str | None = None) -> str | None:
         """The configured key the request carries, else None: `Authorization` (scheme `Bearer`, any case), or

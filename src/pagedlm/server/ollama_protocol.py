@@ -11,11 +11,11 @@ take the server's defaults, as on /v1/chat/completions.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, WithJsonSchema
 
-from pagedlm.server.protocol import APIError, Request
+from pagedlm.server.protocol import WHOLE, APIError, Int, Request
 
 RUNTIME_OPTIONS = ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
                    "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep", "repeat_last_n")
@@ -24,20 +24,20 @@ RUNTIME_OPTIONS = ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_
 class Options(Request):
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    seed: int | None = None
-    num_predict: int | None = None  # -1: no bound, -2: fill the context (both: until the context is full)
+    seed: Int | None = None
+    num_predict: Int | None = None  # -1: no bound, -2: fill the context (both: until the context is full)
     stop: list[str] | str | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    num_ctx: int | None = Field(None, ge=1)  # at most the model's context; a smaller one does not shrink it
+    num_ctx: Annotated[int, Field(ge=1), WHOLE] | None = None  # at most the model's context (a smaller one: no effect)
     # Ollama's runtime knobs: accepted, no effect here
     numa: bool | None = None
-    num_batch: int | None = None
-    num_gpu: int | None = None
-    main_gpu: int | None = None
+    num_batch: Int | None = None
+    num_gpu: Int | None = None
+    main_gpu: Int | None = None
     low_vram: bool | None = None
     f16_kv: bool | None = None
     logits_all: bool | None = None
@@ -45,15 +45,15 @@ class Options(Request):
     use_mmap: bool | None = None
     use_mlock: bool | None = None
     embedding_only: bool | None = None
-    num_thread: int | None = None
-    num_keep: int | None = None
-    repeat_last_n: int | None = None
+    num_thread: Int | None = None
+    num_keep: Int | None = None
+    repeat_last_n: Int | None = None
 
 
 class FunctionCall(Request):
     name: str
     arguments: dict[str, Any] | str = Field(default_factory=dict)
-    index: int | None = None
+    index: Int | None = None
 
 
 class ToolCall(Request):
@@ -62,10 +62,19 @@ class ToolCall(Request):
     function: FunctionCall
 
 
+# what the handlers take of fields they check by hand, for /openapi.json: no images, OpenAI's tools
+NONE = WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})
+_FUNCTION = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": {"type": "string"},
+    "parameters": {"type": "object"}}}
+_TOOL = {"type": "object", "required": ["function"], "properties": {"type": {"const": "function"},
+                                                                     "function": _FUNCTION}}
+
+
 class Message(Request):
-    role: str
+    role: Annotated[str, WithJsonSchema({"enum": ["system", "user", "assistant", "tool"]})]
     content: str | None = ""
-    images: list[Any] | None = None
+    images: Annotated[list[Any] | None, NONE] = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
     thinking: str | None = None
@@ -88,20 +97,22 @@ class _Generating(Request):
 
 class ChatRequest(_Generating):
     messages: list[Message] = Field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema({"anyOf": [{"type": "array", "items": _TOOL},
+                                                                            {"type": "null"}]})] = None
 
 
 class GenerateRequest(_Generating):
     prompt: str = ""
-    suffix: str | None = None
+    suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"const": ""}, {"type": "null"}]})] = None  # a 400
     system: str | None = None
-    template: str | None = None
-    context: list[int] | None = None
+    template: Annotated[str | None, WithJsonSchema({"anyOf": [{"const": ""}, {"type": "null"}]})] = None  # a 400
+    context: Annotated[list[Int] | None, NONE] = None  # a 400
     raw: bool = False
-    images: list[Any] | None = None
+    images: Annotated[list[Any] | None, NONE] = None
 
 
 class ShowRequest(Request):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["model"]}, {"required": ["name"]}]})
     model: str | None = None
     name: str | None = None  # the older field
     verbose: bool = False
@@ -111,7 +122,7 @@ class EmbedRequest(Request):
     model: str = Field(min_length=1)
     input: str | list[str]
     truncate: bool = True
-    dimensions: int | None = None
+    dimensions: Int | None = None
     options: Options | None = None
     keep_alive: KeepAlive = None
 

@@ -24,6 +24,7 @@ from pagedlm.config.router import ROUTING
 from pagedlm.engine.protocol import POOLING_TYPES
 from pagedlm.server import (
     DEFAULT_HEALTH_STEP_TIMEOUT,
+    DEFAULT_LOGPROB_BUDGET,
     DEFAULT_MAX_CHAT_MESSAGES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PROMPT_CHARS,
@@ -88,8 +89,9 @@ class ServerConfig:
                                     "before the template runs", group=LIMITS)
     max_prompt_chars: int = option(DEFAULT_MAX_PROMPT_CHARS, "most characters of one prompt (a chat as its template "
                                    "renders it, a text prompt); beyond: 400, before tokenizing", group=LIMITS)
-    stage_threads: int = option(DEFAULT_STAGE_THREADS, "worker threads of each stage before the engine (parsing, "
-                                "chat templates, tokenizing, grammar), each stage its own", group=LIMITS)
+    stage_threads: int = option(DEFAULT_STAGE_THREADS, "worker threads of each stage of a request's work off the "
+                                "engine (parsing, chat templates, tokenizing, grammar, answers with logprobs), "
+                                "each stage its own", group=LIMITS)
     stage_queue: int = option(DEFAULT_STAGE_QUEUE, "jobs of one such stage that may wait for its threads; beyond: "
                               "503 server_busy", group=LIMITS)
     allowed_origins: str = option("", "comma-separated origins allowed by CORS (default none: browsers cannot use "
@@ -99,6 +101,10 @@ class ServerConfig:
     max_requests_per_key: int = option(DEFAULT_MAX_REQUESTS_PER_KEY, "requests (prompts) one API key may have "
                                        "waiting or running at once; beyond: 429 (0: no cap; with --api-key)",
                                        group=LIMITS)
+    logprob_budget: int = option(DEFAULT_LOGPROB_BUDGET, "logprob entries (a token's k + 1, about 150 bytes of host "
+                                 "memory each) all admitted requests may keep at once, generated (prompts x n x "
+                                 "max_tokens x (k + 1)) and prompt logprobs; a request beyond what is free: 429, "
+                                 "beyond all of it: 400 (0: no budget)", group=LIMITS)
     allow_client_priority: bool = option(False, "let requests set `priority` (--scheduling-policy priority); "
                                          "without it a non-zero priority is a 400", group=LIMITS)
     prefix_cache_per_key: bool = option(False, "separate prefix caches per API key (tenants never share cached "
@@ -148,9 +154,9 @@ class ServerConfig:
             raise ValueError("--max-body-bytes, --max-prompts-per-request, --max-chat-messages, --max-prompt-chars "
                              "and --stage-threads must be >= 1.")
         if min(self.shutdown_timeout, self.health_step_timeout, self.request_read_timeout, self.max_connections,
-               self.max_requests_per_key, self.stage_queue) < 0:
+               self.max_requests_per_key, self.stage_queue, self.logprob_budget) < 0:
             raise ValueError("--shutdown-timeout, --health-step-timeout, --request-read-timeout, --max-connections, "
-                             "--max-requests-per-key and --stage-queue must be >= 0.")
+                             "--max-requests-per-key, --stage-queue and --logprob-budget must be >= 0.")
         if self.thinking_token_budget is not None and (self.thinking_token_budget < 0 or not self.reasoning_parser):
             raise ValueError("--thinking-token-budget must be >= 0 and needs --reasoning-parser.")
         if self.responses_store_size < 0 or self.responses_store_ttl <= 0:

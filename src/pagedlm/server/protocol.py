@@ -1,17 +1,19 @@
 """OpenAI request schemas (plus vLLM's extensions), as pydantic models.
 
-Requests are parsed strictly (a field of the wrong type is an error, NaN/inf are rejected); fields we
+Requests are parsed strictly (a field of the wrong type is an error, NaN/inf are rejected; a number with no
+fraction, 16.0, is the integer it is: JSON and its schemas do not tell them apart); fields we
 do not know are let through (clients sending newer OpenAI fields keep working), and the server names them in the
 `x-pagedlm-unknown-fields` response header, or refuses them with --strict-request-fields.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, StructuredOutputsParams
 from pagedlm.sampling.thinking import ReasoningTags
+from pagedlm.server.api_errors import RETRY_AFTER_S, APIError, Unavailable, shutting_down  # noqa: F401 - re-exported
 from pagedlm.server.prediction import Prediction
 from pagedlm.server.response_models import (  # noqa: F401 - the response bodies, re-exported
     AssistantMessage,
@@ -43,34 +45,18 @@ _INT64 = 2**63 - 1
 MAX_N = 128
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-RETRY_AFTER_S = 1  # the Retry-After of 503s (queue full, no model available, shutting down)
-
-
-class Unavailable(APIError):
-    """The chosen model could not take or finish the request (queue full, failed, stopped) before anything
-    reached the client; a routed request tries another model."""
-
-
-def shutting_down() -> APIError:
-    return APIError(503, "The server is shutting down.", type="server_error", code="shutting_down",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
 class Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def _whole(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# A request's integer: 16 or 16.0, not 16.5, "16" or true. Bounds go before WHOLE, so that its JSON schema keeps
+# them: `Annotated[int, Field(ge=1), WHOLE]`.
+WHOLE = BeforeValidator(_whole)
+Int = Annotated[int, WHOLE]
 
 
 # --- requests ---------------------------------------------------------------------------------------------
@@ -110,11 +96,11 @@ class SamplingRequest(Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Annotated[int, Field(ge=1, le=MAX_N), WHOLE] = 1
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64 - MAX_N)
+    seed: Annotated[int, Field(ge=-_INT64 - 1, le=_INT64 - MAX_N), WHOLE] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -122,23 +108,23 @@ class SamplingRequest(Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Annotated[int, Field(ge=0), WHOLE] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int = 0
     use_beam_search: bool = False
-    beam_width: int | None = Field(None, ge=1, le=MAX_N)
+    beam_width: Annotated[int, Field(ge=1, le=MAX_N), WHOLE] | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # a separate prefix cache (vLLM)
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
+    prompt_logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None  # at most the engine's max_logprobs
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -153,6 +139,9 @@ class SamplingRequest(Request):
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true.", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs are not streamed (as in vLLM): ask for them without stream.",
+                           param="prompt_logprobs")
         self.token_logit_bias()
         self.structured_outputs_params()
 
@@ -232,11 +221,11 @@ class SamplingRequest(Request):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (echo, prompt_logprobs)
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Annotated[int, Field(ge=0), WHOLE] | None = 16  # 0: score the prompt only (echo, prompt_logprobs)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
-    best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None  # at most the engine's max_logprobs
+    best_of: Int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -329,16 +318,17 @@ class NamedToolChoice(Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
+    top_logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None  # at most the engine's max_logprobs
     add_generation_prompt: bool = True
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None  # endpoints.base.TEMPLATE_KWARGS
-    thinking_token_budget: int | None = Field(None, ge=0)  # vLLM's: reasoning tokens before `</think>` is forced
+    # vLLM's: reasoning tokens before `</think>` is forced
+    thinking_token_budget: Annotated[int, Field(ge=0), WHOLE] | None = None
     _reasoning_tags: ReasoningTags | None = PrivateAttr(None)  # the server's reasoning parser's (the frontend's)
 
     @property
@@ -396,4 +386,4 @@ class TokenizeRequest(Request):
 
 class DetokenizeRequest(Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]

@@ -4,11 +4,30 @@ messages (messages, function calls and their outputs), their tools, tool_choice,
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
-from pagedlm.server.protocol import MAX_TOOLS, APIError, Request
+from pagedlm.server.protocol import MAX_TOOLS, WHOLE, APIError, Request
+
+# JSON schemas of what `input_messages` and `chat_fields` read by hand (for /openapi.json)
+_STR = {"type": "string"}
+_PARTS = {"anyOf": [_STR, {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text", "text"]}, "text": _STR}}}]}
+_INPUT_ITEM = {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
+        "content": _PARTS}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": _STR, "output": _PARTS}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "reasoning"}}}]}
+_TOOL = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+    "description": _STR, "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}
+_NAMED_CHOICE = {"type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"},
+                                                                                "name": _STR}}
 
 
 class TextFormat(Request):
@@ -26,13 +45,15 @@ class TextConfig(Request):
 
 class ResponsesRequest(Request):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "items": _INPUT_ITEM})]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "items": _TOOL, "maxItems": MAX_TOOLS})] \
+        | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | Annotated[dict[str, Any], WithJsonSchema(_NAMED_CHOICE)] | \
+        None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False

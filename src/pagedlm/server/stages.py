@@ -1,6 +1,7 @@
-"""The work a request needs before the engine sees it runs on worker threads, one bounded pool per stage: parsing
-the body, rendering a chat, tokenizing (with token controls such as bad_words), and compiling grammars. A
-flood of one kind (hostile grammars, huge chats) waits behind its own stage's threads and no other; past a
+"""The work a request needs besides the engine's runs on worker threads, one bounded pool per stage: parsing the
+body, rendering a chat, tokenizing (with token controls such as bad_words), compiling grammars, and, after the
+engine, building an answer's bulk (its prompt's logprobs, once per prompt; logprobs of whole answers). A flood of
+one kind (hostile grammars, huge chats, prompt scoring) waits behind its own stage's threads and no other; past a
 stage's queue bound its requests get 503 (`server_busy`, Retry-After) instead of piling up."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pagedlm.server.protocol import RETRY_AFTER_S, APIError
 
 T = TypeVar("T")
 
-STAGES = ("parse", "chat", "tokenize", "grammar")
+STAGES = ("parse", "chat", "tokenize", "grammar", "render")
 
 
 class _Stage:

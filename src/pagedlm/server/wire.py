@@ -42,5 +42,6 @@ def error_response(e: APIError, path: str = "") -> Response:
 
 
 def header_text(text: str, limit: int = 512) -> str:
-    """`text` as a response header's value: printable ASCII (others become `?`), at most `limit` characters."""
-    return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]
+    """`text` as a response header's value: printable ASCII (others become `?`), at most `limit` characters, no
+    space at either end (HTTP forbids it: the response could not be sent)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit].strip(" ")

@@ -20,8 +20,9 @@ from pagedlm.sampling.params import SamplingParams
 from pagedlm.server import protocol as P
 from pagedlm.server.endpoints.results import Chunk, Stream
 from pagedlm.server.errors import api_error
-from pagedlm.server.limits import RequestLimits, check_prompt_logprobs
+from pagedlm.server.limits import LogprobBudget, RequestLimits, check_prompt_logprobs
 from pagedlm.server.protocol import APIError
+from pagedlm.server.response_models import PromptLogprobs
 from pagedlm.server.stages import StagePools
 from pagedlm.server.streaming import abort_all, first_outputs
 from pagedlm.server.tools import HermesToolParser
@@ -36,6 +37,7 @@ class Prompt:
     token_ids: list[int]
     text: str | None = None  # the text the client sent, if it sent text
     echo_logprobs: tuple[P.CompletionLogprobs, int] | None = None  # echo's logprobs and text length, made once
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's prompt_logprobs, made once
 
 
 def request_ids(rid: str, num_prompts: int) -> list[str]:
@@ -52,9 +54,11 @@ class EndpointBase:
 
     def __init__(self, engine: EngineClient, name: str, max_prompts_per_request: int = 256,
                  prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None,
-                 limits: RequestLimits = RequestLimits(), stages: StagePools | None = None) -> None:
+                 limits: RequestLimits = RequestLimits(), stages: StagePools | None = None,
+                 logprob_budget: LogprobBudget | None = None) -> None:
         self.engine, self.name, self.limits = engine, name, limits
         self.stages = stages or StagePools()
+        self.logprob_budget = logprob_budget or LogprobBudget(0)  # the app's, shared by its models
         self.processor, self.tool_parser, self.created = engine.input_processor, tool_parser, int(time.time())
         self.tok = self.processor.tokenizer
         self.max_prompts_per_request, self.prefix_cache_per_key = max_prompts_per_request, prefix_cache_per_key
@@ -101,19 +105,23 @@ class EndpointBase:
             raise api_error(e) from None
 
     # --- the request's work ---
-    async def check_and_prepare(self, req: P.SamplingRequest, params: SamplingParams, prompt_lens: list[int],
-                                prompt_logprob_copies: int) -> None:
+    async def check_and_prepare(self, request: Request, req: P.SamplingRequest, params: SamplingParams,
+                                prompt_lens: list[int], prompt_logprob_copies: int) -> None:
         """The checks that bound the work: the response's prompt logprobs (`prompt_logprob_copies` per prompt),
-        the generated logprobs kept, the engine's limits and admission (could it ever finish, even alone?). Then
-        token controls checked against the vocabulary (tokenize stage) and the constraint compiled (grammar stage,
-        kept on `params`) on worker threads, so that the engine thread finds it compiled; 400 naming the field (a
-        constraint's: the request field it came from)."""
+        the generated logprobs kept, the engine's limits and admission (could it ever finish, even alone?); the
+        logprobs it keeps taken from the server's budget (429 while others hold it; held until the response has
+        ended: the request's `holds`). Then token controls checked against the vocabulary (tokenize stage) and
+        the constraint compiled (grammar stage, kept on `params`) on worker threads, so that the engine thread
+        finds it compiled; 400 naming the field (a constraint's: the request field it came from)."""
         check_prompt_logprobs(prompt_lens, params, prompt_logprob_copies)
-        self.limits.check_logprobs(prompt_lens, params, self.processor.max_model_len)
+        kept = self.limits.check_logprobs(prompt_lens, params, self.processor.max_model_len)
         try:
             self.processor.check_params(params, prompt_lens)
         except EngineError as e:
             raise api_error(e) from None
+        holds = getattr(request.state, "holds", None)  # set by the middleware (Guard), which releases them
+        if holds is not None:
+            self.logprob_budget.take(kept, holds, "logprobs" if params.logprobs is not None else "prompt_logprobs")
         try:
             stage = "tokenize" if params.structured_outputs is None else "grammar"
             await self.stages.run(stage, self.processor.prepare_params, params)

@@ -36,17 +36,23 @@ class ChatEndpoint(EndpointBase):
         ids = await self.stages.run("chat", self.chat_request_prompt, req, tools)
         self.check_prompt(ids)
         params = self._chat_params(req)
-        await self.check_and_prepare(req, params, [len(ids)], 1)
+        await self.check_and_prepare(request, req, params, [len(ids)], 1)
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request, req, rid, [Prompt(ids)], params, arrival)
         if req.stream:
             chunks = self._chat_chunks(req, rid, streams, params, len(ids))
             return await self.stream(request, streams, routed, chunks)
         (out,) = await collect(request, streams)
-        return Answer(P.ChatCompletionResponse(
-            id=rid, model=self.name, choices=[self._chat_choice(req, o) for o in out.outputs],
-            usage=final_usage([out], params),
-            prompt_logprobs=L.prompt(out) if req.prompt_logprobs is not None else None))
+
+        def answer() -> P.ChatCompletionResponse:
+            return P.ChatCompletionResponse(
+                id=rid, model=self.name, choices=[self._chat_choice(req, o) for o in out.outputs],
+                usage=final_usage([out], params),
+                prompt_logprobs=L.prompt(out) if req.prompt_logprobs is not None else None)
+
+        # with logprobs, the answer is built on the render stage's threads, not on the event loop
+        with_logprobs = req.logprobs or req.prompt_logprobs is not None
+        return Answer(await self.stages.run("render", answer) if with_logprobs else answer())
 
     def _chat_params(self, req: P.ChatCompletionRequest) -> SamplingParams:
         """The request's params; a tool choice that forces calls ("required", a named function) adds the calls'

@@ -29,21 +29,25 @@ class CompletionsEndpoint(EndpointBase):
         params = req.sampling_params(req.max_tokens, logprobs=k, prompt_logprobs=req.prompt_logprobs
                                      if req.prompt_logprobs is not None else k if req.echo else None)
         copies = (req.prompt_logprobs is not None) + (req.echo and k is not None)
-        await self.check_and_prepare(req, params, [len(p.token_ids) for p in prompts], params.n * copies)
+        await self.check_and_prepare(request, req, params, [len(p.token_ids) for p in prompts], params.n * copies)
         rid = rid or f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request, req, rid, prompts, params, arrival)
         if req.stream:
             chunks = self._completion_chunks(req, rid, prompts, streams, params)
             return await self.stream(request, streams, routed, chunks)
         finals = await collect(request, streams)
-        choices = [self._completion_choice(i * params.n + o.index, req, prompt, out, o, ChoiceState())
-                   for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
-        if req.prompt_logprobs is not None:
-            converted = [L.prompt(out) for out in finals]  # once per prompt, whatever n
+
+        def answer() -> P.CompletionResponse:
+            for prompt, out in zip(prompts, finals):
+                self._convert_prompt(req, prompt, out)
+            choices = [self._completion_choice(i * params.n + o.index, req, prompt, out, o, ChoiceState())
+                       for i, (prompt, out) in enumerate(zip(prompts, finals)) for o in out.outputs]
             for c in choices:
-                c.prompt_logprobs = converted[c.index // params.n]
-        return Answer(P.CompletionResponse(id=rid, model=self.name, choices=choices,
-                                           usage=final_usage(finals, params)))
+                c.prompt_logprobs = prompts[c.index // params.n].prompt_logprobs
+            return P.CompletionResponse(id=rid, model=self.name, choices=choices, usage=final_usage(finals, params))
+
+        # with logprobs, the answer is built on the render stage's threads, not on the event loop
+        return Answer(await self.stages.run("render", answer) if _with_logprobs(req) else answer())
 
     async def _completion_prompts(self, req: P.CompletionRequest) -> list[Prompt]:
         prompt = req.prompt
@@ -67,8 +71,8 @@ class CompletionsEndpoint(EndpointBase):
     def _completion_choice(self, index: int, req: P.CompletionRequest, prompt: Prompt,
                            out: RequestOutput | EngineOutput, o: CompletionOutput | CompletionDelta,
                            state: ChoiceState) -> P.CompletionChoice:
-        """The choice for `o`: a whole sample (of a RequestOutput), or what a streamed delta adds; echo first (the
-        prompt logprobs come with the request's first output)."""
+        """The choice for `o`: a whole sample (of a RequestOutput), or what a streamed delta adds; echo first, and
+        the prompt's logprobs, both as `_convert_prompt` made them from the request's first output."""
         state.done = o.finish_reason is not None
         text = o.text
         echo, state.echoed = req.echo and not state.echoed, True
@@ -76,10 +80,6 @@ class CompletionsEndpoint(EndpointBase):
         if req.logprobs is not None:
             logprobs = P.CompletionLogprobs()
             if echo:
-                if prompt.echo_logprobs is None:  # the same for every choice: converted once
-                    head = P.CompletionLogprobs()
-                    entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
-                    prompt.echo_logprobs = head, L.add_completion(self.tok, head, prompt.token_ids, entries, 0)
                 head, state.text_offset = prompt.echo_logprobs
                 logprobs = P.CompletionLogprobs(tokens=list(head.tokens), token_logprobs=list(head.token_logprobs),
                                                 top_logprobs=list(head.top_logprobs),
@@ -92,13 +92,26 @@ class CompletionsEndpoint(EndpointBase):
                                   finish_reason=o.finish_reason if state.done else None,
                                   stop_reason=o.stop_reason if state.done else None)
 
+    def _convert_prompt(self, req: P.CompletionRequest, prompt: Prompt, out: RequestOutput | EngineOutput) -> None:
+        """What a response shows of the prompt's logprobs (`out`: the prompt's first or whole output), made once
+        per prompt whatever n: echo's completion logprobs, and vLLM's prompt_logprobs."""
+        if req.echo and req.logprobs is not None and prompt.echo_logprobs is None:
+            head = P.CompletionLogprobs()
+            entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
+            prompt.echo_logprobs = head, L.add_completion(self.tok, head, prompt.token_ids, entries, 0)
+        if req.prompt_logprobs is not None and prompt.prompt_logprobs is None:
+            prompt.prompt_logprobs = L.prompt(out)
+
     async def _completion_chunks(self, req: P.CompletionRequest, rid: str, prompts: list[Prompt],
                       streams: list[RequestStream], params: SamplingParams) -> AsyncIterator[P.CompletionResponse]:
         created, n = int(time.time()), params.n
         states = [ChoiceState() for _ in range(len(prompts) * n)]
         usage = StreamUsage([len(p.token_ids) for p in prompts], params)
+        echo = req.echo and req.logprobs is not None
         async for i, out in merge(streams):
             usage.add(i, out)
+            if echo and prompts[i].echo_logprobs is None:  # the prompt's first output: its logprobs, off the loop
+                await self.stages.run("render", self._convert_prompt, req, prompts[i], out)
             for o in out.outputs:
                 st = states[i * n + o.index]
                 if st.done:
@@ -110,3 +123,7 @@ class CompletionsEndpoint(EndpointBase):
                                                else None)
         if req.include_usage:
             yield P.CompletionResponse(id=rid, created=created, model=self.name, choices=[], usage=usage.info())
+
+
+def _with_logprobs(req: P.CompletionRequest) -> bool:
+    return req.logprobs is not None or req.prompt_logprobs is not None

@@ -47,14 +47,14 @@ async def _events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[str]:
 
 
 async def until_done(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
-    """`events`, then `[DONE]`; an engine failure ends them early with an error event and `[DONE]`. The streams
-    are aborted at the end."""
+    """`events`, then `[DONE]`; an engine failure (or an APIError once the stream started, e.g. a full render
+    stage) ends them early with an error event and `[DONE]`. The streams are aborted at the end."""
     try:
         async for ev in events:
             yield ev
         yield DONE
-    except EngineError as e:
-        yield event_error(api_error(e))
+    except (EngineError, APIError) as e:
+        yield event_error(api_error(e) if isinstance(e, EngineError) else e)
         yield DONE
     finally:
         abort_all(streams)
