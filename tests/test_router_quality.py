@@ -204,3 +204,19 @@ def test_router_latency_bench_runs_every_policy_open_loop():
     router = Router([ModelEntry("w"), ModelEntry("s", strong=True)], HeuristicPolicy())
     out = run(router, _prompts(None, 50, seed=0), rate=400.0, seconds=0.1, seed=0)
     assert out["decisions"] == 40 and out["p50_ms"] <= out["p95_ms"] <= out["p99_ms"] and out["rate"] > 0
+
+
+def test_fold_report_prints_apgr_and_cpt_per_fold(capsys):
+    from pagedlm.router.report import print_folds
+
+    curve = {"router": {"APGR": 0.614, "CPT(50%)": 29.71}, "length": {"APGR": 0.536, "CPT(50%)": 40.2}}
+    print_folds({"mode": "leave_domain_out", "recipe": {"kind": "gbm", "inputs": "features", "target": "gain",
+                                                        "embedder": "l128-L0"},
+                 "folds": [{"fold": "STEM", "prompts": 3018, "curves": curve, "share_at_50": 0.465}],
+                 "summary": {"router": {"mean": 0.614, "min_margin_over_length": 0.078},
+                             "length": {"mean": 0.536, "min_margin_over_length": 0.0}}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["APGR", "prompts", "router", "length", "share@50%"]
+    assert lines[2].split() == ["STEM", "3018", "0.614", "0.536", "46.5%"]
+    assert lines[5:] == [f"{'CPT(50%)':<16}{'prompts':>8}{'router':>10}{'length':>10}",
+                         f"{'STEM':<16}{3018:>8}{'29.7%':>10}{'40.2%':>10}"]
