@@ -83,6 +83,60 @@ def test_choice_count_is_linear_and_unchanged():
         assert time.perf_counter() - t0 < 1.0
 
 
+
+# features.py's patterns before their first-letter lookaheads, and the request markers computed eagerly, as they were
+_OLD_FEATURE_PATTERNS = {
+    "_NEGATED": r"\b(not|except|false|incorrect|least)\b", "_FIRST_PERSON": r"(?-i:\b(I|me|my)\b)",
+    "_COMPUTATION": r"\b(calculate|compute|how many|how much|what is the value|find the|solve|evaluate|estimate|"
+                    r"determine the)\b",
+    "_JUDGEMENT": r"\b(best|most likely|primarily|most|strongest|correct)\b",
+    "_PASSAGE": r"\b(the following (passage|information|excerpt|text)|refers to)\b",
+    "_ALL_NONE": r"\b(all|none|both) of the (above|following)\b",
+}
+ODD_TEXTS = ["", "\n" * 30, "NOT the LEAST", "leaſt ſolve", "\u212aorrect", "İncorrect", "ınot", "Ｉ ｍｙ me", "I'm my",
+             "ALL OF THE ABOVE", "none of the following.", "How  many", "how\nmuch", "refers to", "the following text",
+             "(best)", "_most_", "mostly bestow", "Determine the Estimate", "x" * 300 + " calculate", "ÄÖÜ ß é",
+             "Statement 1 | x", "Which of the following\nA. all of the above\nB. none"]
+
+
+def _marker_texts() -> list[str]:
+    rng = np.random.default_rng(3)
+    words = [w for t in ODD_TEXTS for w in t.split()] + list("Iſİı\u212a") + ["NOT", "Most", "reFers", "to", "of"]
+    return ODD_TEXTS + synthetic_prompts(300, seed=5) + [" ".join(rng.choice(words, size=int(rng.integers(1, 30))))
+                                                         for _ in range(2000)]
+
+
+def test_feature_patterns_match_as_before_their_lookaheads():
+    """The first-letter lookaheads (a speed-up of the learned router's features) find what the patterns found."""
+    from pagedlm.router import features
+
+    texts = _marker_texts()
+    for name, pattern in _OLD_FEATURE_PATTERNS.items():
+        old, new = re.compile(pattern, re.IGNORECASE), getattr(features, name)
+        assert [bool(old.search(t)) for t in texts] == [bool(new.search(t)) for t in texts], name
+    for t in texts + [t.upper() for t in texts] + ["A" * 50, "aB\u00c9\u0130\u212a"]:
+        assert features._uppercase(t) == sum(map(str.isupper, t)), repr(t)
+
+
+def _old_markers(prompt: str) -> tuple[str, bool, bool, int]:
+    from pagedlm.router import policies as p
+
+    has_code, has_math, choices = bool(p._CODE.search(prompt)), bool(p._MATH.search(prompt)), count_choices(prompt)
+    kind = ("code" if has_code else "math" if has_math else "reasoning" if p._REASONING.search(prompt) else
+            "multiple_choice" if choices >= 2 else "factual" if p._FACTUAL.search(prompt) else "open")
+    return kind, has_code, has_math, choices
+
+
+def test_request_markers_are_read_on_demand_and_as_before():
+    """A decision that needs no markers (the learned policy) computes none; read, they are what the eager
+    extraction computed."""
+    f = extract_features(HARD)
+    FixedScore(0.9).choose(f, CANDS)
+    assert not {"question_type", "has_code", "has_math", "choices"} & set(vars(f))
+    for text in _marker_texts() + [HARD, EASY]:
+        f = extract_features(text, 64)
+        assert (f.question_type, f.has_code, f.has_math, f.choices) == _old_markers(text)
+
 def test_heuristic_policy_sends_hard_requests_strong():
     p = HeuristicPolicy(threshold=0.5)
     easy, hard = p.choose(extract_features(EASY, 32), CANDS), p.choose(extract_features(HARD, 2048), CANDS)

@@ -9,6 +9,7 @@ import pytest
 
 from pagedlm.router import CascadePolicy, EscalationScorer, ModelEntry, Router, WeakAnswer
 from pagedlm.router.answer import ANSWER_FEATURES, agreement, answer_features
+from pagedlm.router.cascade import SamplesCost, describe_costs
 
 CONFIDENT = [-0.01] * 12
 UNSURE = [-1.8, -2.5, -0.9, -3.0, -1.2, -2.2]
@@ -128,6 +129,22 @@ def test_router_escalates_a_scripted_answer_to_the_strong_model():
     assert d is None and "kept" in why
 
 
+
+def test_extra_cost_of_the_samples_from_their_tokens():
+    """k samples cost k-1 decodes beyond the kept answer, no prefill (the prompt's KV blocks are shared), at the
+    weak model's output price; one sample costs nothing extra."""
+    router = Router([ModelEntry("small", False, 1e-6, 2e-6), ModelEntry("big", True, 1e-4, 1e-4)],
+                    CascadePolicy(samples=3))
+    first = router.route("2 + 2 =", 8)
+    cost = router.samples_cost(first, 40, [5, 8, 3])
+    assert (cost.samples, cost.extra_decode_tokens, cost.prefill_reused_tokens) == (3, 11, 80)
+    assert cost.extra_cost == pytest.approx(11 * 2e-6) and cost.answer_cost == pytest.approx(40e-6 + 10e-6)
+    assert cost.describe() == ("2 extra samples: 11 decode tokens, 80 prompt tokens read from shared KV blocks "
+                               "(+44% of the weak answer's cost)")
+    one = router.samples_cost(first, 40, [5])
+    assert (one.extra_decode_tokens, one.prefill_reused_tokens, one.extra_cost) == (0, 0, 0.0)
+    assert "3.00 decode tokens (0.75x the kept answer's 4.00)" in describe_costs([SamplesCost(10, (4, 1, 2))] * 2)
+
 def test_train_cascade_cli_fits_a_scorer_the_server_can_load(tmp_path, capsys):
     import json
 
@@ -136,12 +153,17 @@ def test_train_cascade_cli_fits_a_scorer_the_server_can_load(tmp_path, capsys):
     answers, right = scripted_answers(600, seed=3)
     data = tmp_path / "answers.jsonl"
     data.write_text("".join(json.dumps({"token_logprobs": list(a.token_logprobs), "samples": list(a.samples),
-                                        "weak_correct": bool(ok)}) + "\n" for a, ok in zip(answers, right)))
+                                        "weak_correct": bool(ok), "prompt_tokens": 30,
+                                        "sample_tokens": [len(a.token_logprobs)] + [2] * (len(a.samples) - 1)}) + "\n"
+                            for a, ok in zip(answers, right)))
     assert main(["router", "train-cascade", str(data), "--out", str(tmp_path / "c.json")]) == 0
     out = capsys.readouterr().out
     fitted = float(out.split("fitted ")[1].split(",")[0])
     mean = float(out.split("mean logprob ")[1].split(";")[0])
     assert fitted > 0.95 > mean
+    k = max(len(a.samples) for a in answers)
+    extra = np.mean([2 * (len(a.samples) - 1) for a in answers])
+    assert f"extra weak-model cost of {k} samples, per request (600 requests): {extra:.2f} decode tokens" in out
     scorer = EscalationScorer.load(tmp_path / "c.json")
     assert scorer.score(answers[0]) != scorer.score(answers[1])
     (tmp_path / "bad.jsonl").write_text('{"token_logprobs": [-0.1]}\n')

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -11,12 +12,12 @@ from server_utils import routed_server
 from pagedlm.router import (
     BudgetLimits,
     CascadePolicy,
-    EscalationScorer,
     HeuristicPolicy,
     ModelEntry,
     Router,
     ShareMonitor,
     SpendLedger,
+    WeakAnswer,
 )
 
 EASY = "Hello! How are you today?"
@@ -265,12 +266,56 @@ def test_cascade_keeps_the_weak_answer_when_the_strong_rerun_is_over_budget(env,
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_cascade_reads_k_samples_drawn_at_once(env, submits, monkeypatch, chat):
+def test_cascade_samples_flag_draws_k_at_once_and_their_agreement_decides(env, monkeypatch, chat):
+    """`--cascade-samples 3 --cascade-scorer answer`: the weak engine gets one request of n=3 (the prompt's KV
+    blocks shared by its samples); the escalation score reads the kept answer's logprobs and the 3 samples'
+    agreement, and with the threshold between the answer's score and the score it would have if its samples
+    agreed, the same (seeded) answer is re-run on the strong model. The extra samples' tokens are counted from the
+    answer: (k-1) x 4 decode tokens, (k-1) x the prompt read from shared blocks, at the weak model's price."""
+    from test_router_server import router_config
+
+    from pagedlm.router.answer import agreement
+    from pagedlm.server.cli import build_router
+
     server, router = env
-    policy = CascadePolicy(min_logprob=-1e9, scorer=EscalationScorer.prior(), samples=3)
+    flags = ("--router", "cascade", "--cascade-scorer", "answer", "--cascade-samples", "3")
+    policy = build_router(router_config(*flags), list(server.engines)).policy
+    assert isinstance(policy, CascadePolicy) and policy.samples == 3 and policy.scorer.source == "prior"
+    policy.threshold = math.inf  # first, keep the answer and read its score
     monkeypatch.setattr(router, "policy", policy)
+    params = {name: [] for name in server.engines}
+    for name, engine in server.engines.items():
+        monkeypatch.setattr(engine, "submit", lambda req, _s=engine.submit, _n=name: params[_n].append(req.params)
+                            or _s(req))
+    answers = []
+    monkeypatch.setattr(policy, "escalate", lambda a, _e=policy.escalate: answers.append(a) or _e(a))
+    before = server.metrics(all_labels=True)
+
     r, text, models, logprobs, usage = cascade_call(server, HARD, chat, stream=False, temperature=1.0, seed=7)
-    assert r.headers["x-pagedlm-routed-model"] == "small" and text and logprobs is None
-    assert len(r.json()["choices"]) == 1 and usage["completion_tokens"] == 4  # the kept answer alone
-    assert "3 samples agree" in r.headers["x-pagedlm-route-detail"]
-    assert submits == {"small": 1, "big": 0}  # one weak request of n=3
+    detail = r.headers["x-pagedlm-route-detail"]
+    assert (r.headers["x-pagedlm-routed-model"], r.headers["x-pagedlm-route-reason"]) == ("small", "weak")
+    assert [p.n for p in params["small"]] == [3] and params["big"] == []
+    (answer,) = answers
+    assert len(answer.samples) == 3 and answer.samples[0] == text and len(answer.token_logprobs) == 4
+    assert len(r.json()["choices"]) == 1 and usage["completion_tokens"] == 4 and logprobs is None  # the kept one
+    assert agreement(answer.samples) < 1 and f"3 samples agree {agreement(answer.samples):.0%}" in detail
+    prompt = usage["prompt_tokens"]
+    assert (f"2 extra samples: 8 decode tokens, {2 * prompt} prompt tokens read from shared KV blocks (+"
+            f"{8 / (prompt + 4):.0%} of the weak answer's cost)") in detail  # small: 1e-6 $ a token in and out
+
+    scored = policy.scorer.score(answer)
+    if_agreeing = policy.scorer.score(WeakAnswer(answer.token_logprobs, (answer.samples[0],) * 3))
+    assert scored > if_agreeing
+    policy.threshold = (scored + if_agreeing) / 2
+    r2, text2, models2, _, usage2 = cascade_call(server, HARD, chat, stream=False, temperature=1.0, seed=7)
+    assert answers[1] == answer  # the same samples again
+    assert (r2.headers["x-pagedlm-routed-model"], r2.headers["x-pagedlm-route-reason"]) == ("big", "strong")
+    assert "re-run on the strong model" in r2.headers["x-pagedlm-route-detail"] and models2 == {"big"}
+    assert [p.n for p in params["small"]] == [3, 3] and [p.n for p in params["big"]] == [1]
+
+    m = server.metrics(all_labels=True)
+    grew = {k: m.get(k, 0) - before.get(k, 0) for k in (
+        "pagedlm:router_cascade_sample_tokens_total{kind=extra_decode}",
+        "pagedlm:router_cascade_sample_tokens_total{kind=prefill_reused}",
+        "pagedlm:router_cascade_sample_cost_dollars_total")}
+    assert list(grew.values()) == pytest.approx([16, 4 * prompt, 16e-6])

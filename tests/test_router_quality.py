@@ -111,6 +111,36 @@ def test_boosted_trees_match_sklearn_and_round_trip():
     np.testing.assert_array_equal(back.logits(x[:50]), trees.logits(x[:50]))
 
 
+
+def _walk(trees: BoostedTrees, row: np.ndarray) -> np.ndarray:
+    """The logits of one row by walking each tree's nodes (the stored arrays, as sklearn reads them)."""
+    outputs, n, _ = trees.feature.shape
+    leaf_values = np.zeros((outputs, n), np.float32)
+    for j in range(outputs):
+        for t in range(n):
+            node = 0
+            while trees.feature[j, t, node] >= 0:
+                f = trees.feature[j, t, node]
+                node = (trees.left if row[f] <= trees.threshold[j, t, node] else trees.right)[j, t, node]
+            leaf_values[j, t] = trees.value[j, t, node]
+    return trees.base + leaf_values.sum(1)
+
+
+def test_boosted_trees_level_layout_gives_the_node_walks_logits():
+    """Evaluated level by level as complete trees (shallow leaves filling their subtrees), the logits are bit for
+    bit those of walking each tree's nodes, rows on the thresholds and NaN included; a label of one class is a
+    constant."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(600, 4)).astype(np.float32)
+    labels = np.stack([x[:, 0] > 0.8, np.ones(600, bool), x[:, 1] + x[:, 3] > 0], axis=1)
+    trees = BoostedTrees.fit(x, labels, trees=30, min_samples_leaf=150, ensemble=2, seed=1)
+    assert ((trees.feature[0] >= 0).sum(1) < 7).any() and (trees.feature[1] < 0).all()  # shallow leaves; a constant
+    at_roots = np.tile(trees.threshold[0, :4, 0][:, None], (1, 4)).astype(np.float32)  # rows at the roots' splits
+    rows = np.vstack([x[:40], at_roots, [[np.nan, 0, 0, np.nan]]]).astype(np.float32)
+    got = trees.logits(rows)
+    for row, logit in zip(rows, got):
+        np.testing.assert_array_equal(logit, _walk(trees, np.asarray(row, np.float64)))
+
 def test_gain_target_ranks_where_the_strong_model_helps(tmp_path):
     """Two kinds of hard prompt: one the strong model solves, one nobody does. The weak target cannot tell them
     apart; the gain target sends the first strong and leaves the second."""
@@ -174,3 +204,19 @@ def test_router_latency_bench_runs_every_policy_open_loop():
     router = Router([ModelEntry("w"), ModelEntry("s", strong=True)], HeuristicPolicy())
     out = run(router, _prompts(None, 50, seed=0), rate=400.0, seconds=0.1, seed=0)
     assert out["decisions"] == 40 and out["p50_ms"] <= out["p95_ms"] <= out["p99_ms"] and out["rate"] > 0
+
+
+def test_fold_report_prints_apgr_and_cpt_per_fold(capsys):
+    from pagedlm.router.report import print_folds
+
+    curve = {"router": {"APGR": 0.614, "CPT(50%)": 29.71}, "length": {"APGR": 0.536, "CPT(50%)": 40.2}}
+    print_folds({"mode": "leave_domain_out", "recipe": {"kind": "gbm", "inputs": "features", "target": "gain",
+                                                        "embedder": "l128-L0"},
+                 "folds": [{"fold": "STEM", "prompts": 3018, "curves": curve, "share_at_50": 0.465}],
+                 "summary": {"router": {"mean": 0.614, "min_margin_over_length": 0.078},
+                             "length": {"mean": 0.536, "min_margin_over_length": 0.0}}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["APGR", "prompts", "router", "length", "share@50%"]
+    assert lines[2].split() == ["STEM", "3018", "0.614", "0.536", "46.5%"]
+    assert lines[5:] == [f"{'CPT(50%)':<16}{'prompts':>8}{'router':>10}{'length':>10}",
+                         f"{'STEM':<16}{3018:>8}{'29.7%':>10}{'40.2%':>10}"]

@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--cpus", default="0,1", help="cores to pin the process to ('' : leave as is)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", action="append", default=None,
+                   help="a policy to run, by its printed name (repeatable; default: all)")
     args = p.parse_args(argv)
     import torch
 
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = _prompts(args.data, 5000, args.seed)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     for name, router in _routers(args).items():
+        if args.policy and name not in args.policy:
+            continue
         result = run(router, prompts, args.rate, args.seconds, args.seed)
         print(json.dumps({"policy": name, **result, "cpus": args.cpus, "load_average_1m": load}), flush=True)
     return 0

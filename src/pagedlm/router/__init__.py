@@ -11,7 +11,7 @@ from pagedlm.dp.placement import (
 from pagedlm.router.answer import EscalationScorer, WeakAnswer
 from pagedlm.router.budget import BudgetExceededError, BudgetLimits, SpendLedger
 from pagedlm.router.calibration import ShareCalibrator, ShareMonitor, population_stability_index
-from pagedlm.router.cascade import CascadePolicy
+from pagedlm.router.cascade import CascadePolicy, SamplesCost
 from pagedlm.router.policies import (
                                      SLO,
                                      Candidate,
@@ -30,5 +30,5 @@ from pagedlm.router.router import ModelEntry, Router
 __all__ = ["SLO", "BudgetExceededError", "BudgetLimits", "Candidate", "CascadePolicy", "ClassifierPolicy",
            "Decision", "EscalationScorer", "HeuristicPolicy", "LeastLoadedPolicy", "LoadStats", "ModelEntry",
            "NoCandidateError", "PrefixAffinityPolicy", "RandomPolicy", "RequestFeatures", "RoundRobinPolicy", "Router",
-           "SLAPolicy", "ScorePolicy", "ShareCalibrator", "ShareMonitor", "SpendLedger", "WeakAnswer",
+           "SLAPolicy", "SamplesCost", "ScorePolicy", "ShareCalibrator", "ShareMonitor", "SpendLedger", "WeakAnswer",
            "extract_features", "population_stability_index", "threshold_for"]

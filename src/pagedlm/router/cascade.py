@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pagedlm.router.answer import EscalationScorer, WeakAnswer, answer_features
 from pagedlm.router.policies import Candidate, Decision, NoCandidateError, RequestFeatures, ScorePolicy, cheapest
@@ -48,3 +49,48 @@ class CascadePolicy(ScorePolicy):
         return strong, (f"cascade: weak answer's mean token logprob {-f[0]:.3f}, min {-f[1]:.3f}{samples}; "
                         f"{self.scorer.source} score {score:.3f} {'>=' if strong else '<'} {threshold:.3f}: "
                         f"{verdict}")
+
+
+@dataclass(frozen=True)
+class SamplesCost:
+    """What drawing k samples of the weak answer (n=k) cost beyond drawing one, from the tokens the weak model
+    used: the other k-1 samples' decode tokens. They are forked from the kept sample after the prompt's one
+    prefill and read its KV blocks, so they add no prefill; `prefill_reused_tokens` (k-1 x the prompt) is the
+    prompt work they did not redo. Costs at the weak model's prices: `extra_cost` (the extra decode tokens) and
+    `answer_cost` (the prompt and the kept sample: the one-sample cascade's weak call)."""
+
+    prompt_tokens: int
+    sample_tokens: tuple[int, ...]  # decode tokens of each sample, the kept one first
+    extra_cost: float = 0.0
+    answer_cost: float = 0.0
+
+    @property
+    def samples(self) -> int:
+        return len(self.sample_tokens)
+
+    @property
+    def extra_decode_tokens(self) -> int:
+        return sum(self.sample_tokens[1:])
+
+    @property
+    def prefill_reused_tokens(self) -> int:
+        return max(0, self.samples - 1) * self.prompt_tokens
+
+    def describe(self) -> str:
+        share = f" (+{self.extra_cost / self.answer_cost:.0%} of the weak answer's cost)" if self.answer_cost else ""
+        return (f"{self.samples - 1} extra samples: {self.extra_decode_tokens} decode tokens, "
+                f"{self.prefill_reused_tokens} prompt tokens read from shared KV blocks{share}")
+
+
+def describe_costs(costs: Sequence[SamplesCost]) -> str:
+    """The extra samples' cost per request over many cascaded requests: mean decode tokens added and prompt tokens
+    read from shared blocks, against the mean tokens of the one-sample answer (its prompt and kept sample)."""
+    n = max(1, len(costs))
+    extra = sum(c.extra_decode_tokens for c in costs) / n
+    reused = sum(c.prefill_reused_tokens for c in costs) / n
+    answer = sum(c.prompt_tokens + (c.sample_tokens[0] if c.sample_tokens else 0) for c in costs) / n
+    kept = sum(c.sample_tokens[0] if c.sample_tokens else 0 for c in costs) / n
+    k = max((c.samples for c in costs), default=1)
+    return (f"extra weak-model cost of {k} samples, per request ({len(costs)} requests): {extra:.2f} decode tokens "
+            f"({extra / kept if kept else 0:.2f}x the kept answer's {kept:.2f}), no prefill ({reused:.1f} prompt "
+            f"tokens read from shared KV blocks); the one-sample answer is {answer:.1f} tokens (prompt + answer)")

@@ -177,8 +177,9 @@ def cmd_train_cascade(args: argparse.Namespace) -> int:
     import json
 
     from pagedlm.router.answer import EscalationScorer, WeakAnswer, answer_features
+    from pagedlm.router.cascade import SamplesCost, describe_costs
 
-    rows, labels = [], []
+    rows, labels, costs = [], [], []
     with open(args.data) as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
@@ -187,6 +188,8 @@ def cmd_train_cascade(args: argparse.Namespace) -> int:
                 row = json.loads(line)
                 rows.append(answer_features(WeakAnswer.of(row["token_logprobs"], row.get("samples") or ())))
                 labels.append(bool(row["weak_correct"]))
+                if "sample_tokens" in row:
+                    costs.append(SamplesCost(int(row["prompt_tokens"]), tuple(map(int, row["sample_tokens"]))))
             except (ValueError, KeyError, TypeError) as e:
                 raise SystemExit(f"{args.data}:{n}: expected token_logprobs and weak_correct ({e})") from None
     x, y = np.array(rows), np.array(labels)
@@ -204,6 +207,8 @@ def cmd_train_cascade(args: argparse.Namespace) -> int:
                         ("mean logprob", EscalationScorer.mean_logprob().score_features(x))))
     print(f"fit on {len(y)} answers ({(~y).mean():.1%} wrong); AUC of wrong vs right ({args.folds}-fold "
           f"cross-validated for the fit): {report}; wrote {args.out}")
+    if costs and len(costs) == len(labels):
+        print(describe_costs(costs))
     return 0
 
 

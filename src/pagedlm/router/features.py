@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,15 +31,16 @@ _SENTENCE_END = re.compile(r"[.?!](?:\s|$)")
 _VOWELS = re.compile(r"[aeiouy]+")
 _NO_VOWEL = re.compile(r"\b[b-df-hj-np-tv-xz]+\b")  # a lower-case word without a vowel group
 _CHOICE = re.compile(r"^[A-D][.)] ?(.*)$", re.MULTILINE)
-_NEGATED = re.compile(r"\b(not|except|false|incorrect|least)\b", re.IGNORECASE)
+# `(?=[...])`: the first letters of the alternatives, a quick test before trying each one at every word start
+_NEGATED = re.compile(r"(?=[nefil])\b(not|except|false|incorrect|least)\b", re.IGNORECASE)
 _STATEMENTS = re.compile(r"(Statement|Scenario) 1\s*\|")
 _WHICH = re.compile(r"which of the following", re.IGNORECASE)
-_FIRST_PERSON = re.compile(r"\b(I|me|my)\b")
-_COMPUTATION = re.compile(r"\b(calculate|compute|how many|how much|what is the value|find the|solve|evaluate|"
-                          r"estimate|determine the)\b", re.IGNORECASE)
-_JUDGEMENT = re.compile(r"\b(best|most likely|primarily|most|strongest|correct)\b", re.IGNORECASE)
-_PASSAGE = re.compile(r"\b(the following (passage|information|excerpt|text)|refers to)\b", re.IGNORECASE)
-_ALL_NONE = re.compile(r"\b(all|none|both) of the (above|following)\b", re.IGNORECASE)
+_FIRST_PERSON = re.compile(r"(?=[Im])\b(I|me|my)\b")
+_COMPUTATION = re.compile(r"(?=[chwfsed])\b(calculate|compute|how many|how much|what is the value|find the|solve|"
+                          r"evaluate|estimate|determine the)\b", re.IGNORECASE)
+_JUDGEMENT = re.compile(r"(?=[bmpsc])\b(best|most likely|primarily|most|strongest|correct)\b", re.IGNORECASE)
+_PASSAGE = re.compile(r"(?=[tr])\b(the following (passage|information|excerpt|text)|refers to)\b", re.IGNORECASE)
+_ALL_NONE = re.compile(r"(?=[anb])\b(all|none|both) of the (above|following)\b", re.IGNORECASE)
 
 
 def prompt_features(prompt: str) -> list[float]:
@@ -65,10 +67,15 @@ def prompt_features(prompt: str) -> list[float]:
         numeric_choices / max(1, len(choices)), sum(map(len, words)) / len(words) if words else 0.0, syllables,
         math.log1p(words_per_sentence), grade / 10, sum(len(w) > 6 for w in words) / len(words) if words else 0.0,
         bool(_NEGATED.search(stem)), stem.rstrip().endswith("?"), "_" in stem, bool(_STATEMENTS.search(stem)),
-        bool(_WHICH.search(stem)), sum(map(str.isupper, prompt)) / max(1, len(prompt)),
+        bool(_WHICH.search(stem)), _uppercase(prompt) / max(1, len(prompt)),
         bool(_FIRST_PERSON.search(stem)), bool(_COMPUTATION.search(stem)), bool(_JUDGEMENT.search(stem)),
         bool(_PASSAGE.search(stem)), bool(_ALL_NONE.search(prompt)), math.log1p(sentences), len(choices) >= 2,
     ]
+
+
+def _uppercase(text: str) -> int:
+    """Characters of `text` that are upper case (ASCII text: A-Z counted in C)."""
+    return sum(map(text.count, string.ascii_uppercase)) if text.isascii() else sum(map(str.isupper, text))
 
 
 def feature_matrix(prompts: Sequence[str]) -> np.ndarray:

@@ -73,7 +73,12 @@ class TorchHead:
 class BoostedTrees:
     """One ensemble of regression trees per output: logit = base + sum over trees of the reached leaf's value.
     Arrays are [outputs, trees, nodes] (padded); a node with feature -1 is a leaf; rows go left when
-    `x[feature] <= threshold`."""
+    `x[feature] <= threshold`.
+
+    Evaluated as complete trees of `depth` levels, level by level: level l holds every tree's 2**l nodes side by
+    side (heap order), and a leaf above the last level stands for itself down to it. A row reads each level's
+    arrays front to back (about 170 kB for the default router's 1,500 trees) rather than nodes gathered from
+    everywhere: between requests they are out of cache, and that gathering was most of the classifier's time."""
 
     kind = "gbm"
 
@@ -81,15 +86,9 @@ class BoostedTrees:
                  right: np.ndarray, value: np.ndarray, depth: int) -> None:
         self.base, self.feature, self.threshold = base, feature, threshold
         self.left, self.right, self.value, self.depth = left, right, value, depth
-        # flat tables over every (output, tree, node): the feature tested, its threshold, the (right, left) child
-        outputs, trees, nodes = feature.shape
-        index = np.arange(feature.size)
-        first, leaf = index // nodes * nodes, feature.reshape(-1) < 0
-        self._roots = np.arange(outputs * trees) * nodes
-        self._tested, self._thresholds = np.maximum(feature.reshape(-1), 0), threshold.reshape(-1)
-        self._children = np.stack([np.where(leaf, index, first + right.reshape(-1)),
-                                   np.where(leaf, index, first + left.reshape(-1))], 1).reshape(-1)
-        self._values = value.reshape(-1)
+        self._tested, self._thresholds, self._leaves = _complete_levels(feature, threshold, left, right, value, depth)
+        n = feature.shape[0] * feature.shape[1]
+        self._offsets = [np.arange(n) << level for level in range(depth + 1)]  # where each tree's level starts
 
     @classmethod
     def fit(cls, x: np.ndarray, labels: np.ndarray, trees: int = 150, learning_rate: float = 0.05,
@@ -137,11 +136,12 @@ class BoostedTrees:
         outputs, trees, _ = self.feature.shape
         out = np.empty((len(x), outputs))
         for r, row in enumerate(x):  # a request routes one prompt: per row, 1-D gathers are the cheapest
-            node = self._roots
-            for _ in range(self.depth):
-                node = self._children.take(2 * node + (row.take(self._tested.take(node))
-                                                        <= self._thresholds.take(node)))
-            out[r] = self.base + self._values.take(node).reshape(outputs, trees).sum(1)
+            pos = np.zeros(outputs * trees, np.intp)  # the node reached, within its tree's level
+            for level in range(self.depth):
+                at = self._offsets[level] + pos
+                go_left = row.take(self._tested[level].take(at)) <= self._thresholds[level].take(at)
+                pos = 2 * pos + 1 - go_left
+            out[r] = self.base + self._leaves.take(self._offsets[self.depth] + pos).reshape(outputs, trees).sum(1)
         return out
 
     def state(self) -> dict:
@@ -152,6 +152,33 @@ class BoostedTrees:
     def from_state(cls, blob: dict) -> "BoostedTrees":
         arrays = {k: blob[k].numpy() for k in ("base", "feature", "threshold", "left", "right", "value")}
         return cls(depth=int(blob["depth"]), **arrays)
+
+
+def _complete_levels(feature: np.ndarray, threshold: np.ndarray, left: np.ndarray, right: np.ndarray,
+                     value: np.ndarray, depth: int) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """The trees as complete ones, level-major: per level l < depth, the feature tested and its threshold at each
+    tree's 2**l nodes ([trees * 2**l], tree after tree), and the 2**depth leaf values of each tree. A leaf above
+    the last level fills its subtree: its tests are never decisive (feature 0, threshold 0) and its value is at
+    every leaf below it."""
+    flat = feature.shape[0] * feature.shape[1]
+    tested = [np.zeros(flat << level, np.int32) for level in range(depth)]
+    thresholds = [np.zeros(flat << level, np.float64) for level in range(depth)]
+    leaves = np.zeros(flat << depth, value.dtype)
+    f, t, lc, rc, v = (a.reshape(flat, -1) for a in (feature, threshold, left, right, value))
+    for k in range(flat):
+        stack = [(0, 0, 0)]  # (node, level, position within the level)
+        while stack:
+            node, level, pos = stack.pop()
+            if level == depth:
+                if f[k, node] >= 0:
+                    raise ValueError(f"a tree is deeper than its stated depth {depth}")
+                leaves[(k << depth) + pos] = v[k, node]
+            elif f[k, node] < 0:
+                stack += [(node, level + 1, 2 * pos), (node, level + 1, 2 * pos + 1)]
+            else:
+                tested[level][(k << level) + pos], thresholds[level][(k << level) + pos] = f[k, node], t[k, node]
+                stack += [(lc[k, node], level + 1, 2 * pos), (rc[k, node], level + 1, 2 * pos + 1)]
+    return tested, thresholds, leaves
 
 
 def head_from_state(blob: dict) -> TorchHead | BoostedTrees:

@@ -15,6 +15,7 @@ import math
 import random
 import re
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
@@ -60,13 +61,39 @@ class Candidate:
 
 @dataclass(frozen=True)
 class RequestFeatures:
+    """What the policies read of one request. The prompt's markers (question type, code, math, choice lines) are
+    read on first use and kept: their regexes are most of a decision's feature time, and the learned policy never
+    reads them."""
+
     prompt: str
     prompt_tokens: int  # estimated (~4 characters a token) unless given
     max_tokens: int
-    question_type: str  # "code" | "math" | "reasoning" | "multiple_choice" | "factual" | "open"
-    has_code: bool
-    has_math: bool
-    choices: int = 0  # multiple-choice lines (`A.`, `B)` ...)
+
+    @cached_property
+    def has_code(self) -> bool:
+        return bool(_CODE.search(self.prompt))
+
+    @cached_property
+    def has_math(self) -> bool:
+        return bool(_MATH.search(self.prompt))
+
+    @cached_property
+    def choices(self) -> int:
+        """Multiple-choice lines (`A.`, `B)` ...)."""
+        return count_choices(self.prompt)
+
+    @cached_property
+    def question_type(self) -> str:
+        """"code" | "math" | "reasoning" | "multiple_choice" | "factual" | "open"."""
+        if self.has_code:
+            return "code"
+        if self.has_math:
+            return "math"
+        if _REASONING.search(self.prompt):
+            return "reasoning"
+        if self.choices >= 2:
+            return "multiple_choice"
+        return "factual" if _FACTUAL.search(self.prompt) else "open"
 
 
 _CODE = re.compile(r"```|\bdef |\bclass |\breturn\b|#include|\bfunction\b|=>|;\s*$|\bimport |\bSELECT\b|</?\w+>"
@@ -86,22 +113,8 @@ def count_choices(prompt: str) -> int:
 
 
 def extract_features(prompt: str, max_tokens: int | None = None, prompt_tokens: int | None = None) -> RequestFeatures:
-    has_code, has_math = bool(_CODE.search(prompt)), bool(_MATH.search(prompt))
-    choices = count_choices(prompt)
-    if has_code:
-        kind = "code"
-    elif has_math:
-        kind = "math"
-    elif _REASONING.search(prompt):
-        kind = "reasoning"
-    elif choices >= 2:
-        kind = "multiple_choice"
-    elif _FACTUAL.search(prompt):
-        kind = "factual"
-    else:
-        kind = "open"
     return RequestFeatures(prompt, prompt_tokens if prompt_tokens is not None else max(1, len(prompt) // 4),
-                           max_tokens or 256, kind, has_code, has_math, choices)
+                           max_tokens or 256)
 
 
 class Policy(Protocol):

@@ -110,16 +110,20 @@ def print_folds(r: dict) -> None:
     what = "leave-domain-out (MMLU subject groups)" if r["mode"] == "leave_domain_out" else \
         f"subject-held-out ({len(r['folds'])} folds of whole subjects)"
     rc = r["recipe"]
-    print(f"{what}: APGR on each held-out fold; router = {rc['kind']} on {rc['inputs']} (target {rc['target']}) "
-          f"re-trained on the other folds; k-NN on embedder {rc['embedder']}")
+    print(f"{what}: APGR and CPT(50%) on each held-out fold; router = {rc['kind']} on {rc['inputs']} (target "
+          f"{rc['target']}) re-trained on the other folds; k-NN on embedder {rc['embedder']}")
     methods = list(r["folds"][0]["curves"])
-    print(f"{'fold':<16}{'prompts':>8}" + "".join(f"{m:>10}" for m in methods) + f"{'share@50%':>10}")
-    for f in r["folds"]:
-        print(f"{f['fold']:<16}{f['prompts']:>8}" + "".join(f"{f['curves'][m]['APGR']:>10.3f}" for m in methods)
-              + f"{f['share_at_50']:>10.1%}")
-    sm = r["summary"]
-    print(f"{'mean':<16}{'':>8}" + "".join(f"{sm[m]['mean']:>10.3f}" for m in methods))
-    print(f"{'min - length':<16}{'':>8}" + "".join(f"{sm[m]['min_margin_over_length']:>+10.3f}" for m in methods))
+    for metric, cell in (("APGR", "{:>10.3f}"), ("CPT(50%)", "{:>9.1f}%")):
+        print(f"{metric:<16}{'prompts':>8}" + "".join(f"{m:>10}" for m in methods)
+              + (f"{'share@50%':>10}" if metric == "APGR" else ""))
+        for f in r["folds"]:
+            print(f"{f['fold']:<16}{f['prompts']:>8}" + "".join(cell.format(f["curves"][m][metric]) for m in methods)
+                  + (f"{f['share_at_50']:>10.1%}" if metric == "APGR" else ""))
+        if metric == "APGR":
+            sm = r["summary"]
+            print(f"{'mean':<16}{'':>8}" + "".join(f"{sm[m]['mean']:>10.3f}" for m in methods))
+            print(f"{'min - length':<16}{'':>8}" + "".join(f"{sm[m]['min_margin_over_length']:>+10.3f}"
+                                                         for m in methods))
 
 
 def _fractions(text: str) -> list[float]:

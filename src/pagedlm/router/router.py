@@ -20,7 +20,7 @@ from pagedlm.dp.placement import LeastLoadedPolicy, LoadStats, NoCandidateError,
 from pagedlm.router.answer import WeakAnswer
 from pagedlm.router.budget import BudgetExceededError, SpendLedger
 from pagedlm.router.calibration import ShareCalibrator, ShareMonitor
-from pagedlm.router.cascade import CascadePolicy
+from pagedlm.router.cascade import CascadePolicy, SamplesCost
 from pagedlm.router.policies import (
     SLO,
     Candidate,
@@ -173,6 +173,13 @@ class Router:
         d = self.route(prompt, max_tokens, stats_by_model, exclude=weak, api_key=api_key, cost_tokens=cost_tokens,
                        observe=False)
         return replace(d, reason=f"{why}; {d.reason}", policy_strong=True), why
+
+    def samples_cost(self, d: Decision, prompt_tokens: int, sample_tokens: Sequence[int]) -> SamplesCost:
+        """The extra cost of the k samples `d.model` drew of one cascaded answer (`sample_tokens`: each sample's
+        decode tokens, the kept one first), at its prices."""
+        m = self.models[d.model]
+        return SamplesCost(prompt_tokens, tuple(sample_tokens), m.cost(0, sum(sample_tokens[1:])),
+                           m.cost(prompt_tokens, sample_tokens[0] if sample_tokens else 0))
 
     def record_served(self, d: Decision) -> None:
         """Count a request served as `d` decided (for the realised strong share)."""

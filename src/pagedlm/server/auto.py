@@ -142,9 +142,11 @@ class AutoModel:
             {"logprobs": True, "top_logprobs": req.top_logprobs or 0} if chat else {"logprobs": req.logprobs or 0})})
         result, decision = await self._run_on(r, decision, functools.partial(run, req=inner))
         assert isinstance(result, Answer)  # not streamed
-        texts = _keep_first_choice(result, samples)
+        prompt_tokens = result.body.usage.prompt_tokens if result.body.usage else 0
+        texts, tokens = _keep_first_choice(result, samples)
         if self.router.models[decision.model].strong:  # a fallback took it to the strong tier
             return _as_asked(result, req), decision
+        cost = self._count_samples(decision, prompt_tokens, tokens)
         answer = WeakAnswer.of(result.token_logprobs(result.body.choices[0]), texts)
         try:
             strong, why = await self._decision(self.dispatcher.escalate(decision, answer, r.text, r.max_tokens, r.key,
@@ -153,8 +155,18 @@ class AutoModel:
             strong, why = None, f"cascade: weak answer kept, the strong model is unavailable ({e.message})"
         self.metrics.router_cascade.labels("escalated" if strong else "kept").inc()
         if strong is None:
-            return _as_asked(result, req), replace(decision, reason=why, policy_strong=False)
-        return await self._run_on(r, strong, functools.partial(run, req=req))
+            return _as_asked(result, req), replace(decision, reason=why + cost, policy_strong=False)
+        return await self._run_on(r, replace(strong, reason=strong.reason + cost), functools.partial(run, req=req))
+
+    def _count_samples(self, decision: Decision, prompt_tokens: int, tokens: list[int]) -> str:
+        """With k > 1 samples: their extra cost counted in the metrics, and said for the route detail."""
+        if len(tokens) < 2:
+            return ""
+        cost = self.router.samples_cost(decision, prompt_tokens, tokens)
+        self.metrics.router_cascade_tokens.labels("extra_decode").inc(cost.extra_decode_tokens)
+        self.metrics.router_cascade_tokens.labels("prefill_reused").inc(cost.prefill_reused_tokens)
+        self.metrics.router_cascade_cost.inc(cost.extra_cost)
+        return f"; {cost.describe()}"
 
     async def _decision(self, decision: Awaitable[D]) -> D:
         """The dispatcher's decision; 503 when no model can take the request, 429 past every spend cap."""
@@ -172,20 +184,22 @@ class AutoModel:
             self.metrics.router_decision.observe(time.perf_counter() - t0)
 
 
-def _keep_first_choice(answer: Answer, samples: int) -> list[str]:
-    """With `samples` > 1 (n=k drawn at once): the text of every choice, and `answer` cut to its first (the answer
-    kept; its usage counts that choice's tokens alone). With one sample: no texts, `answer` unchanged."""
+def _keep_first_choice(answer: Answer, samples: int) -> tuple[list[str], list[int]]:
+    """With `samples` > 1 (n=k drawn at once): the text and the decode tokens of every choice, and `answer` cut to
+    its first (the answer kept; its usage counts that choice's tokens alone). With one sample: nothing, `answer`
+    unchanged."""
     if samples <= 1:
-        return []
+        return [], []
     choices = answer.choices()
     texts = [answer.text(c) for c in choices]
+    tokens = [len(answer.token_logprobs(c)) for c in choices]  # the cascade asks for logprobs: one per token
     first = choices[0]
     answer.body.choices = [first]
     usage = answer.body.usage
     if usage:
-        usage.completion_tokens = len(answer.token_logprobs(first))
+        usage.completion_tokens = tokens[0]
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    return texts
+    return texts, tokens
 
 
 def _as_asked(answer: Answer, req: OpenAIRequest) -> Result:

@@ -313,6 +313,13 @@ class ServerMetrics:
             reg.register(_RouterCollector(router))
             self.router_cascade = Counter("pagedlm:router_cascade", "Cascade answers of the weak model: kept, or "
                                           "re-run on the strong model (escalated).", ["outcome"], registry=reg)
+            self.router_cascade_tokens = Counter(
+                "pagedlm:router_cascade_sample_tokens", "Tokens of the cascade's extra weak samples (n=k beyond the "
+                "kept answer): decode tokens generated (extra_decode), and prompt tokens read from the kept "
+                "sample's KV blocks instead of prefilled (prefill_reused).", ["kind"], registry=reg)
+            self.router_cascade_cost = Counter(
+                "pagedlm:router_cascade_sample_cost_dollars", "Cost of the cascade's extra weak samples at the weak "
+                "model's prices (--model-cost).", registry=reg)
             self.router_budget_refusals = Counter("pagedlm:router_budget_refusals",
                                                   "Routed requests refused because every model was over budget.",
                                                   registry=reg)
