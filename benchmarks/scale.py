@@ -8,9 +8,9 @@ Models are written once into `--dir` by ../shared/tools/make-scale-model.py (1b:
 Llama-3.2-3B's, 8b: Llama-3.1-8B's; SmolLM2's tokenizer, so both engines load the same file). The decode rate is
 128 / (time of a 129-token generation - time of a 1-token one) on a fresh random prompt of `--context` tokens (32;
 4096 for decode deep in a context, where attention and its KV reads grow); the limit is the
-file's bytes read once per token at the read bandwidth measured here (a sum over a buffer far larger than the
-caches, with torch's threads). `pagedlm` runs its defaults (`LLM(model=path)`); `llama.cpp` is llama-cpp-python
-(the `llamacpp` extra). Peak RSS is the child's high-water mark (VmHWM).
+file's bytes read once per token at the read bandwidth measured just before each run (a sum over a buffer far larger
+than the caches, with torch's threads); "of limit" is the median over runs of decode / that run's limit.
+`pagedlm` runs its defaults (`LLM(model=path)`); `llama.cpp` is llama-cpp-python (the `llamacpp` extra). Peak RSS is the child's high-water mark (VmHWM).
 """
 from __future__ import annotations
 
@@ -58,18 +58,23 @@ def child(backend: str, path: str, prefill: int, seed: int, context: int = 32) -
             "threads": torch.get_num_threads()}
 
 
-def read_bandwidth() -> float:
-    """Bytes per second of a threaded sum over 2 GiB (far past the last-level cache)."""
-    import torch
+class Bandwidth:
+    """Read bandwidth: bytes per second of a threaded sum over 2 GiB (far past the last-level cache), the best of
+    five; measured again before every run, since a shared host's bandwidth drifts by a third within minutes."""
 
-    buf = torch.ones(2**29)
-    buf.sum()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return buf.numel() * 4 / min(times)
+    def __init__(self) -> None:
+        import torch
+
+        self.buf = torch.ones(2**29)
+        self.buf.sum()
+
+    def __call__(self) -> float:
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            self.buf.sum()
+            times.append(time.perf_counter() - t)
+        return self.buf.numel() * 4 / min(times)
 
 
 def ensure_model(directory: Path, shape: str, quant: str, ctx: int = 0) -> Path:
@@ -111,30 +116,31 @@ def main() -> None:
         return
     from pagedlm.cpu import cpu_features
 
-    bw = read_bandwidth()
-    print(f"CPU flags: {cpu_features().describe()}; read bandwidth {bw / 1e9:.1f} GB/s")
+    bandwidth = Bandwidth()
+    print(f"CPU flags: {cpu_features().describe()}; read bandwidth {bandwidth() / 1e9:.1f} GB/s")
     print("| model | file | engine | load s | peak RSS GB | decode tok/s | of limit | prefill tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for shape in a.shapes.split(","):
         path = ensure_model(a.dir, shape, a.quant, a.ctx_len)
         size = path.stat().st_size
-        limit = bw / size
         runs: dict[str, list[dict]] = {b: [] for b in a.backends.split(",")}
         for r in range(a.repeats):
             for backend in runs:
+                bw = bandwidth()
                 out = subprocess.run([sys.executable, __file__, "--prefill", str(a.prefill), "--context",
                                       str(a.context), "--child", backend, str(path), str(r)],
                                      capture_output=True, text=True)
                 if out.returncode:
                     raise SystemExit(f"{backend} on {path.name} failed:\n{out.stderr[-3000:]}")
-                runs[backend].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                runs[backend].append({**json.loads(out.stdout.strip().splitlines()[-1]), "limit": bw / size})
         for backend, rs in runs.items():
             def col(key: str, fmt: str) -> str:
                 return " / ".join(fmt.format(x[key]) for x in rs)
-            med = statistics.median(x["decode"] for x in rs)
+            share = statistics.median(x["decode"] / x["limit"] for x in rs)
+            limits = " / ".join(f"{x['limit']:.1f}" for x in rs)
             rss = " / ".join(f"{x['peak_rss'] / 1e9:.2f}" for x in rs)
             print(f"| {shape} {a.quant} | {size / 1e9:.2f} GB | {backend} | {col('load_s', '{:.1f}')} | {rss} | "
-                  f"{col('decode', '{:.1f}')} | {med / limit:.0%} (limit {limit:.1f}) | {col('prefill', '{:.0f}')} |")
+                  f"{col('decode', '{:.1f}')} | {share:.0%} (limit {limits}) | {col('prefill', '{:.0f}')} |")
 
 
 if __name__ == "__main__":
