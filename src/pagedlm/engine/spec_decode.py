@@ -5,8 +5,10 @@ back a logits row per draft position (step.py), verifies the drafts (sample.py: 
 and the scheduler keeps the accepted drafts' K/V and returns the rejected tail's slots (`BlockManager.truncate`).
 
 Which sequences speculate: a request with a `prediction` (its tokens are the draft), else, with a
-`SpeculativeConfig`, every request by prompt lookup, suffix drafts or the draft model; never beam searches or
-constrained requests. No sequence speculates in a step that runs more than `disable_by_batch_size` sequences. The
+`SpeculativeConfig`, every request by prompt lookup, suffix drafts or the draft model; never beam searches. A
+constrained request's draft ends before the first token its grammar rejects (`constrain`), and the step verifies each
+draft position under the grammar's mask at that position (sample.py), so its output is the same as without drafts.
+No sequence speculates in a step that runs more than `disable_by_batch_size` sequences. The
 draft model (`load_draft_model`) drafts for all its sequences at once and keeps K/V only for running sequences
 (`SpecDecoder.retain`)."""
 from __future__ import annotations
@@ -77,7 +79,7 @@ class SpecDecoder:
     def state_for(self, req: Request) -> SpecState | None:
         """The speculation of a new sequence of `req` (None: it does not speculate)."""
         p, cfg = req.params, self.config
-        if p.use_beam_search or p.structured_outputs is not None:
+        if p.use_beam_search:
             return None
         if p._prediction_token_ids:
             self._seen = True
@@ -104,7 +106,8 @@ class SpecDecoder:
             if seq.spec is None:
                 continue
             seq.spec.draft_token_ids = []
-            if len(live) > limit or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if len(live) > limit or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 \
+                    or req.params.structured_outputs is not None and seq.matcher is None:
                 continue
             if self.drafter is not None and seq.spec.proposer is self.drafter:
                 k = seq.spec.draft_length(self._room(req, seq))
@@ -113,6 +116,7 @@ class SpecDecoder:
                     ks.append(k)
             else:
                 seq.spec.propose(seq, self._room(req, seq))
+                constrain(seq)
         if batch:
             try:
                 drafts = self.drafter.propose_batch(batch, ks)
@@ -122,6 +126,7 @@ class SpecDecoder:
                 return
             for seq, draft in zip(batch, drafts):
                 seq.spec.draft_token_ids = draft
+                constrain(seq)
 
     def retain(self, running: list[Request]) -> None:
         """The draft model keeps K/V for the running sequences only (the others finished, were preempted or were
@@ -155,6 +160,14 @@ class SpecDecoder:
                 st.accepted_per_pos += [0] * (s.num_draft_tokens - len(st.accepted_per_pos))
             for j in range(s.num_accepted_tokens):
                 st.accepted_per_pos[j] += 1
+
+
+def constrain(seq: Sequence) -> None:
+    """A constrained sequence's draft cut before the first token its grammar (`seq.matcher`, in the state of the
+    sequence's output) rejects; the matcher only checks the tokens, its state does not change."""
+    draft = seq.spec.draft_token_ids
+    if draft and seq.matcher is not None:
+        seq.spec.draft_token_ids = draft[:seq.matcher.validate_tokens(draft)]
 
 
 def load_draft_model(config: EngineConfig, tokenizer: Tokenizer, vocab_size: int, num_target_tokens: int,
