@@ -8,8 +8,8 @@ Which sequences speculate: a request with a `prediction` (its tokens are the dra
 `SpeculativeConfig`, every request by prompt lookup, suffix drafts or the draft model; never beam searches. A
 constrained request's draft ends before the first token its grammar rejects (`constrain`), and the step verifies each
 draft position under the grammar's mask at that position (sample.py), so its output is the same as without drafts.
-No sequence speculates in a step that runs more than `disable_by_batch_size` sequences. The
-draft model (engine/draft_loader.py) drafts for all its sequences at once and keeps K/V only for running sequences
+No sequence speculates in a step that runs more than `disable_by_batch_size` sequences. The draft model
+(engine/draft_loader.py) drafts for all its sequences at once and keeps K/V only for running sequences
 (`SpecDecoder.retain`)."""
 from __future__ import annotations
 
