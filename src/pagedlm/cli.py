@@ -11,7 +11,7 @@ from pathlib import Path
 from pagedlm.config import DEFAULT_MODEL, EngineConfig, add_arguments, from_args
 
 MEMORY_FIELDS = ("model", "dtype", "block_size", "kv_cache_memory", "kv_cache_memory_fraction", "num_kv_blocks",
-                 "max_model_len", "max_num_seqs", "kv_cache_dtype")
+                 "max_model_len", "max_num_seqs", "kv_cache_dtype", "speculative_config")
 
 
 def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False, only: Sequence[str] | None = None) -> None:
@@ -53,9 +53,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """The engine's KV sizing (kvcache/sizing.py) without loading the model: the weights are estimated by the
-    checkpoint's size on disk (parameters x dtype for a bare config.json). A configuration this machine cannot
-    hold is still reported (sized as if the available memory were unknown), with the engine's refusal."""
+    checkpoint's size on disk (parameters x dtype for a bare config.json; a draft model's likewise, with its KV
+    cache beside the target's). A configuration this machine cannot hold is still reported (sized as if the
+    available memory were unknown), with the engine's refusal."""
     from pagedlm.config import ModelConfig
+    from pagedlm.engine.draft_loader import estimate_draft_sizing
     from pagedlm.hub.loader import load_hf_config
     from pagedlm.hub.registry import resolve_model
     from pagedlm.kvcache.kv_cache import KVCacheSpec
@@ -74,7 +76,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     plan = plan_execution(config, checkpoint, measure=False)
     spec = KVCacheSpec.for_model(cfg, config.block_size, plan.dtype, plan.kv_cache_dtype)
     weights = checkpoint_bytes(checkpoint) if checkpoint is not None else cfg.num_parameters() * plan.dtype.itemsize
-    report = plan_kv_cache(config, cfg, spec, weights, available_memory(), report_refusal=True).report
+    report = plan_kv_cache(config, cfg, spec, weights, available_memory(), report_refusal=True,
+                           draft=estimate_draft_sizing(config)).report
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0
 

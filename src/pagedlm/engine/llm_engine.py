@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from pagedlm.config import DEFAULT_MODEL, EngineConfig
+from pagedlm.engine.draft_loader import load_draft_weights
 from pagedlm.engine.errors import InvalidRequestError
 from pagedlm.engine.input_processor import EngineInfo, InputProcessor
 from pagedlm.engine.kv_offload import DiskOffload
@@ -25,7 +26,7 @@ from pagedlm.engine.sample import StepSampler
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence
 from pagedlm.engine.snapshot import BlockMoves
-from pagedlm.engine.spec_decode import SpecDecoder, SpecStats, load_draft_model
+from pagedlm.engine.spec_decode import SpecDecoder, SpecStats
 from pagedlm.engine.step import StepContext, build_batch
 from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
@@ -78,16 +79,17 @@ class LLMEngine:
         spec, device = self.runner.kv_spec, self.runner.device
         memory = (AvailableMemory(torch.cuda.mem_get_info(device)[0], "CUDA free") if device.type == "cuda"
                   else host_memory)
-        kv = plan_kv_cache(config, self.model_config, spec, self.runner.weight_bytes(), memory, device.type)
+        spec_config = config.speculative_config
+        self.draft = (load_draft_weights(config, self.tokenizer, self.model_config.vocab_size)
+                      if spec_config is not None and spec_config.method == "draft_model" else None)
+        kv = plan_kv_cache(config, self.model_config, spec, self.runner.weight_bytes(), memory, device.type,
+                           draft=self.draft.sizing if self.draft is not None else None)
         self.kv_budget, self.memory_report, self.max_model_len = kv.budget, kv.report, kv.max_model_len
         self.runner.allocate_kv_cache(kv.num_blocks, kv.num_cpu_blocks)
         self.block_manager = BlockManager(kv.num_blocks, config.block_size, kv.num_cpu_blocks, config.watermark,
                                           config.enable_prefix_caching, spec.sliding_windows)
         self.scheduler = Scheduler(config, self.block_manager)
-        spec_config = config.speculative_config
-        drafter = (load_draft_model(config, self.tokenizer, self.model_config.vocab_size,
-                                    kv.num_blocks * config.block_size // len(spec.groups), self.max_model_len)
-                   if spec_config is not None and spec_config.method == "draft_model" else None)
+        drafter = self.draft.start(kv.budget.draft_blocks) if self.draft is not None else None
         self.spec = SpecDecoder(spec_config, self.max_model_len, drafter)
         self.offload = self.scheduler.kv_loader = DiskOffload.create(
             config, path, self.model_config, self.plan, self.block_manager, self.runner.kv_cache)

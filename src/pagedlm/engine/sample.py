@@ -39,7 +39,8 @@ class StepSampler:
     # --- before the forward pass --------------------------------------------------------------------------
     def start_masks(self, ctx: StepContext) -> None:
         """Start the grammar masks of the sequences this step samples for, on the mask thread, so that they
-        overlap the forward pass. Sequences without a matcher yet get one (fresh, replayed over their output)."""
+        overlap the forward pass, with a mask per draft position of a speculating sequence (its grammar state after
+        the drafts before it). Sequences without a matcher yet get one (fresh, replayed over their output)."""
         matchers = {}
         for row in ctx.batch.samples:
             p = row.request.params
@@ -48,7 +49,7 @@ class StepSampler:
             try:
                 if row.seq.matcher is None:
                     row.seq.matcher = self.structured.replay(p._grammar, row.seq.output_token_ids)
-                matchers[row.seq.seq_id] = row.seq.matcher
+                matchers[row.seq.seq_id] = (row.seq.matcher, row.draft_token_ids)
             except Exception as e:  # noqa: BLE001 - isolate the request (failed once the batch has run)
                 ctx.mask_errors.append((row.request, e))
         ctx.masks = self.masks.start(matchers)
@@ -62,7 +63,7 @@ class StepSampler:
                 self.output_processor.add_prompt_logprobs(row.request, logits[row.rows], row.first, row.end)
             except Exception as e:  # noqa: BLE001 - isolate the request
                 self.fail(ctx, row.request, e)
-        rows, targets, index = [], [], []
+        rows, targets, index, positions = [], [], [], []
         drafted: dict[int, SampleRow] = {}  # first of a drafted sequence's rows in `targets` -> its SampleRow
         beams: dict[str, list[SampleRow]] = {}
         for row in ctx.batch.samples:
@@ -93,7 +94,8 @@ class StepSampler:
                                             thinking=seq.thinking))
                     targets.append((req, seq))
                     index.append(row.index + j)
-        self._fill_masks(ctx, rows, targets)
+                    positions.append(j)
+        self._fill_masks(ctx, rows, targets, positions)
         for beam_rows in beams.values():
             req = beam_rows[0].request
             try:
@@ -157,12 +159,13 @@ class StepSampler:
         req.forked = True
         return [seq] + [self._fork(req, seq) for _ in range(1, req.params.n)]
 
-    def _fill_masks(self, ctx: StepContext, rows: list[SamplingRow], targets: list[tuple[Request, Sequence]]) -> None:
-        """Each constrained row's grammar bitmask: from the masks started before the forward pass, plus (in one
-        call) those of sequences forked in this step."""
+    def _fill_masks(self, ctx: StepContext, rows: list[SamplingRow], targets: list[tuple[Request, Sequence]],
+                    positions: list[int]) -> None:
+        """Each constrained row's grammar bitmask (row k follows positions[k] draft tokens): from the masks started
+        before the forward pass, plus (in one call) those of sequences forked in this step."""
         late = []
         for k, (_, seq) in enumerate(targets):
-            bitmask = ctx.masks.get(seq.seq_id) if ctx.masks is not None else None
+            bitmask = ctx.masks.get(seq.seq_id, positions[k]) if ctx.masks is not None else None
             if bitmask is not None:
                 rows[k].bitmask = bitmask
             elif seq.matcher is not None:
@@ -205,7 +208,9 @@ class StepSampler:
         Lossless: a draft token x is accepted exactly when the target's own sample at its position is x, so the
         appended token has the target's distribution there, p(x) for x and p(y) for every y != x. That is rejection
         sampling (accept x with probability min(1, p(x)/q(x)), else sample from max(0, p - q)) for a draft q that
-        is certain of x, as n-gram and predicted drafts are; greedy requests get the argmax at every position."""
+        is certain of x, as n-gram and predicted drafts are; greedy requests get the argmax at every position.
+        A constrained sequence's rows carry the grammar's mask after the drafts before them, and its matcher
+        consumes only the appended tokens: it never holds a rejected draft."""
         req, seq, drafts = row.request, row.seq, row.draft_token_ids
         appended = 0
         for j, token in enumerate(tokens):

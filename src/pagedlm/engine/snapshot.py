@@ -104,6 +104,21 @@ class SeqSnapshot:
 
 
 @dataclass
+class DraftSnapshot:
+    """Speculative decoding's draft model: its weights and its own KV cache (bytes), whose pool has `num_blocks`,
+    `num_used` of them held by the `num_seqs` sequences it keeps K/V for."""
+
+    model: str
+    weights: int
+    kv_cache: int
+    per_block: int
+    num_blocks: int
+    num_used: int
+    num_free: int
+    num_seqs: int
+
+
+@dataclass
 class EngineSnapshot:
     """What a memory view shows of one engine; `to_dict` is its JSON shape."""
 
@@ -119,6 +134,7 @@ class EngineSnapshot:
     counters: dict[str, int]  # cumulative: preemptions, copy-on-write and swapped blocks, prefix cache, tokens
     memory: dict[str, int | None]  # bytes: weights, kv cache, per block, host RSS
     moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> cumulative tokens/expert
+    draft: DraftSnapshot | None = None  # the draft model's memory (None: none)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -260,4 +276,16 @@ def build_snapshot(engine: LLMEngine, show_text: bool = False) -> EngineSnapshot
                       prompt_tokens=sch.num_prompt_tokens, generation_tokens=sch.num_generation_tokens),
         memory=dict(weights=report.weight_bytes, kv_cache=report.kv_cache_bytes, per_block=report.bytes_per_block,
                     host_rss=host_rss()),
-        moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in engine.runner.moe_blocks})
+        moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in engine.runner.moe_blocks},
+        draft=draft_snapshot(engine))
+
+
+def draft_snapshot(engine: LLMEngine) -> DraftSnapshot | None:
+    """The draft model's memory: sizes from the engine's memory report, blocks from the draft's block manager."""
+    drafter, report = engine.spec.drafter, engine.memory_report
+    if drafter is None:
+        return None
+    bm = drafter.bm
+    return DraftSnapshot(report.draft_model, report.draft_weight_bytes, report.draft_kv_cache_bytes,
+                         report.draft_bytes_per_block, bm.num_total_blocks, bm.num_total_blocks - bm.num_free_blocks,
+                         bm.num_free_blocks, drafter.num_seqs)

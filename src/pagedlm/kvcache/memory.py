@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pagedlm.config import ModelConfig
 from pagedlm.kvcache.block_manager import max_blocks_needed, max_tokens_per_seq
 from pagedlm.kvcache.kv_cache import KVCacheSpec
-from pagedlm.kvcache.sizing import KVBudget
+from pagedlm.kvcache.sizing import DraftSizing, KVBudget
 from pagedlm.kvcache.sizing import format_bytes as _fmt_bytes
 
 
@@ -53,11 +53,18 @@ class MemoryReport:
     memory_available: int | None = None
     memory_source: str = ""
     refusal: str = ""  # why the engine would refuse this configuration on this machine (`pagedlm memory`)
+    draft_model: str = ""  # speculative decoding's draft model, with its own weights and KV cache ("": none)
+    draft_weight_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
+    draft_num_blocks: int = 0
+    draft_bytes_per_block: int = 0
+    draft_kv_cache_bytes: int = 0
+    draft_max_seqs: int = 0  # sequences that draft at once
 
     @classmethod
     def build(cls, cfg: ModelConfig, spec: KVCacheSpec, num_blocks: int, num_cpu_blocks: int,
               max_model_len: int, weight_bytes: int | None = None, budget: KVBudget | None = None,
-              refusal: str = "") -> MemoryReport:
+              refusal: str = "", draft: DraftSizing | None = None) -> MemoryReport:
         windows = spec.sliding_windows
         per_layer = 2 * spec.num_kv_heads * spec.entry_dim * spec.element_size
         full_layers = sum(len(g.layers) for g in spec.groups if g.sliding_window is None)
@@ -69,6 +76,11 @@ class MemoryReport:
             kv_budget=budget.choice, kv_demand_bytes=budget.demand, kv_cap_bytes=budget.cap,
             overhead_bytes=budget.overhead_bytes, expected_peak_bytes=budget.expected_peak,
             memory_available=budget.available.bytes, memory_source=budget.available.source, refusal=refusal)
+        if draft is not None and budget is not None:
+            planned.update(draft_model=draft.model, draft_weight_bytes=draft.weight_bytes,
+                           draft_kv_bytes_per_token=draft.spec.bytes_per_token, draft_num_blocks=budget.draft_blocks,
+                           draft_bytes_per_block=budget.draft_bytes_per_block,
+                           draft_kv_cache_bytes=budget.draft_kv_bytes, draft_max_seqs=draft.max_seqs)
         return cls(
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             dtype=str(spec.dtype).removeprefix("torch."), dtype_bytes=spec.element_size,
@@ -124,14 +136,21 @@ class MemoryReport:
             f"  tokens that fit    : {self.tokens_capacity:,}" + (" in one sequence" if self.sliding_layers else ""),
             f"  max concurrency    : {concurrency}",
         ]
+        if self.draft_model:
+            lines.append(f"  draft model        : {self.draft_model}: weights {_fmt_bytes(self.draft_weight_bytes)}, "
+                         f"its KV cache {self.draft_num_blocks:,} blocks of {_fmt_bytes(self.draft_bytes_per_block)} "
+                         f"= {_fmt_bytes(self.draft_kv_cache_bytes)} ({self.draft_kv_bytes_per_token:,} B per token, "
+                         f"{self.draft_max_seqs} drafting sequences)")
         if self.kv_budget:
             available = ("unknown" if self.memory_available is None else
                          f"{_fmt_bytes(self.memory_available)} ({self.memory_source})")
+            draft = (f" + draft weights {_fmt_bytes(self.draft_weight_bytes)} + draft KV cache "
+                     f"{_fmt_bytes(self.draft_kv_cache_bytes)}" if self.draft_model else "")
             lines += [
                 f"  KV budget          : {self.kv_budget}",
                 f"  memory available   : {available}",
                 f"  expected peak      : {_fmt_bytes(self.expected_peak_bytes)} = weights "
-                f"{_fmt_bytes(self.weight_bytes)} + KV cache {_fmt_bytes(self.kv_cache_bytes)} + overhead "
+                f"{_fmt_bytes(self.weight_bytes)} + KV cache {_fmt_bytes(self.kv_cache_bytes)}{draft} + overhead "
                 f"{_fmt_bytes(self.overhead_bytes)}",
             ]
         if self.refusal:

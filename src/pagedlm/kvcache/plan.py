@@ -9,7 +9,7 @@ from pagedlm.config import EngineConfig, ModelConfig, parse_bytes
 from pagedlm.kvcache.block_manager import max_tokens_per_seq
 from pagedlm.kvcache.kv_cache import KVCacheSpec
 from pagedlm.kvcache.memory import MemoryReport
-from pagedlm.kvcache.sizing import AvailableMemory, KVBudget, KVSizing, check_peak, plan_kv_budget
+from pagedlm.kvcache.sizing import AvailableMemory, DraftSizing, KVBudget, KVSizing, check_peak, plan_kv_budget
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +29,16 @@ class KVCachePlan:
 
 
 def plan_kv_cache(config: EngineConfig, model: ModelConfig, spec: KVCacheSpec, weight_bytes: int,
-                  memory: AvailableMemory, device_type: str = "cpu", report_refusal: bool = False) -> KVCachePlan:
+                  memory: AvailableMemory, device_type: str = "cpu", report_refusal: bool = False,
+                  draft: DraftSizing | None = None) -> KVCachePlan:
     """The KV cache for `config` on a device with `memory` available (kvcache/sizing.py), with the weights taking
-    `weight_bytes`. `max_model_len` is the model's context unless set (more than the context is refused), capped
-    (with a warning) at the longest sequence the cache holds. Raises ValueError, before anything is allocated, for
+    `weight_bytes`, and beside it a draft model's (`draft`, speculative decoding: `budget.draft_blocks`).
+    `max_model_len` is the model's context unless set (more than the context is refused), capped (with a warning)
+    at the longest sequence the cache holds. Raises ValueError, before anything is allocated, for
     what cannot fit; with `report_refusal` (`pagedlm memory`) it plans as if the available memory were unknown
     instead, and the report names the refusal."""
     context = model.context_length
-    sizing = KVSizing.for_config(config, spec, context, weight_bytes, device_type)
+    sizing = KVSizing.for_config(config, spec, context, weight_bytes, device_type, draft)
     refusal = ""
     try:
         if config.max_model_len is not None and config.max_model_len > context:
@@ -59,5 +61,5 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, spec: KVCacheSpec, w
             max_len = capacity
     num_cpu_blocks = spec.num_blocks_for(parse_bytes(config.swap_space)) if config.preemption_mode == "swap" else 0
     report = MemoryReport.build(model, spec, budget.num_blocks, num_cpu_blocks, max_len, weight_bytes=weight_bytes,
-                                budget=budget, refusal=refusal)
+                                budget=budget, refusal=refusal, draft=draft)
     return KVCachePlan(budget.num_blocks, num_cpu_blocks, max_len, budget, report, refusal)

@@ -24,6 +24,11 @@ could not fit, and grows on large ones. A dedicated server raises the fraction o
 Refusals (ValueError, before anything is allocated) are for what certainly cannot fit: weights + the smallest
 KV cache (one block per group; one full sequence when max_model_len was set) over the memory available, or an
 explicit budget over what the weights leave. An expected peak over the available memory only warns.
+
+A draft model (speculative decoding, `DraftSizing`) counts everywhere: its weights are weights, and its own KV cache,
+whose size follows from the target's (as many tokens, at most those of the sequences that draft at once), is KV
+memory. The default cap bounds the two caches together; an explicit --kv-cache-memory / --num-kv-blocks sizes the
+target's, the draft's coming on top, and the fit checks above count both.
 """
 from __future__ import annotations
 
@@ -142,6 +147,23 @@ def format_bytes(n: float) -> str:
 
 
 @dataclass(frozen=True)
+class DraftSizing:
+    """A draft model's memory: `weight_bytes` of weights and a KV cache of `spec` that holds as many tokens as the
+    target's, at most `max_seqs` sequences (those that draft at once) of max_model_len + `num_speculative_tokens`,
+    plus a block per sequence and group (each one's partly filled last block)."""
+
+    model: str
+    spec: KVCacheSpec
+    weight_bytes: int
+    max_seqs: int
+    num_speculative_tokens: int
+
+    def num_blocks(self, target_tokens: int, max_model_len: int) -> int:
+        tokens = min(target_tokens, self.max_seqs * (max_model_len + self.num_speculative_tokens))
+        return len(self.spec.groups) * (-(-tokens // self.spec.block_size) + self.max_seqs)
+
+
+@dataclass(frozen=True)
 class KVSizing:
     """What the KV budget depends on. `max_model_len` is the length sequences are sized for (the model's
     context unless set: `max_model_len_explicit`); `max_chunk` the most tokens prefilled in one step."""
@@ -156,16 +178,43 @@ class KVSizing:
     max_model_len_explicit: bool = False
     fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
     device_type: str = "cpu"
+    draft: DraftSizing | None = None
 
     @classmethod
     def for_config(cls, config: EngineConfig, spec: KVCacheSpec, context_length: int, weight_bytes: int,
-                   device_type: str = "cpu") -> KVSizing:
+                   device_type: str = "cpu", draft: DraftSizing | None = None) -> KVSizing:
         """The engine's sizing: max_model_len defaults to the model's context (and is clipped to it)."""
         budget = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
         return cls(spec, min(config.max_model_len or context_length, context_length), config.max_num_seqs,
                    weight_bytes, max_chunk=config.max_num_batched_tokens, kv_cache_memory=budget,
                    num_kv_blocks=config.num_kv_blocks, max_model_len_explicit=config.max_model_len is not None,
-                   fraction=config.kv_cache_memory_fraction, device_type=device_type)
+                   fraction=config.kv_cache_memory_fraction, device_type=device_type, draft=draft)
+
+    @property
+    def all_weight_bytes(self) -> int:
+        """The target's weights and the draft model's."""
+        return self.weight_bytes + (self.draft.weight_bytes if self.draft is not None else 0)
+
+    def draft_blocks(self, num_blocks: int) -> int:
+        """The draft model's KV blocks beside `num_blocks` of the target's (0 without a draft model)."""
+        if self.draft is None:
+            return 0
+        return self.draft.num_blocks(num_blocks * self.spec.block_size // len(self.spec.groups), self.max_model_len)
+
+    def kv_bytes(self, num_blocks: int) -> int:
+        """KV memory of `num_blocks` target blocks and the draft's cache beside them."""
+        draft = self.draft_blocks(num_blocks) * self.draft.spec.bytes_per_block if self.draft is not None else 0
+        return num_blocks * self.spec.bytes_per_block + draft
+
+    def blocks_within(self, budget_bytes: int) -> int:
+        """The most target blocks whose KV, with the draft's, fits in `budget_bytes`."""
+        lo, hi = 0, max(budget_bytes, 0) // self.spec.bytes_per_block
+        if self.draft is None:
+            return hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.kv_bytes(mid) <= budget_bytes else (lo, mid - 1)
+        return lo
 
     def blocks_per_seq(self) -> int:
         s = self.spec
@@ -174,13 +223,14 @@ class KVSizing:
 
     @property
     def overhead_bytes(self) -> int:
-        return RUNTIME_OVERHEAD + int(WEIGHT_OVERHEAD * self.weight_bytes)
+        return RUNTIME_OVERHEAD + int(WEIGHT_OVERHEAD * self.all_weight_bytes)
 
 
 @dataclass(frozen=True)
 class KVBudget:
     """The chosen KV cache (`num_blocks` of `bytes_per_block`) and how it was chosen (`choice`), with the numbers
-    the start-up report shows. `demand` / `cap` are 0 where they played no part."""
+    the start-up report shows. `demand` / `cap` (the target's KV and the draft's) are 0 where they played no part.
+    With a draft model, its weights and its KV cache (`draft_blocks` of `draft_bytes_per_block`)."""
 
     num_blocks: int
     bytes_per_block: int
@@ -190,34 +240,49 @@ class KVBudget:
     weight_bytes: int
     overhead_bytes: int
     available: AvailableMemory
+    draft_blocks: int = 0
+    draft_bytes_per_block: int = 0
+    draft_weight_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
     @property
+    def draft_kv_bytes(self) -> int:
+        return self.draft_blocks * self.draft_bytes_per_block
+
+    @property
     def expected_peak(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.overhead_bytes
+        return self.weight_bytes + self.draft_weight_bytes + self.kv_bytes + self.draft_kv_bytes + self.overhead_bytes
 
 
 def _refuse(what: str, need: int, sizing: KVSizing, mem: AvailableMemory, fix: str) -> ValueError:
-    f = format_bytes
-    return ValueError(f"{what} ({f(need)}) and the weights ({f(sizing.weight_bytes)}) need "
-                      f"{f(need + sizing.weight_bytes)}, but only {f(mem.bytes or 0)} of memory is available "
-                      f"({mem.source}); {fix}.")
+    f, w = format_bytes, sizing.all_weight_bytes
+    weights = (f"the weights ({f(w)})" if sizing.draft is None else
+               f"the weights ({f(w)}: the target's {f(sizing.weight_bytes)}, the draft model's "
+               f"{f(sizing.draft.weight_bytes)})")
+    if sizing.draft is not None:
+        what += " with the draft model's"
+    return ValueError(f"{what} ({f(need)}) and {weights} need {f(need + w)}, but only {f(mem.bytes or 0)} of memory "
+                      f"is available ({mem.source}); {fix}.")
 
 
 def plan_kv_budget(sizing: KVSizing, mem: AvailableMemory) -> KVBudget:
     """The KV blocks to allocate for `sizing` on a device with `mem` available (host memory before the weights
     were loaded; on CUDA the free device memory after). Raises ValueError, naming the numbers and the flags to
-    change, for a configuration that cannot fit (see the module docstring)."""
+    change, for a configuration that cannot fit (see the module docstring). Sizes compared with a budget are the
+    target's KV and the draft model's together (`KVSizing.kv_bytes`)."""
     spec, per_block = sizing.spec, sizing.spec.bytes_per_block
-    one_seq = sizing.blocks_per_seq() * per_block
-    demand = sizing.max_num_seqs * one_seq
+    seq_blocks = sizing.blocks_per_seq()
+    one_seq, demand = sizing.kv_bytes(seq_blocks), sizing.kv_bytes(sizing.max_num_seqs * seq_blocks)
+    draft = sizing.draft
 
     def budget(blocks: int, choice: str, demand: int = 0, cap: int = 0, terms: str = "") -> KVBudget:
         return KVBudget(blocks, per_block, choice + (f" ({terms})" if terms else ""), demand, cap,
-                        sizing.weight_bytes, sizing.overhead_bytes, mem)
+                        sizing.weight_bytes, sizing.overhead_bytes, mem, sizing.draft_blocks(blocks),
+                        draft.spec.bytes_per_block if draft is not None else 0,
+                        draft.weight_bytes if draft is not None else 0)
 
     if sizing.device_type == "cuda":
         if sizing.num_kv_blocks is not None:
@@ -225,12 +290,12 @@ def plan_kv_budget(sizing: KVSizing, mem: AvailableMemory) -> KVBudget:
         if sizing.kv_cache_memory is not None:
             return budget(spec.num_blocks_for(sizing.kv_cache_memory), "explicit (--kv-cache-memory)")
         cap = int((mem.bytes or 0) * CUDA_FREE_FRACTION)
-        return budget(spec.num_blocks_for(cap), f"default: {CUDA_FREE_FRACTION:.0%} of the free device memory",
+        return budget(sizing.blocks_within(cap), f"default: {CUDA_FREE_FRACTION:.0%} of the free device memory",
                       cap=cap)
 
     known = mem.bytes is not None
-    room = (mem.bytes or 0) - sizing.weight_bytes  # what the weights leave for the KV cache and the overhead
-    least = (one_seq if sizing.max_model_len_explicit else len(spec.groups) * per_block)
+    room = (mem.bytes or 0) - sizing.all_weight_bytes  # what the weights leave for the KV caches and the overhead
+    least = sizing.kv_bytes(seq_blocks if sizing.max_model_len_explicit else len(spec.groups))
     if known and least > room:
         what = (f"The KV cache of one sequence of max_model_len {sizing.max_model_len:,} tokens"
                 if sizing.max_model_len_explicit else "The smallest KV cache (one block per layer group)")
@@ -240,20 +305,22 @@ def plan_kv_budget(sizing: KVSizing, mem: AvailableMemory) -> KVBudget:
         explicit = sizing.num_kv_blocks is not None
         blocks = sizing.num_kv_blocks if explicit else spec.num_blocks_for(sizing.kv_cache_memory)
         flag = "--num-kv-blocks" if explicit else "--kv-cache-memory"
-        if known and blocks * per_block > room:
-            raise _refuse(f"The KV cache asked for ({flag})", blocks * per_block, sizing, mem,
-                          f"lower {flag} (at most {format_bytes(max(room, 0))} fits next to the weights)")
+        if known and sizing.kv_bytes(blocks) > room:
+            most = sizing.blocks_within(room) * per_block
+            raise _refuse(f"The KV cache asked for ({flag})", sizing.kv_bytes(blocks), sizing, mem,
+                          f"lower {flag} (at most {format_bytes(max(most, 0))} fits next to the weights)")
         return budget(blocks, f"explicit ({flag})")
     cap = int(sizing.fraction * room) if known else UNKNOWN_MEMORY_BUDGET
-    terms = (f"demand {sizing.max_num_seqs} x {sizing.max_model_len:,} tokens = {format_bytes(demand)}, cap "
+    terms = (f"demand {sizing.max_num_seqs} x {sizing.max_model_len:,} tokens"
+             + (" with the draft model's KV" if draft is not None else "") + f" = {format_bytes(demand)}, cap "
              + (f"{sizing.fraction:g} x (available - weights)" if known else "for an unknown available memory")
              + f" = {format_bytes(cap)}")
     if demand <= cap:
-        return budget(demand // per_block, "default: the demand", demand, cap, terms)
+        return budget(sizing.max_num_seqs * seq_blocks, "default: the demand", demand, cap, terms)
     if cap < one_seq and (sizing.max_model_len_explicit or known and one_seq <= room - sizing.overhead_bytes):
-        return budget(one_seq // per_block, f"default: one sequence of {sizing.max_model_len:,} tokens, over the cap",
+        return budget(seq_blocks, f"default: one sequence of {sizing.max_model_len:,} tokens, over the cap",
                       demand, cap, terms)
-    return budget(max(cap // per_block, len(spec.groups)), "default: the cap", demand, cap, terms)
+    return budget(max(sizing.blocks_within(cap), len(spec.groups)), "default: the cap", demand, cap, terms)
 
 
 def check_peak(budget: KVBudget) -> None:
@@ -262,5 +329,6 @@ def check_peak(budget: KVBudget) -> None:
     if budget.available.bytes is not None and budget.expected_peak > budget.available.bytes:
         logger.warning("The expected peak (%s: weights %s + KV %s + overhead %s) exceeds the %s available; lower "
                        "--kv-cache-memory or --max-model-len if the process runs out of memory.",
-                       f(budget.expected_peak), f(budget.weight_bytes), f(budget.kv_bytes),
-                       f(budget.overhead_bytes), f(budget.available.bytes))
+                       f(budget.expected_peak), f(budget.weight_bytes + budget.draft_weight_bytes),
+                       f(budget.kv_bytes + budget.draft_kv_bytes), f(budget.overhead_bytes),
+                       f(budget.available.bytes))

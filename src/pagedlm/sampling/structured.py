@@ -128,17 +128,29 @@ class StructuredOutputManager:
             raise StructuredOutputError(f"The tokens do not follow the constraint: {m.get_error()}")
         return m
 
-    def fill_bitmask(self, matchers: list[LLMatcher]) -> torch.Tensor:
-        """[len(matchers), words] int32 bitmasks (bit t of word t // 32: token t allowed), computed in parallel."""
-        bitmask = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
-        if matchers:
-            self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
-                                                  self.words * 4, len(matchers))
+    def fill_bitmask(self, matchers: list[LLMatcher], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """Int32 bitmasks (bit t of word t // 32: token t allowed), computed in parallel: a row per matcher, and
+        with `drafts` (speculative decoding: tokens each matcher's grammar accepts, `drafts[i]` for matcher i) one
+        more per draft token, the mask after its sequence and drafts[i][:j] in row j after the matcher's own. The
+        matchers end in the state they began in."""
+        drafts = drafts or [[]] * len(matchers)
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + 1 + len(d))
+        bitmask = torch.full((starts[-1], self.words), -1, dtype=torch.int32)
+        plain = [(m, starts[i]) for i, m in enumerate(matchers) if not drafts[i]]
+        drafted = [(m, starts[i], drafts[i]) for i, m in enumerate(matchers) if drafts[i]]
+        if plain:
+            self.executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), self.words * 4, starts[-1])
+        if drafted:  # each matcher advanced over its drafts and rolled back (llguidance)
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), self.words * 4,
+                                                                   starts[-1])
         return bitmask
 
 
 class PendingMasks:
-    """The bitmasks `MaskPrefetcher.start` computes, by key; `wait()` once the forward pass is done."""
+    """The bitmasks `MaskPrefetcher.start` computes, by key (and draft position); `wait()` once the forward pass is
+    done."""
 
     def __init__(self, index: dict[int, int], future: Future) -> None:
         self.index, self._future, self._bitmask = index, future, None
@@ -147,9 +159,10 @@ class PendingMasks:
         if self._bitmask is None:
             self._bitmask = self._future.result()
 
-    def get(self, key: int) -> torch.Tensor | None:
+    def get(self, key: int, position: int = 0) -> torch.Tensor | None:
+        """The mask of `key`'s sequence after its first `position` draft tokens."""
         j = self.index.get(key)
-        return None if j is None else self._bitmask[j]
+        return None if j is None else self._bitmask[j + position]
 
 
 class MaskPrefetcher:
@@ -163,18 +176,23 @@ class MaskPrefetcher:
         self.seconds = 0.0
         self._thread: ThreadPoolExecutor | None = None
 
-    def start(self, matchers: dict[int, LLMatcher]) -> PendingMasks | None:
-        """Start the bitmasks of `matchers` (key -> matcher); None if there are none."""
+    def start(self, matchers: dict[int, tuple[LLMatcher, list[int]]]) -> PendingMasks | None:
+        """Start the bitmasks of `matchers` (key -> matcher and its sequence's draft tokens, verified in this
+        step: a mask per draft position too); None if there are none."""
         if not matchers:
             return None
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
-        return PendingMasks({key: j for j, key in enumerate(matchers)},
-                            self._thread.submit(self.fill, list(matchers.values())))
+        index, row = {}, 0
+        for key, (_, drafts) in matchers.items():
+            index[key] = row
+            row += 1 + len(drafts)
+        pairs = list(matchers.values())
+        return PendingMasks(index, self._thread.submit(self.fill, [m for m, _ in pairs], [d for _, d in pairs]))
 
-    def fill(self, matchers: list[LLMatcher]) -> torch.Tensor:
+    def fill(self, matchers: list[LLMatcher], drafts: list[list[int]] | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
-        bitmask = self.manager().fill_bitmask(matchers)
+        bitmask = self.manager().fill_bitmask(matchers, drafts)
         self.seconds += time.perf_counter() - t0
         return bitmask
 

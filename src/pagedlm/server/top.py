@@ -179,6 +179,10 @@ class TopView:
                      ("prefix cache", hits), ("prefix evictions", c["prefix_evictions"]),
                      ("weights / KV / RSS", " / ".join(_bytes(mem[k]) for k in ("weights", "kv_cache", "host_rss")))):
             counters.add_row(k, str(v))
+        d = snap.get("draft")
+        if d:  # speculative decoding's draft model: its own weights and KV cache
+            counters.add_row("draft weights / KV", f"{_bytes(d['weights'])} / {_bytes(d['kv_cache'])}")
+            counters.add_row("draft KV blocks", f"{d['num_used']}/{d['num_blocks']} used · {d['num_seqs']} seqs")
         grid = Table.grid(expand=True, padding=(0, 2))
         grid.add_row(live, counters)
         return Panel(grid, title="Live", title_align="left")

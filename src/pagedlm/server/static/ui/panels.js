@@ -64,6 +64,11 @@ function renderCounters(snap) {
     ["weights", fmtBytes(mem.weights)], ["KV cache", `${fmtBytes(mem.kv_cache)} (${fmtBytes(mem.per_block)} a block)`],
     ["host RSS", fmtBytes(mem.host_rss)],
   ];
+  const d = snap.draft;  // speculative decoding's draft model: its own weights and KV cache
+  if (d) {
+    rows.push(["draft model", d.model], ["draft weights", fmtBytes(d.weights)],
+      ["draft KV cache", `${d.num_used} of ${d.num_blocks} blocks used, ${d.num_seqs} sequences (${fmtBytes(d.kv_cache)})`]);
+  }
   $("counters").replaceChildren(...rows.map(([k, v]) => {
     const tr = el("tr");
     const a = el("th");
