@@ -114,24 +114,20 @@ class ModelRunner:
                                            block_tables=torch.from_numpy(tables).to(dev, torch.int32), **shared))
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas
 
-    @torch.inference_mode()
     def execute(self, chunks: list[Chunk], logits_indices: list[int]) -> torch.Tensor:
         """Run one forward pass; returns float32 logits for the flat token positions in `logits_indices`."""
-        input_ids, positions, metas = self.prepare(chunks)
-        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-        layer_metas = [metas[g] for g in self.layer_group]
-        logits = self.model(input_ids, positions, self.layer_caches, layer_metas, self.attn_backend, idx)
-        return logits.float()
+        return self.execute_with_hidden(chunks, logits_indices, None)[0]
 
     @torch.inference_mode()
     def execute_with_hidden(self, chunks: list[Chunk], logits_indices: list[int],
-                            hidden_indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                            hidden_indices: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`execute`, and the float32 final hidden states (after the final norm) of the flat token positions in
-        `hidden_indices` (pooling requests')."""
+        `hidden_indices` (pooling requests'; None: none)."""
         input_ids, positions, metas = self.prepare(chunks)
-        idx, hidden_idx = (torch.tensor(i, dtype=torch.long, device=self.device)
-                           for i in (logits_indices, hidden_indices))
+        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        hidden_idx = None if hidden_indices is None else torch.tensor(hidden_indices, dtype=torch.long,
+                                                                      device=self.device)
         layer_metas = [metas[g] for g in self.layer_group]
         logits, hidden = self.model.logits_and_hidden(input_ids, positions, self.layer_caches, layer_metas,
                                                       self.attn_backend, idx, hidden_idx)
-        return logits.float(), hidden.float()
+        return logits.float(), None if hidden is None else hidden.float()
