@@ -114,3 +114,33 @@ def test_serve_benchmark_against_server(tiny_model_dir):
     s = summarize(results, duration)
     assert s["completed"] == 4 and s["ttft_ms"]["p99"] >= s["ttft_ms"]["median"] > 0
     assert all(asdict(r)["e2e"] >= r.ttft for r in results)
+
+
+def test_speculative_bench_sends_concurrent_requests(tiny_model_dir, tmp_path):
+    """`bench speculative --concurrency 4`: each run's tokens are four requests' (batched), the same with and
+    without drafting."""
+    from pagedlm.cli import main
+    out = tmp_path / "spec.json"
+    assert main(["bench", "speculative", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks",
+                 "256", "--repeats", "1", "--output-len", "6", "--concurrency", "4", "--speculative-config",
+                 '{"method": "suffix", "num_speculative_tokens": 3}', "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["workload"] for r in rows] == ["code-edit+prediction", "quote-summary+suffix", "open-chat+suffix"]
+    assert all(r["concurrency"] == 4 and 4 < r["tokens"] <= 4 * 6 and r["same"] for r in rows)
+    assert json.loads(out.read_text())["llama_cpp"] == []
+
+
+def test_speculative_bench_against_llama_cpp(smollm2_path, tmp_path):
+    """`bench speculative --llama-cpp`: llama.cpp without a draft and with its prompt lookup on the same prompts."""
+    pytest.importorskip("llama_cpp")
+    from pagedlm.cli import main
+    out = tmp_path / "spec.json"
+    assert main(["bench", "speculative", "--model", str(smollm2_path), "--repeats", "1", "--output-len", "12",
+                 "--llama-cpp", "--output-json", str(out)]) == 0
+    peer = json.loads(out.read_text())["llama_cpp"]
+    assert [(r["workload"], r["side"]) for r in peer[:3]] == [
+        ("code-edit", "llama.cpp"), ("code-edit", "llama.cpp lookup 10"), ("code-edit", "llama.cpp lookup 2")]
+    assert len(peer) == 9 and all(0 < r["tokens"] <= 12 and r["rate"] > 0 for r in peer)
+    assert all(r["acceptance"] is None for r in peer[::3])
+    quote = [r for r in peer if r["workload"] == "quote-summary" and r["side"] != "llama.cpp"]
+    assert all(r["acceptance"] is not None for r in quote)  # the summary quotes its prompt: lookup drafts

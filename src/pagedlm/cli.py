@@ -11,7 +11,8 @@ from pathlib import Path
 from pagedlm.config import DEFAULT_MODEL, EngineConfig, add_arguments, from_args
 
 MEMORY_FIELDS = ("model", "dtype", "block_size", "kv_cache_memory", "kv_cache_memory_fraction", "num_kv_blocks",
-                 "max_model_len", "max_num_seqs", "kv_cache_dtype", "speculative_config")
+                 "max_model_len", "max_num_seqs", "kv_cache_dtype", "quantization", "quantization_group_size",
+                 "speculative_config")
 
 
 def _engine_args(p: argparse.ArgumentParser, multi_model: bool = False, only: Sequence[str] | None = None) -> None:
@@ -52,9 +53,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    """The engine's KV sizing (kvcache/sizing.py) without loading the model: the weights are estimated by the
-    checkpoint's size on disk (parameters x dtype for a bare config.json; a draft model's likewise, with its KV
-    cache beside the target's). A configuration this machine cannot hold is still reported (sized as if the
+    """The engine's KV sizing (kvcache/sizing.py) without loading the model: the weights are estimated from the
+    checkpoint's tensors in the format the engine would hold them (model/plan.py `estimate_weight_bytes`;
+    parameters x dtype for a bare config.json; a draft model's likewise, in its own quantization, with its KV cache
+    beside the target's). A configuration this machine cannot hold is still reported (sized as if the
     available memory were unknown), with the engine's refusal."""
     from pagedlm.config import ModelConfig
     from pagedlm.engine.draft_loader import estimate_draft_sizing
@@ -62,8 +64,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from pagedlm.hub.registry import resolve_model
     from pagedlm.kvcache.kv_cache import KVCacheSpec
     from pagedlm.kvcache.plan import plan_kv_cache
-    from pagedlm.kvcache.sizing import available_memory, checkpoint_bytes
-    from pagedlm.model.plan import plan_execution
+    from pagedlm.kvcache.sizing import available_memory
+    from pagedlm.model.plan import estimate_weight_bytes, plan_execution
 
     config = EngineConfig(**engine_kwargs(args))
     path = Path(config.model)
@@ -75,7 +77,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(hf)
     plan = plan_execution(config, checkpoint, measure=False)
     spec = KVCacheSpec.for_model(cfg, config.block_size, plan.dtype, plan.kv_cache_dtype)
-    weights = checkpoint_bytes(checkpoint) if checkpoint is not None else cfg.num_parameters() * plan.dtype.itemsize
+    weights = (estimate_weight_bytes(checkpoint, plan) if checkpoint is not None
+               else cfg.num_parameters() * plan.dtype.itemsize)
     report = plan_kv_cache(config, cfg, spec, weights, available_memory(), report_refusal=True,
                            draft=estimate_draft_sizing(config)).report
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())

@@ -40,6 +40,9 @@ def add_bench_parser(sub, engine_args: Callable[[argparse.ArgumentParser], None]
     q.add_argument("--k", type=int, default=4, help="draft tokens without --speculative-config")
     q.add_argument("--output-len", type=int, default=128)
     q.add_argument("--repeats", type=int, default=3, help="runs per mode and workload; medians reported")
+    q.add_argument("--concurrency", type=int, default=1, help="requests sent at once per run (batched)")
+    q.add_argument("--llama-cpp", action="store_true",
+                   help="also llama.cpp without a draft and with its prompt lookup, alternated (needs a .gguf)")
     q.add_argument("--output-json", default=None)
     q.set_defaults(fn=lambda a: _speculative(a, engine_kwargs))
 

@@ -6,7 +6,17 @@ modes produce the same tokens (checked) and the comparison is tokens/s of the sa
 With `--speculative-config '{"method": "draft_model", ...}'` the draft model drafts in every workload (no
 prediction) and the default side runs the same engine with drafting off.
 
+With `--concurrency N`, each run sends N requests at once (the workload's prompt, each with a line of its own in
+front) to the engine, which batches them as the server's would; tok/s is every request's tokens over the wall time.
+Speculation pauses while more than `disable_by_batch_size` sequences run, so at N = 16 this measures what the
+pause costs and, with a larger `disable_by_batch_size`, what drafting at that batch size would.
+
+With `--llama-cpp` (a GGUF model, single stream), llama.cpp runs the same prompt tokens in the same alternation,
+without a draft and with its prompt lookup (bench/speculative_llamacpp.py).
+
     pagedlm bench speculative --model smollm2-135m --repeats 3
+    pagedlm bench speculative --concurrency 16 --speculative-config '{"method": "suffix", "num_speculative_tokens": 4}'
+    pagedlm bench speculative --llama-cpp --repeats 5
     pagedlm bench speculative --dtype float32 --speculative-config \
         '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int4", "num_speculative_tokens": 4}'
 """
@@ -15,6 +25,8 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+
+import torch
 
 from pagedlm.bench.common import format_table, median, write_json
 from pagedlm.config import SpeculativeConfig
@@ -65,19 +77,26 @@ WORKLOADS = [
 ]
 
 
+def prompts(w: Workload, concurrency: int) -> list[str]:
+    """The workload's prompt, once, or for `concurrency` requests each with a line of its own in front."""
+    return [w.prompt] if concurrency == 1 else [f"Request {i + 1}.\n{w.prompt}" for i in range(concurrency)]
+
+
 def run_once(llm: LLM, w: Workload, speculate: bool, spec: SpeculativeConfig, max_tokens: int,
-             drafter: DraftModel | None) -> dict:
-    """One greedy answer; with `speculate`, drafted from the prediction, by prompt lookup or by the draft model (a
-    fresh SpecDecoder: its counters are this run's)."""
+             drafter: DraftModel | None, concurrency: int = 1) -> dict:
+    """`concurrency` greedy answers at once; with `speculate`, drafted from the prediction, by prompt lookup or by
+    the draft model (a fresh SpecDecoder: its counters are this run's)."""
     engine = llm.engine
     prediction = w.prediction if speculate and spec.method != "draft_model" else None
     engine.spec = SpecDecoder(spec if speculate and prediction is None else None, engine.max_model_len, drafter)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prediction=prediction)
+    ids = [llm.get_tokenizer().encode(p) for p in prompts(w, concurrency)]
     t0 = time.perf_counter()
-    out = llm.generate(w.prompt, params, use_tqdm=False)[0].outputs[0]
+    outs = llm.generate(ids, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     st = engine.spec.stats
-    return dict(tokens=out.token_ids, seconds=seconds, drafts=st.num_draft_tokens, accepted=st.num_accepted_tokens)
+    return dict(tokens=[o.outputs[0].token_ids for o in outs], seconds=seconds, drafts=st.num_draft_tokens,
+                accepted=st.num_accepted_tokens)
 
 
 def cmd_speculative(args: argparse.Namespace, engine_kwargs) -> int:
@@ -85,26 +104,56 @@ def cmd_speculative(args: argparse.Namespace, engine_kwargs) -> int:
     spec = kwargs.pop("speculative_config", None) or SpeculativeConfig(num_speculative_tokens=args.k)
     llm = LLM(**kwargs, speculative_config=spec)  # draft_model: loads the draft once, for every run
     drafter = llm.engine.spec.drafter
-    rows = []
+    peer = None
+    if args.llama_cpp:
+        if args.concurrency != 1:
+            raise SystemExit("--llama-cpp compares single streams (--concurrency 1)")
+        from pagedlm.bench.speculative_llamacpp import LlamaCppSides
+        peer = LlamaCppSides(llm.engine.model_path, torch.get_num_threads())
+    rows, peer_rows = [], []
     for w in WORKLOADS:
         times = {False: [], True: []}
         drafts = accepted = 0
-        tokens: dict[bool, list[int]] = {}
-        run_once(llm, w, True, spec, 8, drafter)  # warm-up (kernels, caches)
+        tokens: dict[bool, list[list[int]]] = {}
+        sides = {s: dict(rates=[], drafts=0, accepted=0, tokens=0) for s in (peer.sides if peer else ())}
+        ids = llm.get_tokenizer().encode(w.prompt)
+        run_once(llm, w, True, spec, 8, drafter, args.concurrency)  # warm-up (kernels, caches)
+        for side in sides:
+            peer.run(side, ids, 8)
         for _ in range(args.repeats):
             for speculate in (False, True):
-                r = run_once(llm, w, speculate, spec, args.output_len, drafter)
-                times[speculate].append(len(r["tokens"]) / r["seconds"])
+                r = run_once(llm, w, speculate, spec, args.output_len, drafter, args.concurrency)
+                times[speculate].append(sum(map(len, r["tokens"])) / r["seconds"])
                 tokens[speculate] = r["tokens"]
                 if speculate:
                     drafts, accepted = drafts + r["drafts"], accepted + r["accepted"]
+            for side, acc in sides.items():
+                r = peer.run(side, ids, args.output_len)
+                acc["rates"].append(len(r["tokens"]) / r["seconds"])
+                acc["drafts"], acc["accepted"] = acc["drafts"] + r["drafts"], acc["accepted"] + r["accepted"]
+                acc["tokens"] = len(r["tokens"])
         base, fast = median(times[False]), median(times[True])
-        name = w.name if drafter is None else w.name.split("+")[0] + "+draft"
-        rows.append(dict(workload=name, tokens=len(tokens[False]), base=base, spec=fast, speedup=fast / base,
-                         acceptance=accepted / drafts if drafts else 0.0, same=tokens[False] == tokens[True]))
-    print(format_table(rows, [("workload", "workload", ""), ("tokens", "out tok", "d"),
+        source = "draft" if drafter is not None else "prediction" if w.prediction else spec.method
+        name = f"{w.name.split('+')[0]}+{source}"
+        rows.append(dict(workload=name, concurrency=args.concurrency, tokens=sum(map(len, tokens[False])),
+                         base=base, spec=fast, speedup=fast / base,
+                         acceptance=accepted / drafts if drafts else 0.0, same=tokens[False] == tokens[True],
+                         runs=dict(base=times[False], spec=times[True])))
+        for side, acc in sides.items():
+            rate = median(acc["rates"])
+            peer_rows.append(dict(workload=name.split("+")[0], side=side, tokens=acc["tokens"], rate=rate,
+                                  vs_base=rate / base, vs_spec=rate / fast,
+                                  acceptance=acc["accepted"] / acc["drafts"] if acc["drafts"] else None,
+                                  runs=acc["rates"]))
+    print(format_table(rows, [("workload", "workload", ""), ("concurrency", "requests", "d"),
+                              ("tokens", "out tok", "d"),
                               ("base", "default tok/s", ".1f"), ("spec", "spec tok/s", ".1f"),
                               ("speedup", "speedup", ".2f"), ("acceptance", "accepted", ".0%"),
                               ("same", "same output", "")]))
-    write_json(args.output_json, dict(config=vars(spec) if spec else None, results=rows))
+    if peer_rows:
+        print(format_table(peer_rows, [("workload", "workload", ""), ("side", "llama.cpp", ""),
+                                       ("tokens", "out tok", "d"), ("rate", "tok/s", ".1f"),
+                                       ("vs_base", "/ pagedlm default", ".2f"), ("vs_spec", "/ pagedlm spec", ".2f"),
+                                       ("acceptance", "accepted (about)", ".0%")]))
+    write_json(args.output_json, dict(config=vars(spec) if spec else None, results=rows, llama_cpp=peer_rows))
     return 0 if all(r["same"] for r in rows) else 1

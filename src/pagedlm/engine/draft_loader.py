@@ -15,8 +15,8 @@ from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import Tokenizer, load_tokenizer
 from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.kvcache.kv_cache import KVCacheSpec
-from pagedlm.kvcache.sizing import DraftSizing, checkpoint_bytes, format_bytes
-from pagedlm.model.plan import plan_execution
+from pagedlm.kvcache.sizing import DraftSizing, format_bytes
+from pagedlm.model.plan import estimate_weight_bytes, plan_execution
 from pagedlm.spec.draft_model import DraftModel
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,9 @@ def draft_config(config: EngineConfig, path: Path) -> EngineConfig:
 
 
 def estimate_draft_sizing(config: EngineConfig) -> DraftSizing | None:
-    """The draft model's memory without loading it (`pagedlm memory`): its weights estimated by the checkpoint's
-    size on disk, as the target's are there. None without a draft model."""
+    """The draft model's memory without loading it (`pagedlm memory`): its weights estimated from its checkpoint's
+    tensors in the format it runs them in (its own `quantization`), as the target's are there. None without a
+    draft model."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
@@ -72,7 +73,7 @@ def estimate_draft_sizing(config: EngineConfig) -> DraftSizing | None:
     plan = plan_execution(cfg, path, measure=False)
     kv_spec = KVCacheSpec.for_model(ModelConfig.from_hf(load_hf_config(path)), config.block_size, plan.dtype,
                                     plan.kv_cache_dtype)
-    return DraftSizing(spec.model, kv_spec, checkpoint_bytes(path),
+    return DraftSizing(spec.model, kv_spec, estimate_weight_bytes(path, plan),
                        min(config.max_num_seqs, spec.disable_by_batch_size), spec.num_speculative_tokens)
 
 

@@ -27,6 +27,7 @@ An explicit `dtype` keeps its meaning: `dtype="float32"` without `quantization` 
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,59 @@ def dense_weight_bytes(path: Path, dtype: torch.dtype) -> int:
     from pagedlm.hub.loader import open_gguf
 
     return sum(t.n_elements for t in open_gguf(path).tensors if len(t.shape) == 2) * size
+
+
+TABLES = ("token_embd.weight", "model.embed_tokens.weight")  # the embedding table, GGUF's name and HF's
+HEADS = ("output.weight", "lm_head.weight")
+
+
+def checkpoint_tensors(path: Path) -> list[tuple[str, tuple[int, ...], str | None, int]]:
+    """Each tensor of a checkpoint as (name, shape, GGUF block type or None, bytes stored), from its header."""
+    path = Path(path)
+    if path.is_file():
+        from pagedlm.hub.loader import open_gguf
+
+        return [(t.name, tuple(reversed(t.shape)), t.tensor_type.name, t.data.nbytes) for t in open_gguf(path).tensors]
+    from safetensors import safe_open
+
+    out = []
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                shape = tuple(sl.get_shape())
+                out.append((name, shape, None, 0))
+    return out
+
+
+def estimate_weight_bytes(path: Path, plan: ExecutionPlan) -> int:
+    """About the bytes of a checkpoint's weights as `plan` holds them once loaded (`ModelRunner.weight_bytes`),
+    from the tensors' shapes and block types, without loading them (`pagedlm memory`): GGUF blocks a kernel runs
+    as stored, other linear weights in the plan's format (int4: half a byte and an fp16 scale and minimum per group;
+    int8: a byte and an fp32 scale per row; bf16), the embedding table int8 per row (bf16 for bf16) and shared by a
+    tied LM head, the rest in the activations' dtype. The dense copies for big steps are not weights here either."""
+    from pagedlm.model.quant.gguf import GGUF_KINDS
+
+    q, dense = plan.quantization, torch.empty(0, dtype=plan.dtype).element_size()
+    native = set(NATIVE_TYPES if plan.native_types else NATIVE_INT4_TYPES) \
+        if q == "int4" and plan.group_size == 32 and Path(path).is_file() else set()
+    tensors = checkpoint_tensors(path)
+    tied = not any(name in HEADS for name, *_ in tensors)
+    total = 0
+    for name, shape, kind, stored in tensors:
+        n = math.prod(shape)
+        table, head = name in TABLES, name in HEADS
+        if q is None or len(shape) != 2:
+            total += n * dense * (2 if table and tied and q is None else 1)  # unquantized, a tied head is a copy
+        elif kind in native and (not (table or head) or kind in GGUF_KINDS):
+            total += stored
+        elif q == "bf16":
+            total += 2 * n
+        elif table or (plan.fallback or q) == "int8":
+            total += n + 4 * shape[0]
+        else:
+            total += n // 2 + 4 * n // plan.group_size
+    return total
 
 
 def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True) -> ExecutionPlan:
