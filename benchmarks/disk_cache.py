@@ -15,7 +15,8 @@ first run by an engine with the disk tier (which fills it), then replayed altern
 the disk tier and by one without; total and TTFT summed over the turns.
 
 `--write-cost`: throughput of a batch of distinct random prompts (nothing hits) with the disk tier on (write-through
-of every full block) and off, two engines alternated over --repeats, new prompts each time; medians.
+of every full block the write budget admits, `--wc-share` setting it; 1: all) and off, two engines alternated over
+--repeats, new prompts each time; medians.
 
     .venv/bin/python benchmarks/disk_cache.py --prompt-lens 4096 --cold
     .venv/bin/python benchmarks/disk_cache.py --model path/to/1b.gguf --prompt-lens 4096,16384 --cold
@@ -229,7 +230,8 @@ def batch(eng: LLMEngine, prompts: list[list[int]], output_len: int) -> float:
 def write_cost(args, model: str, cache_dir: Path) -> dict:
     num, inp, out = args.wc_prompts, args.wc_input, args.wc_output
     kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=inp + out + 16, max_num_seqs=num)
-    engines = {"on": LLMEngine.from_args(model, kv_cache_dir=str(cache_dir), **kw),
+    share = {} if args.wc_share is None else {"kv_disk_write_share": args.wc_share}
+    engines = {"on": LLMEngine.from_args(model, kv_cache_dir=str(cache_dir), **share, **kw),
                "off": LLMEngine.from_args(model, **kw)}
 
     def prompts(seed: int) -> list[list[int]]:
@@ -251,7 +253,8 @@ def write_cost(args, model: str, cache_dir: Path) -> dict:
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
     return {"prompts": num, "input": inp, "output": out, "rates": rates, "on_tok_s": on, "off_tok_s": off,
             "cost": 1 - on / off, "files_written": disk.files_written, "bytes_written": disk.bytes_written,
-            "writes_dropped": disk.writes_dropped, "disk_lookups": disk.lookups, "disk_hit_blocks": disk.hit_blocks}
+            "writes_dropped": disk.writes_dropped, "blocks_skipped": getattr(disk, "writes_skipped", 0),
+            "disk_lookups": disk.lookups, "disk_hit_blocks": disk.hit_blocks}
 
 
 def main() -> None:
@@ -272,6 +275,7 @@ def main() -> None:
     p.add_argument("--wc-prompts", type=int, default=64, help="write cost: distinct prompts per batch")
     p.add_argument("--wc-input", type=int, default=256, help="write cost: tokens per prompt")
     p.add_argument("--wc-output", type=int, default=128, help="write cost: tokens generated per prompt")
+    p.add_argument("--wc-share", type=float, default=None, help="write cost: --kv-disk-write-share (1: no limit)")
     p.add_argument("--repeats", type=int, default=3, help="multi-turn and write cost: alternated repetitions")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
@@ -294,7 +298,8 @@ def main() -> None:
                       f"{row['on_tok_s']:.1f} tok/s, off {row['off_tok_s']:.1f} tok/s (medians of {args.repeats}): "
                       f"cost {100 * row['cost']:.1f}%; on {[round(x, 1) for x in row['rates']['on']]}, off "
                       f"{[round(x, 1) for x in row['rates']['off']]}; {row['files_written']} files, "
-                      f"{row['bytes_written'] / 2**20:.0f} MiB written, {row['writes_dropped']} dropped", flush=True)
+                      f"{row['bytes_written'] / 2**20:.0f} MiB written, {row['writes_dropped']} runs dropped, "
+                      f"{row['blocks_skipped']} blocks skipped by the write budget", flush=True)
             rows.append(row)
     else:
         lengths = [int(x) for x in args.prompt_lens.split(",")]

@@ -50,6 +50,8 @@ class EngineConfig:
                                       "(default: no disk tier)")
     kv_disk_budget: int | float | str = option("20GiB", "most bytes the files under --kv-cache-dir may take "
                                                "(least recently used go first)", parse=byte_size)
+    kv_disk_write_share: float = option(0.01, "share of one core's time the disk tier's writes may take, over a "
+                                        "burst of 5 minutes (blocks beyond it stay in memory only; 1: no limit)")
     seed: int = option(0, "seed of the engine's sampling generator, which requests without their own seed draw from")
     attention_backend: str = option("auto", "auto | reference")
     quantization: str | None = option(None, "weight-only quantization of the linear layers: int8 (per channel) "
@@ -101,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"weight_cache_budget must be auto or a positive size, got {self.weight_cache_budget!r}.")
         if self.kv_cache_dir is not None and not str(self.kv_cache_dir).strip():
             raise ValueError("kv_cache_dir must be a directory path, got an empty string.")
+        if not self.kv_disk_write_share > 0:
+            raise ValueError(f"kv_disk_write_share must be positive, got {self.kv_disk_write_share!r}.")
         if parse_bytes(self.kv_disk_budget) <= 0:
             raise ValueError(f"kv_disk_budget must be positive, got {self.kv_disk_budget!r}.")
         for name in ("kv_cache_memory", "swap_space"):

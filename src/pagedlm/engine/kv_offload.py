@@ -5,6 +5,7 @@ a request waits for its prefix to load, and how loaded blocks become ordinary pr
   the KV cache and queued for writing, once per chain hash. Writing when blocks are computed, rather than when they
   are evicted from memory, keeps them across a crash or a kill (nothing resident is lost) and lets other engines
   find them at once; it costs a copy per new full block on the engine thread, while the writing runs behind.
+  A run the write budget (`--kv-disk-write-share`) refuses is neither copied nor written: it stays in memory only.
 - Loading: a waiting request whose prefix misses in memory but whose next blocks are on disk is set aside
   (`defer`: the scheduler's `loading` list) while the loader thread reads them; other requests keep stepping. When
   the read is done (`ready`) the blocks are written into fresh KV blocks, registered in the prefix cache and freed
@@ -17,6 +18,7 @@ a request waits for its prefix to load, and how loaded blocks become ordinary pr
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +83,8 @@ class DiskOffload:
             return None
         spec = kv_cache.spec
         tier = DiskTier(config.kv_cache_dir, parse_bytes(config.kv_disk_budget),
-                        model_identity(path, model_config, plan, spec), spec.bytes_per_block)
+                        model_identity(path, model_config, plan, spec), spec.bytes_per_block,
+                        write_share=config.kv_disk_write_share)
         return cls(tier, block_manager, kv_cache)
 
     # --- writing -----------------------------------------------------------------------------------------
@@ -107,12 +110,15 @@ class DiskOffload:
             for i in range(0, len(idx), most):
                 self._submit(seq, idx[i:i + most], hashes, table)
             return
+        if (charged := self.tier.admit(len(idx))) is None:
+            return
+        t0 = time.perf_counter()
         bs = self.bm.block_size
         blocks = torch.tensor([table[i] for i in idx], dtype=torch.long, device=self.kv.gpu.device)
         records = self.kv.gpu[:, :, blocks].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
         records = records.view(torch.uint8).reshape(len(idx), -1)
-        self.tier.submit(idx[0], [hashes[i] for i in idx],
-                         [seq.token_slice(i * bs, (i + 1) * bs) for i in idx], records)
+        self.tier.submit(idx[0], [hashes[i] for i in idx], [seq.token_slice(i * bs, (i + 1) * bs) for i in idx],
+                         records, charged, time.perf_counter() - t0)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A forward pass of `num_tokens` tokens took `seconds`: the prefill rate the loads compete with."""

@@ -1,10 +1,11 @@
 """The file format of the disk tier (disk_tier.py): one file holds a run of consecutive full KV blocks of one
 prefix chain, named by the chain hash of its last block (which covers every token before it and the cache salt).
 
-    MAGIC (8) | meta length (u32) | blake2b-128 of meta (16) | meta (JSON) | zero padding to PAGE | records
+    MAGIC (8) | meta length (u32) | xxh3-128 of meta (16) | meta (JSON) | zero padding to PAGE | records
 
 `meta` names the tier's namespace and identity (model, weights, KV dtype and layout, block size, format version),
-the run's first block index, the chain hash, token ids and blake2b-128 digest of each block, and the record size.
+the run's first block index, the chain hash, token ids and xxh3-128 digest of each block, and the record size
+(format 1 had blake2b-128 digests: its files have another magic and namespace, and are never read).
 A record is one block, layer-contiguous: [layers, 2 (K, V), block_size, kv_heads, entry_dim] of the cache's storage
 dtype. A file whose header, identity, size or record digests do not check out is never used.
 """
@@ -15,8 +16,10 @@ import json
 import struct
 from dataclasses import dataclass
 
-MAGIC = b"PLMKVR01"
-FORMAT_VERSION = 1
+import xxhash
+
+MAGIC = b"PLMKVR02"
+FORMAT_VERSION = 2
 PAGE = 4096
 _PREFIX = struct.Struct("<8sI16s")
 SUFFIX = ".kv"
@@ -28,6 +31,11 @@ class CorruptFileError(ValueError):
 
 def digest(data: bytes | memoryview, size: int = 16) -> bytes:
     return hashlib.blake2b(data, digest_size=size).digest()
+
+
+def record_digest(data: bytes | memoryview) -> bytes:
+    """The checksum of a record or a header (not a name): xxh3-128, ~15x blake2b's rate."""
+    return xxhash.xxh3_128_digest(data)
 
 
 def namespace_of(identity: dict) -> str:
@@ -62,7 +70,7 @@ class RunHeader:
                            "record_bytes": self.record_bytes, "hashes": [h.hex() for h in self.hashes],
                            "tokens": self.tokens, "digests": [d.hex() for d in self.digests]},
                           sort_keys=True, separators=(",", ":")).encode()
-        head = _PREFIX.pack(MAGIC, len(meta), digest(meta)) + meta
+        head = _PREFIX.pack(MAGIC, len(meta), record_digest(meta)) + meta
         return head + b"\0" * (-len(head) % PAGE)
 
     @classmethod
@@ -75,7 +83,7 @@ class RunHeader:
         if magic != MAGIC or n > file_size:
             raise CorruptFileError("not a KV run file")
         meta = read(n)
-        if len(meta) != n or digest(meta) != meta_digest:
+        if len(meta) != n or record_digest(meta) != meta_digest:
             raise CorruptFileError("header checksum mismatch")
         try:
             m = json.loads(meta)

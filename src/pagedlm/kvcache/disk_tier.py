@@ -10,16 +10,18 @@ Contract:
   finds what is there without any shared state. Files live in `DIR/<namespace>/`, mode 0600, under directories of
   mode 0700 owned by this user.
 - Writes run on a writer thread behind a queue bounded in bytes: `submit` never blocks, and drops a run when the
-  queue is full. A file is written under a temporary name (`.<name>.<pid>.<random>.tmp`, never read) and linked
-  into place (each link atomic, a name already taken is left to the file holding it), so a reader sees a whole file
-  or none. fsync policy: none. A killed process cannot leave a torn file under a final name (the links follow the
-  last write); a power loss can, and the checksums then reject it.
+  queue is full; the write budget (write_budget.py) refuses a run in `admit`, before it is copied out, when spent.
+  A file is written under a temporary name (`.<name>.<pid>.<random>.tmp`, never read) and linked into place (each
+  link atomic, a name already taken is left to the file holding it), so a reader sees a whole file or none. fsync
+  policy: none. A killed process cannot leave a torn file under a final name (the links follow the last write); a
+  power loss can, and the checksums then reject it.
 - Reads (`start_load`) run on a loader thread, one sequential read per run; every record is checked against its
-  blake2b digest, the header against its own, the identity and the size against the tier's. A file that fails is
+  xxh3-128 digest, the header against its own, the identity and the size against the tier's. A file that fails is
   removed and its blocks are recomputed. A file deleted under a reader is a miss (an open file stays readable).
 - The budget is kept by LRU over the whole directory (a file's bytes count once, whatever its names): a hit
-  touches its file's mtime, and when the usage passes the budget the directory is scanned again (other engines'
-  files included) and the oldest files go first, every name of each.
+  touches its file's mtime, and when the usage (a running total) passes the budget, or a minute after the last
+  scan, the directory is scanned again (other engines' files included) and the oldest files go first, every name
+  of each.
 """
 from __future__ import annotations
 
@@ -37,12 +39,13 @@ from pathlib import Path
 
 import torch
 
-from pagedlm.kvcache.disk_format import SUFFIX, CorruptFileError, RunHeader, digest, file_name, namespace_of
+from pagedlm.kvcache.disk_format import SUFFIX, CorruptFileError, RunHeader, file_name, namespace_of, record_digest
+from pagedlm.kvcache.write_budget import WriteBudget
 
 logger = logging.getLogger(__name__)
 
 STALE_TMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
-RESCAN_EVERY = 64  # files written between scans of the directory (other engines' files count toward the budget)
+RESCAN_SECONDS = 60.0  # between scans of the directory while writing (other engines' files count toward the budget)
 
 
 def private_dir(path: Path) -> Path:
@@ -70,6 +73,7 @@ class DiskTierStats:
     load_seconds: float = 0.0
     files_written: int = 0
     writes_dropped: int = 0  # runs not written: the write queue was full, or the write failed
+    writes_skipped: int = 0  # blocks not written: the write budget was spent (they stay in memory)
     corrupt_files: int = 0  # files rejected (and removed)
     evicted_files: int = 0
     usage_bytes: int = 0  # the whole directory, as last counted
@@ -96,7 +100,7 @@ class DiskTier:
     """Run files of one identity under `root`, within `budget` bytes (the whole directory). Thread-safe."""
 
     def __init__(self, root: str | Path, budget: int, identity: dict, record_bytes: int,
-                 max_pending_bytes: int = 256 << 20) -> None:
+                 max_pending_bytes: int = 256 << 20, write_share: float = 1.0, clock=time.monotonic) -> None:
         self.root = private_dir(Path(root).expanduser())
         self.identity = identity
         self.namespace = namespace_of(identity)
@@ -105,13 +109,15 @@ class DiskTier:
         self.record_bytes = record_bytes
         self.max_pending_bytes = max(max_pending_bytes, record_bytes)
         self.stats = DiskTierStats()
+        self.write_budget = WriteBudget(write_share, clock=clock)
+        self.clock = clock
         self.known: set[bytes] = set()  # chain hashes this tier wrote, is writing, or read
         self._lock = threading.Lock()
         self._files: OrderedDict[int, _File] = OrderedDict()  # LRU first, by inode
         self._blocks: dict[int, list[bytes]] = {}  # chain hashes of the files this tier wrote or read, by inode
         self._pending_bytes = 0
         self._queued: dict[bytes, int] = {}  # chain hash -> runs queued that hold it
-        self._since_scan = 0
+        self._last_scan = 0.0
         self._scan()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
@@ -218,19 +224,33 @@ class DiskTier:
             self._blocks[ino] = hashes
 
     # --- writes ------------------------------------------------------------------------------------------
-    def submit(self, start: int, hashes: list[bytes], tokens: list[list[int]], records: torch.Tensor) -> bool:
+    def admit(self, num_blocks: int) -> float | None:
+        """Before copying a run of `num_blocks` out: its charge to the write budget, or None (skipped: the
+        budget is spent)."""
+        charged = self.write_budget.take(num_blocks * self.record_bytes)
+        if charged is None:
+            with self._lock:
+                self.stats.writes_skipped += num_blocks
+        return charged
+
+    def submit(self, start: int, hashes: list[bytes], tokens: list[list[int]], records: torch.Tensor,
+               charged: float = 0.0, copy_seconds: float = 0.0) -> bool:
         """Queue a run of full blocks (chain positions start.., records [n, record_bytes] uint8, owned by the
-        tier from now on) for writing; False (dropped) when the queue holds max_pending_bytes already."""
+        tier from now on) for writing; False (dropped) when the queue holds max_pending_bytes already.
+        `charged`: what `admit` charged for it; `copy_seconds`: what copying it out cost."""
         nbytes = records.numel()
         with self._lock:
-            if self._pending_bytes + nbytes > self.max_pending_bytes:
+            if full := self._pending_bytes + nbytes > self.max_pending_bytes:
                 self.stats.writes_dropped += 1
-                return False
-            self._pending_bytes += nbytes
-            self.known.update(hashes)
-            for h in hashes:
-                self._queued[h] = self._queued.get(h, 0) + 1
-        self._queue.put((start, hashes, tokens, records))
+            else:
+                self._pending_bytes += nbytes
+                self.known.update(hashes)
+                for h in hashes:
+                    self._queued[h] = self._queued.get(h, 0) + 1
+        if full:
+            self.write_budget.settle(nbytes, charged, copy_seconds)
+            return False
+        self._queue.put((start, hashes, tokens, records, charged, copy_seconds))
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -249,7 +269,8 @@ class DiskTier:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            start, hashes, tokens, records = item
+            start, hashes, tokens, records, charged, copy_seconds = item
+            t0 = time.thread_time()
             try:
                 self._write(start, hashes, tokens, records)
             except Exception as e:  # the disk full, gone, ...: the engine goes on without this run
@@ -258,6 +279,7 @@ class DiskTier:
                     self.stats.writes_dropped += 1
                     self.known.difference_update(hashes)
             finally:
+                self.write_budget.settle(records.numel(), charged, copy_seconds + time.thread_time() - t0)
                 with self._lock:
                     self._pending_bytes -= records.numel()
                     for h in hashes:
@@ -267,7 +289,7 @@ class DiskTier:
     def _write(self, start: int, hashes: list[bytes], tokens: list[list[int]], records: torch.Tensor) -> None:
         arr = records.numpy()
         hdr = RunHeader(self.namespace, self.identity, start, self.record_bytes, hashes, tokens,
-                        [digest(arr[i].data) for i in range(len(hashes))])
+                        [record_digest(arr[i].data) for i in range(len(hashes))])
         names = [self.path(h) for h in hashes]
         tmp = self.dir / f".{names[-1].stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -293,10 +315,9 @@ class DiskTier:
             self.stats.bytes_written += size
             self._files[ino] = _File(size, linked)
             self._blocks[ino] = hashes
-            self.stats.usage_bytes = sum(f.size for f in self._files.values())
+            self.stats.usage_bytes += size
             self.stats.num_files = len(self._files)
-            self._since_scan += 1
-            over = self.stats.usage_bytes > self.budget or self._since_scan >= RESCAN_EVERY
+            over = self.stats.usage_bytes > self.budget or self.clock() - self._last_scan >= RESCAN_SECONDS
         if over:
             self._scan()
             self._evict()
@@ -312,7 +333,7 @@ class DiskTier:
             self.known = {h for h in self.known if h in on_disk or h in self._queued}
             self.stats.usage_bytes = sum(f.size for f in files.values())
             self.stats.num_files = len(self._files)
-            self._since_scan = 0
+            self._last_scan = self.clock()
 
     def _evict(self) -> None:
         while True:
@@ -328,7 +349,8 @@ class DiskTier:
         with self._lock:
             entry = self._files.pop(ino, None)
             self.known.difference_update(self._blocks.pop(ino, ()))
-            self.stats.usage_bytes = sum(f.size for f in self._files.values())
+            if entry is not None:
+                self.stats.usage_bytes -= entry.size
             self.stats.num_files = len(self._files)
         for path in entry.paths if entry is not None else ():
             path.unlink(missing_ok=True)
@@ -368,7 +390,7 @@ def _read_records(f, hdr: RunHeader, off: int, out) -> int:
         got += n
     good = 0
     while (good < len(out) and got >= (good + 1) * hdr.record_bytes
-           and digest(out[good].data) == hdr.digests[off + good]):
+           and record_digest(out[good].data) == hdr.digests[off + good]):
         good += 1
     return good
 

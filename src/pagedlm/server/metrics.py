@@ -79,6 +79,8 @@ _DISK_FAMILIES = [
     (_C, "pagedlm:kv_disk_load_seconds", "Time spent reading KV blocks from disk.", "load_seconds"),
     (_C, "pagedlm:kv_disk_writes_dropped", "Runs of KV blocks not written (queue full or write error).",
      "writes_dropped"),
+    (_C, "pagedlm:kv_disk_writes_skipped", "KV blocks not written: the write budget was spent (kept in memory).",
+     "writes_skipped"),
     (_C, "pagedlm:kv_disk_corrupt_files", "KV block files rejected (truncated, corrupted, foreign) and removed.",
      "corrupt_files"),
     (_C, "pagedlm:kv_disk_evicted_files", "KV block files removed to keep the disk budget.", "evicted_files"),
