@@ -256,6 +256,48 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
 #endif
 }
 
+#ifdef PAGEDLM_AVX2
+// One row of x against tiles t and t + 1, X16_CHUNK blocks of each in turn: two memory streams per core, as
+// int4x16_row_tiles reads. Each tile's sums continue through y, so the results are gguf_x16_tile's.
+void gguf_x16_row_pair(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum,
+                       const float* gsum, float* y, int N, int t) {
+  const GgufX16 w[2] = {weights.tile(t), weights.tile(t + 1)};
+  for (int b0 = 0; b0 < weights.nblk; b0 += X16_CHUNK)
+    for (int u = 0; u < 2; ++u)
+      gguf_x16_rows<1, 2>(w[u], xq, d, bsum, gsum, y, N, (t + u) * X16, 0, 0, 0, b0,
+                          std::min(weights.nblk, b0 + X16_CHUNK));
+}
+#endif
+
+#ifdef PAGEDLM_AVX512_VNNI
+// Q8_0, one row of x against T tiles, blocks interleaved (int8x16_row_tiles with Q8_0's fp16 scale per block):
+// vpdpbusd on q + 128, less 128 * the block's activation sum, is the exact integer dot product the AVX2 code forms,
+// followed by the same fp32 operations, so the results are gguf_x16_tile's.
+template <int T>
+void gguf_q8_0_row_tiles(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, float* y,
+                         int t) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  GgufX16 w[T];
+  __m512 f[T];
+  for (int u = 0; u < T; ++u) w[u] = weights.tile(t + u), f[u] = _mm512_setzero_ps();
+  for (int b = 0; b < weights.nblk; ++b) {
+    const int64_t mb = int64_t(b) * 8;
+    const __m512i corr = _mm512_set1_epi32(128 * bsum[mb]);
+    const __m512 dx = _mm512_set1_ps(d[mb]);
+    for (int u = 0; u < T; ++u) {
+      const uint8_t* wb = w[u].codes + int64_t(b) * 512;
+      prefetch_lines(wb + PF_BLOCKS * 512, 512);
+      __m512i q[8];
+      for (int c = 0; c < 8; ++c) q[c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), flip);
+      const __m512i dot = _mm512_sub_epi32(dot_block32(q, xq + mb * 32), corr);
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[u].scales + b * 16)));
+      f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, dx), f[u]);
+    }
+  }
+  for (int u = 0; u < T; ++u) _mm512_storeu_ps(y + (t + u) * X16, f[u]);
+}
+#endif
+
 // Tile t of a GGUF x16 weight dequantized to rows of w [N, K] (fp32, or bf16 rounded to nearest even).
 template <class Out>
 void gguf_x16_dequant_tile(const GgufX16& weights, int K, int t, Out* w) {
