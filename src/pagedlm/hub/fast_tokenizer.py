@@ -117,14 +117,12 @@ def save_snapshot(directory: Path, hf) -> bool:
             and not hf.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output)
         facts = TokenizerFacts(hf.eos_token_id, hf.bos_token_id, hf.unk_token_id, list(hf.all_special_ids), len(hf),
                                hf.chat_template, clean_up, bool(hf.split_special_tokens))
-        state = backend.to_str()
-        from tokenizers import Tokenizer as RustTokenizer
-
-        fast = FastTokenizer(RustTokenizer.from_str(state), facts)
-        if not _agrees(fast, hf):
+        # Over `hf`'s own Rust tokenizer (its state restores as saved: transformers' tokenizer.json is the same
+        # serialization), whose settings FastTokenizer sets as transformers does before every encode.
+        if not _agrees(FastTokenizer(backend, facts), hf):
             logger.info("Tokenizer of %s: no snapshot (it does not answer as transformers' does).", directory)
             return False
-        data = state.encode()
+        data = backend.to_str().encode()
         _write(directory / BACKEND, data)
         meta = {"format": _FORMAT, "versions": _versions(), "files": _files(directory),
                 "backend_sha256": hashlib.sha256(data).hexdigest(), "facts": asdict(facts)}
