@@ -86,10 +86,14 @@ class LlamaCppBackend:
 
 
 def make_backend(name: str, model: str, dtype: str, engine_kwargs: dict) -> Backend:
-    from pagedlm.config import parse_dtype
-    from pagedlm.hub.registry import resolve_model
+    """The engine `name` for `model`. A load timed around this call times each engine's own work: llama.cpp's is
+    `import llama_cpp` and `Llama(path)` for a .gguf path (pagedlm's imports and GGUF check are not in it)."""
     if name == "pagedlm":
         return PagedlmBackend(model, dtype, **engine_kwargs)
+    if name in ("llama.cpp", "llamacpp") and str(model).endswith(".gguf") and Path(model).is_file():
+        return LlamaCppBackend(Path(model))
+    from pagedlm.config import parse_dtype
+    from pagedlm.hub.registry import resolve_model
     path = resolve_model(model)
     if name == "hf":
         return HFBackend(path, parse_dtype(dtype))

@@ -22,7 +22,7 @@ class OutputProcessor:
 
     def detokenizer(self, req: Request) -> IncrementalDetokenizer:
         """A fresh detokenizer for one sample of `req` (its text starts after the prompt)."""
-        return IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids, req.params.skip_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
 
     def decode_logprobs(self, entry: PositionLogprobs) -> PositionLogprobs:
         for tid, lp in entry.items():

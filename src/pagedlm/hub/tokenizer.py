@@ -6,10 +6,12 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedlm.hub.fast_tokenizer import FastTokenizer, load_snapshot, save_snapshot
 from pagedlm.hub.loader import load_hf_config
 
 if TYPE_CHECKING:  # transformers is imported when a tokenizer is loaded (a second of start-up), not with pagedlm
@@ -39,29 +41,82 @@ def _ids(value: int | Iterable[int] | None) -> set[int]:
 
 
 class Tokenizer:
-    """Token ids are exactly those of the wrapped HF tokenizer `hf`."""
+    """Token ids are exactly those of the wrapped HF tokenizer `hf`. With `fast` (a GGUF's snapshot,
+    fast_tokenizer.py), encoding, decoding and the detokenizer's calls go to it, and `hf` is loaded by `load_hf` on
+    first use (chat templates, constraints, the tokenize endpoints): transformers is then not imported at start-up."""
 
-    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Iterable[int] = ()) -> None:
-        self.hf = hf
-        self.eos_token_ids: set[int] = _ids(eos_token_ids) | _ids(hf.eos_token_id)
-        self.bos_token_id: int | None = hf.bos_token_id
-        self.vocab_size: int = len(hf)
+    def __init__(self, hf: PreTrainedTokenizerBase | None = None, eos_token_ids: Iterable[int] = (),
+                 fast: FastTokenizer | None = None, load_hf: Callable[[], PreTrainedTokenizerBase] | None = None,
+                 default_chat_template: str | None = None) -> None:
+        if hf is None and (fast is None or load_hf is None):
+            raise ValueError("a Tokenizer needs a transformers tokenizer, or a snapshot and a way to load one")
+        self._hf, self._fast, self._load_hf = hf, fast, load_hf
+        self._lock = threading.Lock()
+        self._default_chat_template = default_chat_template
+        if hf is not None and default_chat_template is not None:
+            hf.chat_template = hf.chat_template or default_chat_template
+        facts = fast.facts if fast is not None else hf
+        self.eos_token_ids: set[int] = _ids(eos_token_ids) | _ids(facts.eos_token_id)
+        self.bos_token_id: int | None = facts.bos_token_id
+        self.vocab_size: int = fast.facts.size if fast is not None else len(hf)
+
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer (loaded on first use where the engine started from a snapshot)."""
+        if self._hf is None:
+            with self._lock:
+                if self._hf is None:
+                    hf = self._load_hf()
+                    if self._default_chat_template is not None:
+                        hf.chat_template = hf.chat_template or self._default_chat_template
+                    self._hf = hf
+        return self._hf
+
+    @property
+    def chat_template(self) -> Any:
+        if self._hf is not None or self._fast is None:
+            return self.hf.chat_template
+        return self._fast.facts.chat_template or self._default_chat_template
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self._fast.facts.all_special_ids) if self._fast is not None else self.hf.all_special_ids
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """The token strings of `ids` (None for an id outside the vocabulary): the detokenizer's calls."""
+        return self._fast.convert_ids_to_tokens(ids) if self._fast is not None else self.hf.convert_ids_to_tokens(ids)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return (self._fast.convert_tokens_to_string(tokens) if self._fast is not None
+                else self.hf.convert_tokens_to_string(tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token`, None where it is not in the vocabulary (or is the unknown token)."""
+        if self._fast is not None:
+            i, unk = self._fast.token_to_id(token), self._fast.facts.unk_token_id
+        else:
+            i, unk = self.hf.convert_tokens_to_ids(token), self.hf.unk_token_id
+        return i if isinstance(i, int) and i != unk else None
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.hf.chat_template)
+        return bool(self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(ids), skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         """Each of `batch` decoded on its own, in one call to the Rust tokenizer where there is one (for display:
         no clean-up of tokenization spaces)."""
         batch = [list(ids) for ids in batch]
-        backend = getattr(self.hf, "backend_tokenizer", None)
+        backend = self._fast.backend if self._fast is not None else getattr(self.hf, "backend_tokenizer", None)
         if backend is not None:
             return backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
         return self.hf.batch_decode(batch, skip_special_tokens=skip_special_tokens)
@@ -90,43 +145,51 @@ def load_tokenizer(path: Path) -> Tokenizer:
     """Tokenizer for a model path from `registry.resolve_model`.
 
     For a GGUF file, the vocabulary converted by transformers is cached next to it in
-    `<file>.tokenizer/` (written atomically, rebuilt if the GGUF changes).
+    `<file>.tokenizer/` (written atomically, rebuilt if the GGUF changes), with a snapshot that later starts load
+    without transformers (fast_tokenizer.py).
     """
     path = Path(path)
     cfg = load_hf_config(path)
     eos = _ids(cfg["eos_token_id"])
+    gemma = str(cfg["model_type"]).startswith("gemma")
+    template = GEMMA_CHAT_TEMPLATE if gemma else None
     if path.is_dir():
         gen = path / "generation_config.json"
         if gen.is_file():
             eos |= _ids(json.loads(gen.read_text()).get("eos_token_id"))
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(path)
+        tok = Tokenizer(AutoTokenizer.from_pretrained(path), eos, default_chat_template=template)
     else:
-        hf = _gguf_tokenizer(path, cfg["model_type"])
-    if str(cfg["model_type"]).startswith("gemma"):
-        hf.chat_template = hf.chat_template or GEMMA_CHAT_TEMPLATE
-        end_of_turn = hf.convert_tokens_to_ids("<end_of_turn>")
-        if isinstance(end_of_turn, int) and end_of_turn != hf.unk_token_id:
-            eos.add(end_of_turn)
-    return Tokenizer(hf, eos)
+        hf, fast, cached = _gguf_tokenizer(path, cfg["model_type"])
+        tok = Tokenizer(hf, eos, fast, lambda: _saved_tokenizer(cached), template)
+    if gemma:
+        end_of_turn = tok.token_to_id("<end_of_turn>")
+        if end_of_turn is not None:
+            tok.eos_token_ids.add(end_of_turn)
+    return tok
 
 
-def _gguf_tokenizer(path: Path, model_type: str) -> PreTrainedTokenizerBase:
+def _gguf_tokenizer(path: Path, model_type: str) -> tuple[PreTrainedTokenizerBase | None, FastTokenizer | None, Path]:
+    """(the transformers tokenizer, None) or (None, its snapshot), and the directory of the converted copy."""
     st = path.stat()
     stamp = {"source": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     cached = path.with_name(path.name + ".tokenizer")
     stamp_file = cached / "pagedlm_source.json"
     try:
         if json.loads(stamp_file.read_text()) == stamp:
-            return _saved_tokenizer(cached)
+            if (fast := load_snapshot(cached)) is not None:
+                return None, fast, cached
+            hf = _saved_tokenizer(cached)
+            save_snapshot(cached, hf)
+            return hf, None, cached
     except (OSError, ValueError):
         pass
     hf = _gguf_tokenizer_class(model_type).from_pretrained(path.parent, gguf_file=path.name)
     try:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{cached.name}."))
     except OSError:
-        return hf
+        return hf, None, cached
     try:
         hf.save_pretrained(tmp)
         (tmp / "pagedlm_source.json").write_text(json.dumps(stamp))
@@ -135,11 +198,12 @@ def _gguf_tokenizer(path: Path, model_type: str) -> PreTrainedTokenizerBase:
         os.chmod(tmp, 0o777 & ~mask)
         shutil.rmtree(cached, ignore_errors=True)
         os.replace(tmp, cached)
+        save_snapshot(cached, hf)
     except OSError:
         pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return hf
+    return hf, None, cached
 
 
 def _saved_tokenizer(cached: Path) -> PreTrainedTokenizerBase:
