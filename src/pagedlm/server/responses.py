@@ -170,8 +170,9 @@ class Turn:
 
 class TextLogprobs:
     """The logprobs of a streamed answer's tokens (its chunks' `logprobs.content`, when the request asked): each
-    text delta carries those that came since the previous one (a chunk may bring tokens whose text is held back),
-    the done events all of them."""
+    text delta carries those that came since the previous one (a chat chunk carries the tokens whose text it
+    carries, endpoints/logprobs.TextTokens, the last one also those whose text a stop string cut), the done events
+    all of them."""
 
     def __init__(self) -> None:
         self.all: list[dict[str, Any]] = []

@@ -101,8 +101,12 @@ class ChatEndpoint(EndpointBase):
 
         for j in range(n):
             yield chunk(j, P.DeltaMessage(role="assistant", content=""))
+        texts: list[L.TextTokens] = []  # with logprobs: each token's goes with the chunk that carries its text
         async for _, out in merge(streams):
             usage.add(0, out)
+            if k is not None and not texts:
+                texts = [L.TextTokens(self.tok.hf, out.prompt_token_ids or [], params.skip_special_tokens)
+                         for _ in range(n)]
             for o in out.outputs:
                 st = states[o.index]
                 if st.done:
@@ -112,7 +116,11 @@ class ChatEndpoint(EndpointBase):
                         yield c
                     continue
                 st.done = o.finish_reason is not None
-                lps = L.chat(self.tok, o.token_ids, o.logprobs, k) if k is not None and o.token_ids else None
+                lps = None
+                if k is not None:
+                    ids, entries = (o.token_ids, None) if o.logprobs is None else \
+                        texts[o.index].add(o.token_ids, o.logprobs, o.text, st.done)
+                    lps = L.chat(self.tok, ids, entries, k) if ids else None
                 if o.text or lps:
                     yield chunk(o.index, P.DeltaMessage(content=o.text), logprobs=lps)
                 if st.done:

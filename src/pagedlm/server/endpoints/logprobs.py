@@ -1,13 +1,15 @@
 """Logprobs in OpenAI's shapes, from the engine's (`PositionLogprobs`: token id -> logprob, rank, decoded text):
 a completion's (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, built up as deltas arrive), a chat
-answer's (`content`, each token with its bytes and its top k by rank) and the prompt's (vLLM's `prompt_logprobs`).
--inf and NaN become -9999.0 (JSON has neither)."""
+answer's (`content`, each token with its bytes and its top k by rank) and the prompt's (vLLM's `prompt_logprobs`);
+a streamed answer's tokens, each with the chunk that carries its text (`TextTokens`). -inf and NaN become -9999.0
+(JSON has neither)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedlm.outputs import PositionLogprobs, RequestOutput
+from pagedlm.sampling.detokenizer import IncrementalDetokenizer
 from pagedlm.server import protocol as P
 from pagedlm.server.response_models import PromptLogprobs
 
@@ -60,6 +62,36 @@ def chat(tok: Decoder, token_ids: list[int], entries: list[PositionLogprobs] | N
             top_logprobs=[P.TopLogprob(token=(s := token_str(tok, t, entry)), logprob=clamp(e.logprob),
                                        bytes=list(s.encode())) for _, t, e in top]))
     return P.ChatLogprobs(content=content)
+
+
+class TextTokens:
+    """A streamed choice's tokens (with their logprobs), each given to the chunk whose content carries its text.
+    The engine sends a token when it is sampled but holds its text back while that ends in an incomplete character
+    (or could still become a stop string), and a consumer that falls behind takes several outputs as one: an
+    output's text may then end before its last tokens' text, which comes with the next. The engine's incremental
+    detokenizer, run again here on the same ids, says where each token's text ends."""
+
+    def __init__(self, hf_tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        self.detok = IncrementalDetokenizer(hf_tokenizer, prompt_token_ids, skip_special_tokens)
+        self.pending: list[tuple[int, PositionLogprobs]] = []  # not given to a chunk yet
+        self.ends: list[int] = []  # where the text of pending[i] ends, for those whose text the detokenizer gave
+        self.length = 0  # of the text the detokenizer gave
+        self.sent = 0  # of the content sent
+
+    def add(self, token_ids: list[int], entries: list[PositionLogprobs], text: str,
+            finished: bool) -> tuple[list[int], list[PositionLogprobs]]:
+        """The tokens (and entries) of the chunk whose content is `text`: those (pending or new) whose text it
+        completes; all of them once the choice `finished`."""
+        for tid, entry in zip(token_ids, entries):
+            self.pending.append((tid, entry))
+            delta = self.detok.append(tid)
+            if delta:  # the text of this token and of those held back before it
+                self.length += len(delta)
+                self.ends += [self.length] * (len(self.pending) - len(self.ends))
+        self.sent += len(text)
+        n = len(self.pending) if finished else sum(1 for end in self.ends if end <= self.sent)
+        ready, self.pending, self.ends = self.pending[:n], self.pending[n:], self.ends[n:]
+        return [t for t, _ in ready], [e for _, e in ready]
 
 
 def prompt(out: RequestOutput) -> PromptLogprobs:
