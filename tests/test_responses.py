@@ -79,7 +79,8 @@ def test_logprobs_are_the_chat_completions_logprobs(server):
     events = list(client.responses.create(model="tiny", input="Hello", stream=True, **ask))
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert [lp.model_dump(exclude_none=True) for e in deltas for lp in e.logprobs] == expected
-    assert all("".join(lp.token for lp in e.logprobs) == e.delta for e in deltas), [(e.delta, [lp.token for lp in e.logprobs]) for e in deltas]
+    assert all("".join(lp.token for lp in e.logprobs) == e.delta for e in deltas), [
+        (e.delta, [lp.token for lp in e.logprobs]) for e in deltas]  # each delta carries its tokens' logprobs
     done = next(e for e in events if e.type == "response.output_text.done")
     assert [lp.model_dump(exclude_none=True) for lp in done.logprobs] == expected
     assert [lp.model_dump() for lp in events[-1].response.output[0].content[0].logprobs] == expected
