@@ -105,7 +105,7 @@ class ChatEndpoint(EndpointBase):
         async for _, out in merge(streams):
             usage.add(0, out)
             if k is not None and not texts:
-                texts = [L.TextTokens(self.tok.hf, out.prompt_token_ids or [], params.skip_special_tokens)
+                texts = [L.TextTokens(self.tok, out.prompt_token_ids or [], params.skip_special_tokens)
                          for _ in range(n)]
             for o in out.outputs:
                 st = states[o.index]
