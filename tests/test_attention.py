@@ -231,6 +231,26 @@ def test_fused_rope_write_kv_equals_torch_path():
 
 # ---- range checks of the compiled kernels --------------------------------------------------------------------
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("length", [200, 530])
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(kv_dtype, window, length):
+    """A row's result is bit for bit the same alone (a decode step) as beside its sequence's next rows (a verify
+    step's draft tokens) and other sequences: key ranges split at fixed positions, tiles on a fixed grid."""
+    _kernel_or_skip()
+    q, _, _, kc, vc, meta = build_case([length, 300, 40], [9, 1, 40], 9, 3, 64, 16, torch.float32, seed=3)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+    cpu = BACKENDS["cpu"]
+    together = cpu.forward(q, kc, vc, meta, 0.125, sliding_window=window)
+    table = meta.block_tables[:1]
+    for j in range(9):
+        pos = length - 9 + j
+        alone = AttentionMetadata(meta.slot_mapping[j:j + 1], table, torch.tensor([pos + 1], dtype=torch.int32),
+                                  torch.tensor([0, 1], dtype=torch.int32), [pos + 1], [1], 1, pos + 1, 16)
+        row = cpu.forward(q[j:j + 1], kc, vc, alone, 0.125, sliding_window=window)
+        assert torch.equal(row, together[j:j + 1]), f"row {j} (position {pos}) differs"
+
+
 def _kernel_or_skip():
     from pagedlm.attention.cpu_kernel import load_kernel
 

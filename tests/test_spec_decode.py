@@ -6,6 +6,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import EngineConfig, SpeculativeConfig
@@ -67,6 +68,21 @@ def test_adaptive_k_follows_acceptance():
         state.record(4, 0)
     assert state.next_k() == 0  # paused
     assert [state.next_k() for _ in range(8)][-1] == 1  # then probes with one token
+
+
+def test_the_bar_grows_with_the_batch():
+    """A draft row costs about the same time beside more sequences, and each token is worth less of the step: the
+    bar for the last draft token scales with the batch, and at five sequences nothing is drafted."""
+    state = SpecState(NgramProposer(1, 2), k_max=8)
+    state._successes, state._trials = 0.85, 1.0
+    alone, two, four = state.next_k(1), state.next_k(2), state.next_k(4)
+    assert (alone, two, four) == (8, 5, 1)  # the longest draft whose last token has a 20% / 40% / 80% chance
+    assert state.next_k(5) == 0 and state.next_k(1) == alone  # no pause: a smaller batch drafts again
+    state.record(4, 0)
+    state.record(4, 0)  # alpha below 0.4: pauses beside another sequence, not alone
+    assert state.next_k(1) >= 1
+    assert state.next_k(2) == 0
+    assert SpecState(NgramProposer(1, 2), k_max=8, adaptive=False).next_k(16) == 8  # fixed k: as configured
 
 
 # --- greedy identity ------------------------------------------------------------------------------------------
@@ -144,6 +160,45 @@ def test_greedy_identical_smollm2(smollm2_path):
     assert st.num_accepted_tokens >= 10, st
 
 
+def dense_products(llm) -> list[int]:
+    """The rows of every product `llm`'s quantized layers run as a GEMM from now on (each dense copy dropped, so
+    each GEMM goes through `per_call_product`)."""
+    from pagedlm.model.quant import QuantLinear
+
+    seen = []
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, QuantLinear) and m.dense is not None:
+            m.set_dense(torch.bfloat16 if m.dense_packed else m.dense.dtype, copy=False)
+        if isinstance(m, QuantLinear):
+            product = m.per_call_product
+            m.per_call_product = lambda x, product=product: seen.append(x.shape[0]) or product(x)
+    return seen
+
+
+def test_greedy_identical_under_the_quantized_plan(smollm2_path):
+    """The default plan on the real checkpoint (its own Q4_1/Q8_0 blocks), with the quantized kernels for steps of at
+    most 4 rows and a GEMM above (which rounds differently): a code edit drafted from its prediction (up to 8 draft
+    rows a step, past 256 keys where attention splits its key range) gives the tokens decoding one at a time gives.
+    Its verify steps do not move to the GEMM (model/step_rows.py), and attention rows do not depend on the rows
+    beside them (test_attention.py); either broken, these tokens differ."""
+    from pagedlm.bench.speculative import WORKLOADS
+
+    edit = next(w for w in WORKLOADS if w.prediction)
+    kw = dict(num_kv_blocks=128, enable_prefix_caching=False, kernel_max_rows=4)
+    base = LLM(str(smollm2_path), **kw)
+    assert base.engine.plan.quantization and base.engine.plan.kernel_max_rows == 4
+    ids = base.get_tokenizer().encode(edit.prompt)
+    base_gemms = dense_products(base)
+    expected = run(base, [ids], greedy(max_tokens=128))
+    spec = LLM(str(smollm2_path), **kw)
+    spec_gemms = dense_products(spec)
+    assert run(spec, [ids], greedy(max_tokens=128, prediction=edit.prediction)) == expected
+    st = spec_stats(spec)
+    assert st.num_accepted_tokens >= 10 and st.num_accepted_tokens < st.num_draft_tokens, st
+    assert len(ids) + 128 > 256
+    assert base_gemms and sorted(spec_gemms) == sorted(base_gemms), "verify steps took the GEMM (only prefill does)"
+
+
 # --- sampled requests keep the target distribution ------------------------------------------------------------
 def test_rejection_sampling_keeps_the_distribution(tiny_model_dir):
     """Tokens 2-3 of a sampled request over four allowed tokens, with drafts from a prediction (so every request
@@ -158,8 +213,8 @@ def test_rejection_sampling_keeps_the_distribution(tiny_model_dir):
     cfg = dict(dtype="float32", num_kv_blocks=2048, max_num_seqs=256, seed=1234)
     histograms = []
     for spec in (False, True):
-        llm = LLM(str(tiny_model_dir), **cfg, speculative_config={**NGRAM, "num_speculative_tokens": 2,
-                                                                  "disable_by_batch_size": 4096} if spec else None)
+        fixed = {**NGRAM, "num_speculative_tokens": 2, "adaptive": False, "disable_by_batch_size": 4096}
+        llm = LLM(str(tiny_model_dir), **cfg, speculative_config=fixed if spec else None)
         params = SamplingParams(temperature=0.7, max_tokens=4, allowed_token_ids=allowed, ignore_eos=True,
                                 prediction=prediction if spec else None)
         outs = llm.generate([prompt] * n_req, params, use_tqdm=False)

@@ -216,11 +216,12 @@ class LLMEngine:
             t0 = time.perf_counter()
             hidden = None
             try:
+                drafts = sum(s.num_draft_tokens for s in sched.scheduled)
                 if ctx.batch.hidden_index:
                     logits, hidden = self.runner.execute_with_hidden(ctx.batch.chunks, ctx.batch.logits_index,
-                                                                     ctx.batch.hidden_index)
+                                                                     ctx.batch.hidden_index, drafts)
                 else:
-                    logits = self.runner.execute(ctx.batch.chunks, ctx.batch.logits_index)
+                    logits = self.runner.execute(ctx.batch.chunks, ctx.batch.logits_index, drafts)
             finally:  # the matchers are the engine thread's again (forks copy them)
                 if ctx.masks is not None:
                     ctx.masks.wait()

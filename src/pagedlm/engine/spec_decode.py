@@ -105,12 +105,12 @@ class SpecDecoder:
                     or req.params.structured_outputs is not None and seq.matcher is None:
                 continue
             if self.drafter is not None and seq.spec.proposer is self.drafter:
-                k = seq.spec.draft_length(self._room(req, seq))
+                k = seq.spec.draft_length(self._room(req, seq), len(live))
                 if k > 0:
                     batch.append(seq)
                     ks.append(k)
             else:
-                seq.spec.propose(seq, self._room(req, seq))
+                seq.spec.propose(seq, self._room(req, seq), len(live))
                 constrain(seq)
         if batch:
             try:

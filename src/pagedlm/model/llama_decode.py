@@ -23,6 +23,7 @@ from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.kvcache.format import KV_BF16, KV_F32, KV_INT8, kv_kind
 from pagedlm.model.layers import Linear
 from pagedlm.model.quant import GGUF_KINDS, Bf16Linear, ConcatLinear, GGUFLinear, Int4Linear, Int8Linear, QuantLinear
+from pagedlm.model.step_rows import path_rows
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 (LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16, LIN_BF16_X16, LIN_INT4_X16_K,
@@ -253,7 +254,7 @@ class LlamaDecodeKernel:
         several); `metas`: each layer's batch layout (layers of one KV cache group share one object)."""
         n = x.shape[0]
         cos, sin = ([cos], [sin]) if isinstance(cos, torch.Tensor) else (cos, sin)
-        if (n > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous() or len(metas) != len(self._layers)
+        if (path_rows(n) > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous() or len(metas) != len(self._layers)
                 or len(cos) != len(sin) or not self._num_ropes <= len(cos) <= MAX_ROPES
                 or not self._bind_caches(kv_caches) or not (num_groups := self._bind_groups(metas, cos, sin, n))):
             return False

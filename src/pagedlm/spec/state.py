@@ -2,8 +2,14 @@
 length. The rule: each verified draft position is a trial that ends the draft at its first failure, so a sequence's
 acceptance rate `alpha` (successes over trials, decayed) estimates P(a draft token is accepted | the previous was);
 draft j is then accepted with probability alpha^j, and k is the longest draft whose last token still has a
-`MIN_TAIL_ACCEPTANCE` chance. Below that for the first token, the sequence pauses for `PAUSE_STEPS` steps, then
-tries one token again."""
+`MIN_TAIL_ACCEPTANCE` chance per sequence of the step's batch. Below that for the first token, the sequence pauses
+for `PAUSE_STEPS` steps, then tries one token again.
+
+Why the bar grows with the batch: a draft row costs the step some time b on top of the time t(B) of a step of B
+sequences without drafts, and pays with its chance of being accepted, a token worth t(B) / B. While the step is
+bound by reading the weights, t(B) stays about t(1), so the bar b * B / t(B) grows as B: a draft token that pays
+with one sequence at a 20% chance needs 40% beside another, 80% among four, and none pays among five. (Measured:
+docs/benchmarks.md, "Speculative decoding's adaptive draft length" and the batch-aware rule after it.)"""
 from __future__ import annotations
 
 import math
@@ -39,27 +45,31 @@ class SpecState:
     def alpha(self) -> float:
         return self._successes / self._trials
 
-    def next_k(self) -> int:
-        """How many tokens to draft now (0: not this step)."""
+    def next_k(self, batch: int = 1) -> int:
+        """How many tokens to draft now, in a step of `batch` sequences (0: not this step)."""
         if not self.adaptive:
             return self.k_max
+        bar = MIN_TAIL_ACCEPTANCE * max(1, batch)
+        if bar >= 1.0:
+            return 0
         if self._paused:
             self._paused -= 1
             return 0 if self._paused else 1
         a = self.alpha
-        if a < MIN_TAIL_ACCEPTANCE:
+        if a < bar:
             self._paused = PAUSE_STEPS
             return 0
-        k = self.k_max if a >= 1.0 else int(math.log(MIN_TAIL_ACCEPTANCE) / math.log(a))
+        k = self.k_max if a >= 1.0 else int(math.log(bar) / math.log(a))
         return max(1, min(self.k_max, k))
 
-    def draft_length(self, limit: int) -> int:
-        """How many tokens to draft now, at most `limit` (the room the sequence has left)."""
-        return min(self.next_k(), limit)
+    def draft_length(self, limit: int, batch: int = 1) -> int:
+        """How many tokens to draft now, at most `limit` (the room the sequence has left), in a step of `batch`
+        sequences."""
+        return min(self.next_k(batch), limit)
 
-    def propose(self, seq: DraftSeq, limit: int) -> list[int]:
-        """Drafts for the next step, at most `limit` tokens."""
-        k = self.draft_length(limit)
+    def propose(self, seq: DraftSeq, limit: int, batch: int = 1) -> list[int]:
+        """Drafts for the next step, at most `limit` tokens, in a step of `batch` sequences."""
+        k = self.draft_length(limit, batch)
         self.draft_token_ids = self.proposer.propose(seq, k) if k > 0 else []
         return self.draft_token_ids
 

@@ -7,9 +7,11 @@
 //
 // Work item = (sequence, tile of query tokens, range of keys). Its rows are the tile's tokens x all heads
 // (at most MAX_ROWS), so each cached token's K/V row [kv_heads, D] is streamed once per item and shared by
-// the G query heads of each kv head. When there are too few items for the threads, key ranges are split
-// (flash-decoding) and the partial softmax states merged afterwards. Each thread runs its share of the items in
-// order and loads the next tile's K/V (cold: the weights evicted them) while it runs the current one, across
+// the G query heads of each kv head. Key ranges are split at fixed positions (every SPLIT keys: flash-decoding)
+// and the partial softmax states merged in order, and key tiles start on a fixed grid, so a row's result depends on
+// its own keys only, never on the batch around it: a decode row equals the same row computed beside other rows of
+// its sequence (a verify step's draft tokens) or beside other sequences. Each thread runs its share of the items
+// in order and loads the next tile's K/V (cold: the weights evicted them) while it runs the current one, across
 // item boundaries.
 #include <cmath>
 #include <cstdint>
@@ -46,6 +48,7 @@ inline void exp_inplace(float* x, int n) {
 
 constexpr int KT = 16;        // keys per inner tile (never crossing a block)
 constexpr int MAX_ROWS = 64;  // query rows (tokens x heads) per work item
+constexpr int SPLIT = 256;    // key ranges split at multiples of this (a multiple of KT)
 
 inline float to_f(float x) { return x; }
 inline float to_f(uint16_t x) {
@@ -705,14 +708,16 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
   }
 }
 
+// The first key of a tile at or before `lo`: tiles start at a part's start and a block's, and then every KT keys.
+inline int tile_floor(int lo, int BS) {
+  const int base = std::max(lo / SPLIT * SPLIT, lo / BS * BS);
+  return base + (lo - base) / KT * KT;
+}
+
 template <typename T, int D>
 void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a, int num_seqs, int nthreads) {
   const int qt = a.qt = std::max(1, MAX_ROWS / a.H);
-  // One item per (seq, query tile); split key ranges (flash-decoding) when there are too few items.
-  int64_t base_items = 0;
-  for (int i = 0; i < num_seqs; ++i) base_items += (a.qsl[i + 1] - a.qsl[i] + qt - 1) / qt;
-  const int64_t target = 4 * int64_t(nthreads);
-  const int min_part = 128;
+  // One item per (seq, query tile, SPLIT keys); a window's first keys widen to a tile's start (masked per row).
   std::vector<Item> items;
   std::vector<int> first;  // first item of each (seq, tile), plus a sentinel
   for (int i = 0; i < num_seqs; ++i) {
@@ -720,28 +725,32 @@ void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a,
     for (int tile = 0; tile * qt < qlen; ++tile) {
       const int first_pos = slen - qlen + tile * qt;
       const int hi = std::min(slen, first_pos + qt);
-      const int lo = a.window > 0 ? std::max(0, first_pos - a.window + 1) : 0;
-      int parts = 1;
-      if (base_items < target)
-        parts = std::max(1, std::min(int((target + base_items - 1) / base_items), (hi - lo) / min_part));
-      const int chunk = ((hi - lo + parts - 1) / parts + KT - 1) / KT * KT;
+      const int lo = a.window > 0 ? tile_floor(std::max(0, first_pos - a.window + 1), a.BS) : 0;
       first.push_back(int(items.size()));
-      for (int start = lo; start < hi; start += chunk) items.push_back({i, tile, start, std::min(hi, start + chunk)});
+      for (int start = lo; start < hi;) {
+        const int end = std::min(hi, (start / SPLIT + 1) * SPLIT);
+        items.push_back({i, tile, start, end});
+        start = end;
+      }
     }
   }
   first.push_back(int(items.size()));
   const int64_t nitems = int64_t(items.size());
   const int rows = qt * a.H;
+  const int ngroups = int(first.size()) - 1;
   std::vector<int> group_of(nitems);
-  for (int gi = 0; gi + 1 < int(first.size()); ++gi)
+  std::unique_ptr<std::atomic<int>[]> pending(new std::atomic<int>[std::max(ngroups, 1)]);
+  for (int gi = 0; gi < ngroups; ++gi) {
+    pending[gi].store(first[gi + 1] - first[gi], std::memory_order_relaxed);
     for (int k = first[gi]; k < first[gi + 1]; ++k) group_of[k] = gi;
+  }
   // Partial states, uninitialized (each item initializes its rows): [item, rows, D] and [item, {m, l}, rows].
   thread_local std::vector<float> acc_buf, ml_buf;  // kept between calls (grow-only): no page faults per call
   acc_buf.resize(size_t(nitems) * rows * D);
   ml_buf.resize(size_t(nitems) * rows * 2);
   float *const acc_p = acc_buf.data(), *const ml_p = ml_buf.data();
 
-  // Writes rows of (seq, tile) from the partial states of items k0..k1 (one item: just normalizes).
+  // Writes rows of (seq, tile) from the partial states of items k0..k1, merged in order (one item: normalizes).
   auto finish = [&](int k0, int k1) {
     const Item& it = items[k0];
     const int qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
@@ -765,8 +774,7 @@ void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a,
     }
   };
 
-  // One parallel loop (a second one costs a wait); groups split over several items are merged after it,
-  // serially: splitting only happens when there are few groups.
+  // One parallel loop (a second one costs a wait): the thread that runs a (seq, tile)'s last item merges it.
   // A thread takes its share of the items in order, so while it runs item k it prefetches item k + 1's K/V, and
   // item k + 1 is warm if the same thread ran item k just before (in this call).
   static std::atomic<uint64_t> calls{0};
@@ -782,11 +790,9 @@ void paged_attention(const T* q, const void* kc, const void* vc, T* out, Args a,
       last_call = call;
       last_item = k;
       const int gi = group_of[k];
-      if (first[gi + 1] - first[gi] == 1) finish(int(k), int(k) + 1);
+      if (pending[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) finish(first[gi], first[gi + 1]);
     }
   });
-  for (int gi = 0; gi + 1 < int(first.size()); ++gi)
-    if (first[gi + 1] - first[gi] > 1) finish(first[gi], first[gi + 1]);
 }
 
 template <typename T>

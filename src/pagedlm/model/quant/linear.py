@@ -30,6 +30,7 @@ from pagedlm.model.quant.formats import (
     unpack_int8,
 )
 from pagedlm.model.quant.kernel import x16_native
+from pagedlm.model.step_rows import path_rows
 
 METHODS = (*QUANTIZATION_METHODS, "bf16")  # "bf16": a bf16 checkpoint's weights as stored, fp32 activations
 
@@ -70,7 +71,7 @@ class QuantLinear(nn.Module):
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, self.in_features)
         lib = kernel.load_quant_kernel()
-        if lib is not None and x2.shape[0] <= self.kernel_max_rows and x2.device.type == "cpu":
+        if lib is not None and path_rows(x2.shape[0]) <= self.kernel_max_rows and x2.device.type == "cpu":
             x2 = x2.float().contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             self._kernel(lib, x2, y)
