@@ -1323,7 +1323,7 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
   if (!int4_layout_ok(layout, K, N, G, mins)) return 1;
   thread_local std::vector<int8_t> xq;  // kept between calls (grow-only): no page faults per call
   thread_local std::vector<float> d, gsum;
-  const bool amx = layout != INT4_ROW_LAYOUT && amx_use(M);  // then every pass runs on AMX tiles
+  const bool amx = layout != INT4_ROW_LAYOUT && amx_use(M, 4);  // then every pass runs on AMX tiles
   const ActLayout lay = layout == INT4_ROW_LAYOUT ? ActLayout{0} : amx ? kPack16 : kPack8;
   const int64_t Mr = rows_allocated(M, lay.group());
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / G));
@@ -1379,7 +1379,7 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
   thread_local std::vector<int8_t> xq;  // kept between calls, as in pagedlm_linear_int4
   thread_local std::vector<float> d, gsum;
   thread_local std::vector<int32_t> bsum;
-  const bool amx = amx_use(M);
+  const bool amx = amx_use(M, 8);
   const ActLayout lay = amx ? kPack16 : kPack8;
   const int64_t Mr = rows_allocated(M, lay.group());
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / 32));
@@ -1440,10 +1440,11 @@ int pagedlm_linear_bf16_x16(const float* x, const uint32_t* w, float* y, int M, 
 
 // Whether products of several rows over the int4 / int8 x16 layouts and GGUF Q8_0 run on AMX tiles here: built with
 // AMX-INT8, the tile state granted to this process, and not turned off (pagedlm_amx_enable).
-int pagedlm_amx_native() { return amx_use(AMX_MIN_ROWS); }
+int pagedlm_amx_native() { return amx_use(1 << 20, 4); }
 
-// Turns the AMX paths on (1) or off (0: the VNNI code, the same results); returns the previous setting.
-int pagedlm_amx_enable(int on) { return amx_enabled.exchange(on ? 1 : 0); }
+// Turns the AMX paths on (1: products of enough rows, see AMX_MIN_ROWS_INT4), off (0: the VNNI code, the same results)
+// or on for every row count (2: tests); returns the previous setting.
+int pagedlm_amx_enable(int mode) { return amx_enabled.exchange(std::clamp(mode, 0, 2)); }
 
 // Products that have run on AMX tiles in this process.
 int64_t pagedlm_amx_products() { return amx_products.load(); }
@@ -1629,7 +1630,7 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   thread_local std::vector<float> d, gsum;
   thread_local std::vector<int32_t> bsum;
   const int nblk = K / 32;
-  const bool amx = kind == GK_Q8_0 && amx_use(M);
+  const bool amx = kind == GK_Q8_0 && amx_use(M, 8);
   const ActLayout lay = amx ? kPack16 : kPack8;
   const int64_t Mr = rows_allocated(M, lay.group());
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * nblk); gsum.resize(size_t(Mr) * nblk); bsum.resize(size_t(Mr) * nblk);
