@@ -83,4 +83,4 @@ def test_the_plan_says_big_steps_run_on_amx_tiles(lib):
     for method in ("int4", "int8"):
         plan = plan_execution(EngineConfig(quantization=method, kernel_max_rows=8), None)
         assert "AMX tiles" in plan.describe(), method
-    assert "AMX" not in plan_execution(EngineConfig(quantization="bf16", kernel_max_rows=8), None).describe()
+    assert "AMX" not in plan_execution(EngineConfig(kernel_max_rows=8), None).describe()  # unquantized
