@@ -5,11 +5,11 @@
 //
 // The x16 layouts are already AMX B tiles: a tile's 32-value block holds, per 64-byte row r, inputs 4r .. 4r + 3 of
 // its 16 outputs (int8 x16 and Q8_0 as stored; int4 once its nibbles are unpacked: low nibbles of chunk c are row c,
-// high ones row 4 + c). The activations, quantized per 32-value block and packed per group of 8 rows (ActLayout
-// pack8), are A tiles of 8 rows x 32 bytes. Per block and group of 8 rows one TDPBSSD gives the block's exact integer
-// dot products (codes as signed bytes: 0..15, or -128..127), stored to L1, and then the VNNI kernels' own fp32
-// operations run on them in their order (int4x16_rows, int8x16_rows, the AVX2 Q8_0 rows, lane for lane): so every
-// row's result is bit-identical to the VNNI kernels', whatever the rows batched with it.
+// high ones row 4 + c). The activations, quantized per 32-value block as for the VNNI kernels but packed per group
+// of 16 rows (ActLayout kPack16), are A tiles of 16 rows x 32 bytes. Per block and group one TDPBSSD gives the block's
+// exact integer dot products (codes as signed bytes: 0..15, or -128..127), stored to L1, and then the VNNI kernels'
+// own fp32 operations run on them in their order (int4x16_rows, int8x16_rows, the AVX2 Q8_0 rows, lane for lane): so
+// every row's result is bit-identical to the VNNI kernels', whatever the rows batched with it.
 #pragma once
 
 #if defined(PAGEDLM_AVX512_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
@@ -26,8 +26,8 @@ namespace {
 std::atomic<int> amx_enabled{1};
 std::atomic<int64_t> amx_products{0};  // products that ran on AMX tiles (tests see the path taken)
 // Fewer rows run the VNNI code (the same results). Measured on a Sapphire Rapids core (2048 x 5632, one thread): int4
-// even with VNNI at 16-32 rows, 1.2x at 64, 1.3x at 128 (each block's codes are unpacked, and its scaling costs
-// twice int8's); int8 1.05x at 8 rows, 2x at 16, 1.5x at 64.
+// even with VNNI at 16-32 rows, 1.25x at 64, 1.3x at 128 (its scaling costs twice int8's, and the tile work and the
+// scaling did not overlap); int8 1.05x at 8 rows, 2x at 16, 1.4x at 64.
 constexpr int AMX_MIN_ROWS_INT4 = 48, AMX_MIN_ROWS_INT8 = 8;
 
 #ifdef PAGEDLM_AMX
