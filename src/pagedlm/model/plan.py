@@ -22,7 +22,8 @@ dequantized (bf16 where the CPU has native bf16 and the dtype was left to `auto`
 beside the quantized weights where that copy takes at most DENSE_COPY_MEMORY_FRACTION of the machine's memory (small
 models), else over each weight dequantized per call into one shared scratch buffer, so that a model's footprint stays
 near its file size (`ExecutionPlan.dense_copy`). The crossover is measured by model/probe.py for that path (cached per
-CPU) unless `kernel_max_rows` is set.
+CPU) unless `kernel_max_rows` is set. On CPUs with AMX-INT8 the int4 / int8 / Q8_0 kernels run products of many rows
+on AMX tiles with the AVX-512 VNNI kernels' exact results (csrc/amx_x16.h), which moves that crossover up.
 An explicit `dtype` keeps its meaning: `dtype="float32"` without `quantization` is the full-precision path.
 """
 from __future__ import annotations
@@ -76,6 +77,12 @@ class ExecutionPlan:
             if self.head_kernel_max_rows is not None:
                 s += f" (the LM head's kernel: <= {self.head_kernel_max_rows} rows)"
         return s + "; " + "; ".join(self.reasons)
+
+
+def _amx() -> bool:
+    from pagedlm.model.quant.kernel import amx_native
+
+    return amx_native()
 
 
 def _name(dtype: torch.dtype | None) -> str:
@@ -235,6 +242,9 @@ def plan_execution(config: EngineConfig, path: Path | None, measure: bool = True
     if not on_cpu:
         return ExecutionPlan(dtype, quantization, group_size, dense, 0, reasons, kv_cache_dtype, fallback=fallback,
                              native_types=native)
+    if quantization in ("int4", "int8") and _amx():
+        reasons.append("products of many rows over the int4 / int8 / Q8_0 blocks run on AMX tiles (the AVX-512 VNNI "
+                       "kernels' results, bit for bit)")
     copy = True
     if path is not None:
         need, limit = dense_weight_bytes(path, dense), int(machine_memory() * DENSE_COPY_MEMORY_FRACTION)

@@ -187,25 +187,26 @@ void dequant_int8p_tile(const int8_t* q, const float* s, int K, int n0, float* w
 // becomes int8 values xq with one scale d = max|x| / 127 (xq = round-half-even(x / d); d = 1 for a zero block).
 // gsum[m * ngroups + g] = sum of the quantized values of group g, d * xq (what the group's minimum multiplies).
 // Where quantize_act puts row m's block b (and its scale, block sum and group sums). By rows: xq [M, K], d and bsum
-// [M, K/32], gsum [M, K/G]. Packed for the x16 kernels (pack8): rows in groups of 8, each block of a group's 8
+// [M, K/32], gsum [M, K/G]. Packed for the x16 kernels (shift 3): rows in groups of 8, each block of a group's 8
 // rows contiguous (xq [M/8, K/32, 8, 32], d and bsum [M/8, K/32, 8], gsum [M/8, K/G, 8]; M rounded up to 8), so
 // that a row group's activations for one block are one 256-byte run and the kernel addresses all 8 rows from one
-// pointer.
+// pointer; for the AMX kernels (shift 4) the same in groups of 16 rows, a block's A tile.
 struct ActLayout {
-  bool pack8;
+  int shift;  // log2 of the rows per packed group (0: by rows)
   int64_t blk(int m, int b, int nblk) const {
-    return pack8 ? ((int64_t(m >> 3) * nblk + b) << 3) + (m & 7) : int64_t(m) * nblk + b;
+    return ((int64_t(m >> shift) * nblk + b) << shift) + (m & ((1 << shift) - 1));
   }
   int64_t xq(int m, int b, int nblk) const { return blk(m, b, nblk) * 32; }
+  int group() const { return 1 << shift; }
 };
 
-inline int64_t rows_allocated(int M, bool pack8) { return pack8 ? (int64_t(M) + 7) / 8 * 8 : M; }
+inline int64_t rows_allocated(int M, int group) { return (int64_t(M) + group - 1) / group * group; }
 
 void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, float* gsum, int nthreads,
-                  int32_t* bsum = nullptr, ActLayout lay = {false}) {
+                  int32_t* bsum = nullptr, ActLayout lay = {0}) {
   const int nblk = K / 32, bpg = G / 32;
   // Packed rows in whole groups of 8 per chunk: a group's rows share cache lines.
-  parallel_for(M, int64_t(M) * K >= 8192 ? nthreads : 1, 8, [&](int64_t m0, int64_t m1) {
+  parallel_for(M, int64_t(M) * K >= 8192 ? nthreads : 1, std::max(8, lay.group()), [&](int64_t m0, int64_t m1) {
   for (int m = int(m0); m < m1; ++m)
     for (int b = 0; b < nblk; ++b) {
       const float* xb = x + int64_t(m) * K + b * 32;
@@ -399,7 +400,7 @@ void int4_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_
 }
 
 constexpr int X16 = 16;       // output rows per tile of the x16 layout
-constexpr ActLayout kPack8{true};  // the x16 kernels' activations
+constexpr ActLayout kPack8{3}, kPack16{4};  // the x16 kernels' activations: VNNI, AMX
 constexpr int X16_ROWS = 8;   // rows of x that share one unpacking of a tile's block
 constexpr int X16_BLOCK = 256;  // bytes per tile and 32-value block
 constexpr int X16_MBLOCK = 256;  // rows of x per pass over all tiles
@@ -934,7 +935,7 @@ inline float bf16_value(uint32_t h) {
 
 // x [M, K] fp32 -> xp [ceil(M / 8) * 8 rows] packed as above (rows past M zero).
 void pack_bf16_act(const float* x, int M, int K, uint32_t* xp, int nthreads) {
-  const int pairs = K / 2, Mr = int(rows_allocated(M, true));
+  const int pairs = K / 2, Mr = int(rows_allocated(M, BF16_ROWS));
   parallel_for(Mr, int64_t(M) * K >= (1 << 16) ? nthreads : 1, BF16_ROWS, [&](int64_t m0, int64_t m1) {
   for (int m = int(m0); m < m1; ++m) {
     uint32_t* dst = xp + int64_t(m / BF16_ROWS) * pairs * BF16_ROWS + m % BF16_ROWS;
@@ -1250,6 +1251,7 @@ constexpr int BUFFERED_MIN_ROWS = 3;
 }  // namespace
 
 #include "gguf_x16.h"
+#include "amx_x16.h"
 
 // Layouts of int4 weights (the `layout` argument of the entry points below).
 enum Int4Layout { INT4_ROW_LAYOUT = 0, INT4_X16 = 1, INT4_X16_K = 2 };
@@ -1321,8 +1323,9 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
   if (!int4_layout_ok(layout, K, N, G, mins)) return 1;
   thread_local std::vector<int8_t> xq;  // kept between calls (grow-only): no page faults per call
   thread_local std::vector<float> d, gsum;
-  const ActLayout lay{layout != INT4_ROW_LAYOUT};
-  const int64_t Mr = rows_allocated(M, lay.pack8);
+  const bool amx = layout != INT4_ROW_LAYOUT && amx_use(M, 4);  // then every pass runs on AMX tiles
+  const ActLayout lay = layout == INT4_ROW_LAYOUT ? ActLayout{0} : amx ? kPack16 : kPack8;
+  const int64_t Mr = rows_allocated(M, lay.group());
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / G));
   // Pointers taken here: inside the loops' bodies the names would be each thread's own (empty) vectors.
   int8_t* const xqp = xq.data();
@@ -1335,8 +1338,16 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
     with_x16_scales(layout, scales, mins, K, G, [&](const auto& sc) {
       for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
         const int rows = std::min(X16_MBLOCK, M - m0);
+        amx_products.fetch_add(amx, std::memory_order_relaxed);
         parallel_for(N / X16, nthreads, rows == 1 ? 2 : 1, [&](int64_t t0, int64_t t1) {
           int t = int(t0);
+#ifdef PAGEDLM_AMX
+          if (amx) {
+            int4x16_amx_tiles(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, gp + int64_t(m0) * ngroups, q, sc,
+                              y + int64_t(m0) * N, rows, K, N, t, int(t1));
+            return;
+          }
+#endif
 #ifdef PAGEDLM_AVX512_VNNI
           for (; rows == 1 && t + 2 <= t1; t += 2) int4x16_row_tiles<2>(xqp, dp, gp, q, sc, y, K, N, t);
 #endif
@@ -1368,18 +1379,28 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
   thread_local std::vector<int8_t> xq;  // kept between calls, as in pagedlm_linear_int4
   thread_local std::vector<float> d, gsum;
   thread_local std::vector<int32_t> bsum;
-  const int64_t Mr = rows_allocated(M, true);
+  const bool amx = amx_use(M, 8);
+  const ActLayout lay = amx ? kPack16 : kPack8;
+  const int64_t Mr = rows_allocated(M, lay.group());
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / 32));
   bsum.resize(size_t(Mr) * (K / 32));
   int8_t* const xqp = xq.data();
   float* const dp = d.data();
   int32_t* const bp = bsum.data();
-  quantize_act(x, M, K, 32, xqp, dp, gsum.data(), nthreads, bp, kPack8);
+  quantize_act(x, M, K, 32, xqp, dp, gsum.data(), nthreads, bp, lay);
   const int nblk = K / 32;
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
+    amx_products.fetch_add(amx, std::memory_order_relaxed);
     parallel_for(N / X16, nthreads, rows == 1 ? 2 : 1, [&](int64_t t0, int64_t t1) {
       int t = int(t0);
+#ifdef PAGEDLM_AMX
+      if (amx) {
+        int8x16_amx_tiles(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, q, s, nullptr, y + int64_t(m0) * N, rows, K,
+                          N, t, int(t1));
+        return;
+      }
+#endif
 #ifdef PAGEDLM_AVX512_VNNI
       for (; rows == 1 && t + 2 <= t1; t += 2) int8x16_row_tiles<2>(xqp, dp, bp, q, s, y + int64_t(m0) * N, K, t * X16);
 #endif
@@ -1395,7 +1416,7 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
 int pagedlm_linear_bf16_x16(const float* x, const uint32_t* w, float* y, int M, int K, int N, int nthreads) {
   if (N % X16 != 0 || K % 32 != 0) return 1;
   thread_local std::vector<uint32_t> xp;  // kept between calls, as in pagedlm_linear_int4
-  xp.resize(size_t(rows_allocated(M, true)) * (K / 2));
+  xp.resize(size_t(rows_allocated(M, BF16_ROWS)) * (K / 2));
   uint32_t* const xpp = xp.data();
   pack_bf16_act(x, M, K, xpp, nthreads);
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
@@ -1416,6 +1437,17 @@ int pagedlm_linear_bf16_x16(const float* x, const uint32_t* w, float* y, int M, 
   }
   return 0;
 }
+
+// Whether products of several rows over the int4 / int8 x16 layouts and GGUF Q8_0 run on AMX tiles here: built with
+// AMX-INT8, the tile state granted to this process, and not turned off (pagedlm_amx_enable).
+int pagedlm_amx_native() { return amx_use(1 << 20, 4); }
+
+// Turns the AMX paths on (1: products of enough rows, see AMX_MIN_ROWS_INT4), off (0: the VNNI code, the same results)
+// or on for every row count (2: tests); returns the previous setting.
+int pagedlm_amx_enable(int mode) { return amx_enabled.exchange(std::clamp(mode, 0, 2)); }
+
+// Products that have run on AMX tiles in this process.
+int64_t pagedlm_amx_products() { return amx_products.load(); }
 
 // Whether this build multiplies bf16 weights with AVX512-BF16 (else portable code computes the same sums).
 int pagedlm_bf16_x16_native() {
@@ -1598,17 +1630,27 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   thread_local std::vector<float> d, gsum;
   thread_local std::vector<int32_t> bsum;
   const int nblk = K / 32;
-  const int64_t Mr = rows_allocated(M, true);
+  const bool amx = kind == GK_Q8_0 && amx_use(M, 8);
+  const ActLayout lay = amx ? kPack16 : kPack8;
+  const int64_t Mr = rows_allocated(M, lay.group());
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * nblk); gsum.resize(size_t(Mr) * nblk); bsum.resize(size_t(Mr) * nblk);
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
   int32_t* const bp = bsum.data();
-  quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, kPack8);
+  quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay);
   const GgufX16 g{kind, nblk, codes, planes, scales, aux};
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
+    amx_products.fetch_add(amx, std::memory_order_relaxed);
     parallel_for(N / X16, nthreads, rows == 1 ? 2 : 1, [&](int64_t t0, int64_t t1) {
       int t = int(t0);
+#ifdef PAGEDLM_AMX
+      if (amx) {
+        int8x16_amx_tiles(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, reinterpret_cast<const int8_t*>(codes),
+                          nullptr, scales, y + int64_t(m0) * N, rows, K, N, t, int(t1));
+        return;
+      }
+#endif
 #ifdef PAGEDLM_AVX512_VNNI
       for (; rows == 1 && kind == GK_Q8_0 && t + 2 <= t1; t += 2) gguf_q8_0_row_tiles<2>(g, xqp, dp, bp, y, t);
 #endif

@@ -33,12 +33,17 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_dequant_gguf_x16_bf16.argtypes = [i, p, p, p, p, p, i, i, i]
     lib.pagedlm_gguf_x16_rows.argtypes = [i, p, p, p, p, i, i, p, i, p, i]
     lib.pagedlm_gguf_q8_0_to_int8.argtypes = [p, i, i, p, p, i]
+    lib.pagedlm_amx_native.argtypes = []
+    lib.pagedlm_amx_enable.argtypes = [i]
+    lib.pagedlm_amx_products.argtypes = []
+    lib.pagedlm_amx_products.restype = ctypes.c_int64
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
                lib.pagedlm_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
                lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16, lib.pagedlm_dequant_int4_x16,
                lib.pagedlm_gguf_q4_to_x16, lib.pagedlm_gguf_q4_k_to_x16, lib.pagedlm_gguf_q8_0_to_int8,
                lib.pagedlm_gguf_to_x16, lib.pagedlm_linear_gguf, lib.pagedlm_dequant_gguf_x16,
-               lib.pagedlm_dequant_gguf_x16_bf16, lib.pagedlm_gguf_x16_rows):
+               lib.pagedlm_dequant_gguf_x16_bf16, lib.pagedlm_gguf_x16_rows, lib.pagedlm_amx_native,
+               lib.pagedlm_amx_enable):
         fn.restype = ctypes.c_int
 
 
@@ -71,6 +76,13 @@ def x16_native(bits: int) -> bool:
     or AVX2; int8: AVX-512 VNNI)."""
     lib = load_quant_kernel()
     return lib is not None and bool(lib.pagedlm_x16_native(bits))
+
+
+def amx_native() -> bool:
+    """Whether products of several rows over the int4 / int8 x16 layouts and GGUF Q8_0 run on AMX tiles here (the
+    same results as the AVX-512 VNNI code, bit for bit)."""
+    lib = load_quant_kernel()
+    return lib is not None and bool(lib.pagedlm_amx_native())
 
 
 _SCRATCH = threading.local()  # per thread: each served model's engine steps on a thread of its own
