@@ -35,6 +35,7 @@ from pagedlm.kvcache.disk_tier import DiskTierStats
 from pagedlm.kvcache.plan import plan_kv_cache
 from pagedlm.kvcache.sizing import AvailableMemory, available_memory
 from pagedlm.model.plan import plan_execution
+from pagedlm.model.step_rows import draft_rows
 from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.sampling.sampler import Sampler
@@ -216,12 +217,13 @@ class LLMEngine:
             t0 = time.perf_counter()
             hidden = None
             try:
-                drafts = sum(s.num_draft_tokens for s in sched.scheduled)
-                if ctx.batch.hidden_index:
-                    logits, hidden = self.runner.execute_with_hidden(ctx.batch.chunks, ctx.batch.logits_index,
-                                                                     ctx.batch.hidden_index, drafts)
-                else:
-                    logits = self.runner.execute(ctx.batch.chunks, ctx.batch.logits_index, drafts)
+                # verify rows choose the kernel or GEMM path as the step without its drafts would
+                with draft_rows(sum(s.num_draft_tokens for s in sched.scheduled)):
+                    if ctx.batch.hidden_index:
+                        logits, hidden = self.runner.execute_with_hidden(ctx.batch.chunks, ctx.batch.logits_index,
+                                                                         ctx.batch.hidden_index)
+                    else:
+                        logits = self.runner.execute(ctx.batch.chunks, ctx.batch.logits_index)
             finally:  # the matchers are the engine thread's again (forks copy them)
                 if ctx.masks is not None:
                     ctx.masks.wait()

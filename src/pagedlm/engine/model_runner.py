@@ -16,7 +16,6 @@ from pagedlm.config import EngineConfig, parse_bytes
 from pagedlm.kvcache.kv_cache import KVCache, KVCacheSpec
 from pagedlm.model import load_model
 from pagedlm.model.plan import ExecutionPlan
-from pagedlm.model.step_rows import draft_rows as draft_rows_of_step
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +114,13 @@ class ModelRunner:
                                            block_tables=torch.from_numpy(tables).to(dev, torch.int32), **shared))
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas
 
-    def execute(self, chunks: list[Chunk], logits_indices: list[int], draft_rows: int = 0) -> torch.Tensor:
-        """Run one forward pass; returns float32 logits for the flat token positions in `logits_indices`.
-        `draft_rows`: how many of the rows are draft tokens to verify (their products take the path the step
-        without them would: model/step_rows.py)."""
-        return self.execute_with_hidden(chunks, logits_indices, None, draft_rows)[0]
+    def execute(self, chunks: list[Chunk], logits_indices: list[int]) -> torch.Tensor:
+        """Run one forward pass; returns float32 logits for the flat token positions in `logits_indices`."""
+        return self.execute_with_hidden(chunks, logits_indices, None)[0]
 
     @torch.inference_mode()
-    def execute_with_hidden(self, chunks: list[Chunk], logits_indices: list[int], hidden_indices: list[int] | None,
-                            draft_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute_with_hidden(self, chunks: list[Chunk], logits_indices: list[int],
+                            hidden_indices: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`execute`, and the float32 final hidden states (after the final norm) of the flat token positions in
         `hidden_indices` (pooling requests'; None: none)."""
         input_ids, positions, metas = self.prepare(chunks)
@@ -131,7 +128,6 @@ class ModelRunner:
         hidden_idx = None if hidden_indices is None else torch.tensor(hidden_indices, dtype=torch.long,
                                                                       device=self.device)
         layer_metas = [metas[g] for g in self.layer_group]
-        with draft_rows_of_step(draft_rows):
-            logits, hidden = self.model.logits_and_hidden(input_ids, positions, self.layer_caches, layer_metas,
-                                                          self.attn_backend, idx, hidden_idx)
+        logits, hidden = self.model.logits_and_hidden(input_ids, positions, self.layer_caches, layer_metas,
+                                                      self.attn_backend, idx, hidden_idx)
         return logits.float(), None if hidden is None else hidden.float()

@@ -3,8 +3,9 @@
 A quantized layer runs its own kernel for products of at most `kernel_max_rows` rows and a GEMM over dequantized
 weights above (model/plan.py); the two round differently. A verify step has a row per draft token besides the
 sequence's own, so by row count alone it could cross to the GEMM where the step without drafts would not, and the
-tokens it accepts would then differ from those decoding one at a time gives. Inside `draft_rows(n)` a product
-chooses its path by its rows less the step's `n` draft rows: as the same step without drafts would.
+tokens it accepts would then differ from those decoding one at a time gives. Inside `draft_rows(n)` (the engine
+sets it around a step's forward pass) a product chooses its path by its rows less the step's `n` draft rows: as the
+same step without drafts would.
 """
 from __future__ import annotations
 
