@@ -254,7 +254,8 @@ class LlamaDecodeKernel:
         several); `metas`: each layer's batch layout (layers of one KV cache group share one object)."""
         n = x.shape[0]
         cos, sin = ([cos], [sin]) if isinstance(cos, torch.Tensor) else (cos, sin)
-        if (path_rows(n) > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous() or len(metas) != len(self._layers)
+        if (path_rows(n) > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous()
+                or len(metas) != len(self._layers)
                 or len(cos) != len(sin) or not self._num_ropes <= len(cos) <= MAX_ROPES
                 or not self._bind_caches(kv_caches) or not (num_groups := self._bind_groups(metas, cos, sin, n))):
             return False

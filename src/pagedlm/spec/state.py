@@ -9,7 +9,8 @@ Why the bar grows with the batch: a draft row costs the step some time b on top 
 sequences without drafts, and pays with its chance of being accepted, a token worth t(B) / B. While the step is
 bound by reading the weights, t(B) stays about t(1), so the bar b * B / t(B) grows as B: a draft token that pays
 with one sequence at a 20% chance needs 40% beside another, 80% among four, and none pays among five. (Measured:
-docs/benchmarks.md, "Speculative decoding's adaptive draft length" and the batch-aware rule after it.)"""
+docs/benchmarks.md, "Speculative decoding's adaptive draft length" and "Speculative decoding, batch-aware and
+greedy-identical".)"""
 from __future__ import annotations
 
 import math
