@@ -125,7 +125,8 @@ def test_speculative_bench_sends_concurrent_requests(tiny_model_dir, tmp_path):
                  "256", "--repeats", "1", "--output-len", "6", "--concurrency", "4", "--speculative-config",
                  '{"method": "suffix", "num_speculative_tokens": 3}', "--output-json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["workload"] for r in rows] == ["code-edit+prediction", "quote-summary+suffix", "open-chat+suffix"]
+    assert [r["workload"] for r in rows] == ["code-edit+prediction", "code-edit-1-line+prediction",
+                                                "quote-summary+suffix", "open-chat+suffix"]
     assert all(r["concurrency"] == 4 and 4 < r["tokens"] <= 4 * 6 and r["same"] for r in rows)
     assert json.loads(out.read_text())["llama_cpp"] == []
 
@@ -140,7 +141,7 @@ def test_speculative_bench_against_llama_cpp(smollm2_path, tmp_path):
     peer = json.loads(out.read_text())["llama_cpp"]
     assert [(r["workload"], r["side"]) for r in peer[:3]] == [
         ("code-edit", "llama.cpp"), ("code-edit", "llama.cpp lookup 10"), ("code-edit", "llama.cpp lookup 2")]
-    assert len(peer) == 9 and all(0 < r["tokens"] <= 12 and r["rate"] > 0 for r in peer)
+    assert len(peer) == 12 and all(0 < r["tokens"] <= 12 and r["rate"] > 0 for r in peer)
     assert all(r["acceptance"] is None for r in peer[::3])
     quote = [r for r in peer if r["workload"] == "quote-summary" and r["side"] != "llama.cpp"]
     assert all(r["acceptance"] is not None for r in quote)  # the summary quotes its prompt: lookup drafts

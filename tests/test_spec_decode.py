@@ -59,6 +59,27 @@ def test_prediction_follows_the_output():
     assert p.propose(Seq([1], [10, 11, 12, 13, 99, 98, 14]), 2) == [15, 16]
 
 
+def test_prediction_jumps_only_on_evidence():
+    """After the output departs from the prediction, one common token far from where it departed (a newline, a
+    bracket) is no evidence of where it is: no draft. A run of MIN_JUMP tokens is, wherever it is; a single token
+    near the departure re-synchronises (a replaced or inserted token)."""
+    from pagedlm.spec.prediction import MIN_JUMP, NEAR
+
+    far = list(range(100, 100 + NEAR + 4))
+    pred = [10, 11, 12, 13, 7, *far, 7, 20, 21, 22, 23, 24, 25]
+    p = PredictionProposer(pred)
+    assert p.propose(Seq([1], []), 4) == [10, 11, 12, 13]
+    assert p.propose(Seq([1], [10, 11, 50]), 4) == []  # departed at 12: 50 is nowhere
+    assert p.propose(Seq([1], [10, 11, 50, 12]), 2) == [13, 7]  # 12 is next to the departure
+    out = [10, 11, 12, 13, 60, 61, 7]  # 7 occurs near (position 4) and far (after `far`): the near one
+    assert p.propose(Seq([1], out), 2) == [100, 101]
+    p = PredictionProposer(pred)
+    p.propose(Seq([1], []), 4)
+    assert p.propose(Seq([1], [10, 11, 12, 13, 60, 61, 62, 63, 64, 21]), 2) == []  # 21 alone, far away
+    assert MIN_JUMP == 3
+    assert p.propose(Seq([1], [10, 11, 12, 13, 60, 61, 62, 63, 64, 20, 21, 22]), 2) == [23, 24]
+
+
 def test_adaptive_k_follows_acceptance():
     state = SpecState(NgramProposer(1, 2), k_max=8)
     for _ in range(10):
@@ -177,17 +198,17 @@ def dense_products(llm) -> list[int]:
 
 def test_greedy_identical_under_the_quantized_plan(smollm2_path):
     """The default plan on the real checkpoint (its own Q4_1/Q8_0 blocks), with the quantized kernels for steps of at
-    most 4 rows and a GEMM above (which rounds differently): a code edit drafted from its prediction (up to 8 draft
+    most 4 rows and a GEMM above (which rounds differently): a code edit drafted from its prediction (up to 16 draft
     rows a step, past 256 keys where attention splits its key range) gives the tokens decoding one at a time gives.
     Its verify steps do not move to the GEMM (model/step_rows.py), and attention rows do not depend on the rows
     beside them (test_attention.py); either broken, these tokens differ."""
-    from pagedlm.bench.speculative import WORKLOADS
+    from pagedlm.bench.speculative import WORKLOADS, prompts
 
     edit = next(w for w in WORKLOADS if w.prediction)
     kw = dict(num_kv_blocks=128, enable_prefix_caching=False, kernel_max_rows=4)
     base = LLM(str(smollm2_path), **kw)
     assert base.engine.plan.quantization and base.engine.plan.kernel_max_rows == 4
-    ids = base.get_tokenizer().encode(edit.prompt)
+    [ids] = prompts(edit, 1, base.get_tokenizer())
     base_gemms = dense_products(base)
     expected = run(base, [ids], greedy(max_tokens=128))
     spec = LLM(str(smollm2_path), **kw)

@@ -1,6 +1,7 @@
 """Speculative decoding against the defaults, single stream, alternated in one run on one engine (the same weights
-and KV cache; only the drafting differs): code editing with a `prediction` (the original source), a summary that
-quotes its document with prompt lookup, and open-ended chat (little to copy) with prompt lookup. Greedy, so both
+and KV cache; only the drafting differs): code editing with a `prediction` (the original source, as an editor sends
+it; and the model's own answer with one line changed, as from a model that makes just the edit asked for), a summary
+that quotes its document with prompt lookup, and open-ended chat (little to copy) with prompt lookup. Greedy, so both
 modes produce the same tokens (checked) and the comparison is tokens/s of the same text.
 
 With `--speculative-config '{"method": "draft_model", ...}'` the draft model drafts in every workload (no
@@ -65,32 +66,65 @@ ARTICLE = ("The paged key value cache stores the attention keys and values of ev
 @dataclass
 class Workload:
     name: str
-    prompt: str  # a completion prompt: small models copy from them more reliably than they follow chat
+    prompt: str
     prediction: str | None = None  # with speculation: the request's prediction, else prompt lookup
+    chat: bool = False  # the prompt is a user message, sent through the model's chat template
+    one_line_edit: bool = False  # the prediction is the model's own answer with one line changed
 
 
+EDIT = f"Rename the function `add` to `plus` in this file and reply with the whole file, nothing else.\n\n```python\n{CODE}```"
 WORKLOADS = [
-    Workload("code-edit+prediction", f"# stats.py\n{CODE}\n\n# stats.py, with `add` renamed to `plus`:\n", CODE),
+    # what a code editor sends: the file as the prediction (SmolLM2-135M rewrites more of it than asked)
+    Workload("code-edit+prediction", EDIT, CODE, chat=True),
+    # a model that makes exactly the edit asked for: the prediction is its answer with one line other
+    Workload("code-edit-1-line+prediction", EDIT, chat=True, one_line_edit=True),
+    # completion prompts: small models copy from them more reliably than they follow chat
     Workload("quote-summary+ngram", f"Article: {ARTICLE}\n\nThe article's key sentences, quoted, then a one-line "
                                     "summary:\n"),
     Workload("open-chat+ngram", "User: Write a short story about a lighthouse keeper.\nAssistant:"),
 ]
 
 
-def prompts(w: Workload, concurrency: int) -> list[str]:
-    """The workload's prompt, once, or for `concurrency` requests each with a line of its own in front."""
-    return [w.prompt] if concurrency == 1 else [f"Request {i + 1}.\n{w.prompt}" for i in range(concurrency)]
+def prompts(w: Workload, concurrency: int, tok) -> list[list[int]]:
+    """The workload's prompt token ids, once, or for `concurrency` requests each with a line of its own in front."""
+    texts = [w.prompt] if concurrency == 1 else [f"Request {i + 1}.\n{w.prompt}" for i in range(concurrency)]
+    if not w.chat:
+        return [tok.encode(t) for t in texts]
+    if not tok.has_chat_template:
+        return [tok.encode(f"User: {t}\nAssistant:") for t in texts]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+            for t in texts]
 
 
-def run_once(llm: LLM, w: Workload, speculate: bool, spec: SpeculativeConfig, max_tokens: int,
-             drafter: DraftModel | None, concurrency: int = 1) -> dict:
-    """`concurrency` greedy answers at once; with `speculate`, drafted from the prediction, by prompt lookup or by
-    the draft model (a fresh SpecDecoder: its counters are this run's)."""
+def one_line_changed(text: str) -> str:
+    """`text` with its middle non-blank line replaced by a `return None` at the same indentation."""
+    lines = text.split("\n")
+    filled = [i for i, line in enumerate(lines) if line.strip()]
+    if not filled:
+        return text + "\nreturn None"
+    i = filled[len(filled) // 2]
+    lines[i] = lines[i][:len(lines[i]) - len(lines[i].lstrip())] + "return None"
+    return "\n".join(lines)
+
+
+def predictions(llm: LLM, w: Workload, ids: list[list[int]], max_tokens: int) -> list[str | None]:
+    """Each request's prediction: the workload's, or each greedy answer (drafting off) with one line changed."""
+    if not w.one_line_edit:
+        return [w.prediction] * len(ids)
+    llm.engine.spec = SpecDecoder(None, llm.engine.max_model_len)
+    outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return [one_line_changed(o.outputs[0].text) for o in outs]
+
+
+def run_once(llm: LLM, ids: list[list[int]], preds: list[str | None], speculate: bool, spec: SpeculativeConfig,
+             max_tokens: int, drafter: DraftModel | None) -> dict:
+    """Greedy answers to every prompt in `ids` at once; with `speculate`, drafted from the predictions `preds`, by
+    prompt lookup or by the draft model (a fresh SpecDecoder: its counters are this run's)."""
     engine = llm.engine
-    prediction = w.prediction if speculate and spec.method != "draft_model" else None
-    engine.spec = SpecDecoder(spec if speculate and prediction is None else None, engine.max_model_len, drafter)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prediction=prediction)
-    ids = [llm.get_tokenizer().encode(p) for p in prompts(w, concurrency)]
+    with_prediction = speculate and spec.method != "draft_model" and preds[0] is not None
+    engine.spec = SpecDecoder(spec if speculate and not with_prediction else None, engine.max_model_len, drafter)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, prediction=p if with_prediction else None)
+              for p in preds]
     t0 = time.perf_counter()
     outs = llm.generate(ids, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -116,24 +150,25 @@ def cmd_speculative(args: argparse.Namespace, engine_kwargs) -> int:
         drafts = accepted = 0
         tokens: dict[bool, list[list[int]]] = {}
         sides = {s: dict(rates=[], drafts=0, accepted=0, tokens=0) for s in (peer.sides if peer else ())}
-        ids = llm.get_tokenizer().encode(w.prompt)
-        run_once(llm, w, True, spec, 8, drafter, args.concurrency)  # warm-up (kernels, caches)
+        batch = prompts(w, args.concurrency, llm.get_tokenizer())
+        preds = predictions(llm, w, batch, args.output_len)
+        run_once(llm, batch, preds, True, spec, 8, drafter)  # warm-up (kernels, caches)
         for side in sides:
-            peer.run(side, ids, 8)
+            peer.run(side, batch[0], 8)
         for _ in range(args.repeats):
             for speculate in (False, True):
-                r = run_once(llm, w, speculate, spec, args.output_len, drafter, args.concurrency)
+                r = run_once(llm, batch, preds, speculate, spec, args.output_len, drafter)
                 times[speculate].append(sum(map(len, r["tokens"])) / r["seconds"])
                 tokens[speculate] = r["tokens"]
                 if speculate:
                     drafts, accepted = drafts + r["drafts"], accepted + r["accepted"]
             for side, acc in sides.items():
-                r = peer.run(side, ids, args.output_len)
+                r = peer.run(side, batch[0], args.output_len)
                 acc["rates"].append(len(r["tokens"]) / r["seconds"])
                 acc["drafts"], acc["accepted"] = acc["drafts"] + r["drafts"], acc["accepted"] + r["accepted"]
                 acc["tokens"] = len(r["tokens"])
         base, fast = median(times[False]), median(times[True])
-        source = "draft" if drafter is not None else "prediction" if w.prediction else spec.method
+        source = "draft" if drafter is not None else "prediction" if preds[0] is not None else spec.method
         name = f"{w.name.split('+')[0]}+{source}"
         rows.append(dict(workload=name, concurrency=args.concurrency, tokens=sum(map(len, tokens[False])),
                          base=base, spec=fast, speedup=fast / base,

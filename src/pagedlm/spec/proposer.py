@@ -18,17 +18,10 @@ class Proposer(Protocol):
         ...
 
 
-def longest_match(haystack: np.ndarray, pattern: np.ndarray, min_n: int, max_n: int, end: int,
-                  prefer_from: int | None = None, follow: int = 1) -> int | None:
-    """The position i < `end` in `haystack` where the longest run of `pattern`'s last tokens (at least `min_n`, at
-    most `max_n`) ends: haystack[i - n + 1 .. i] == pattern[-n:]. Ties go to runs with `follow` tokens after them
-    in `haystack[:end + 1]` if there are such, then to the latest, or with `prefer_from` to the first
-    i >= prefer_from. None if no run of `min_n` tokens matches."""
-    if len(pattern) < min_n or end <= 0:
-        return None
-    cands = np.flatnonzero(haystack[:end] == pattern[-1])
-    if cands.size == 0:
-        return None
+def match_lengths(haystack: np.ndarray, pattern: np.ndarray, max_n: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every position i < `end` where `haystack[i]` is `pattern`'s last token, and how many of `pattern`'s last
+    tokens (at most `max_n`) end there: haystack[i - n + 1 .. i] == pattern[-n:]."""
+    cands = np.flatnonzero(haystack[:max(end, 0)] == pattern[-1]) if len(pattern) else np.zeros(0, dtype=np.int64)
     lengths = np.ones(cands.size, dtype=np.int64)
     alive = np.ones(cands.size, dtype=bool)
     for j in range(1, min(max_n, len(pattern))):
@@ -38,6 +31,20 @@ def longest_match(haystack: np.ndarray, pattern: np.ndarray, min_n: int, max_n: 
         if not alive.any():
             break
         lengths += alive
+    return cands, lengths
+
+
+def longest_match(haystack: np.ndarray, pattern: np.ndarray, min_n: int, max_n: int, end: int,
+                  prefer_from: int | None = None, follow: int = 1) -> int | None:
+    """The position i < `end` in `haystack` where the longest run of `pattern`'s last tokens (at least `min_n`, at
+    most `max_n`) ends: haystack[i - n + 1 .. i] == pattern[-n:]. Ties go to runs with `follow` tokens after them
+    in `haystack[:end + 1]` if there are such, then to the latest, or with `prefer_from` to the first
+    i >= prefer_from. None if no run of `min_n` tokens matches."""
+    if len(pattern) < min_n or end <= 0:
+        return None
+    cands, lengths = match_lengths(haystack, pattern, max_n, end)
+    if cands.size == 0:
+        return None
     best = int(lengths.max())
     if best < min_n:
         return None
