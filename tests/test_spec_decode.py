@@ -10,6 +10,7 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import EngineConfig, SpeculativeConfig
+from pagedlm.config.speculative import DEFAULT as DEFAULT_SPECULATION
 from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.spec.ngram import NgramProposer
 from pagedlm.spec.prediction import PredictionProposer
@@ -109,7 +110,7 @@ def test_the_bar_grows_with_the_batch():
 # --- greedy identity ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in (REPEAT, "Hello! How are you today?", "Once upon a time, there was " * 4)]
     return prompts, run(llm, prompts, greedy(n=1)), run(llm, prompts, greedy(n=3, max_tokens=16))
@@ -132,6 +133,22 @@ def test_greedy_identical_with_ngram_tiny(tiny_model_dir, tiny_reference, kw):
         assert llm.engine.scheduler.num_preemptions > 0, "the test must force preemption"
 
 
+def test_greedy_requests_draft_by_default(tiny_model_dir, tiny_reference):
+    """With no speculative_config, greedy requests draft by prompt lookup (and give the same tokens); sampled ones do
+    not (a seeded request's tokens stay independent of the requests beside it); `off` drafts for none."""
+    prompts, expected, _ = tiny_reference
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    assert llm.engine.spec.config == DEFAULT_SPECULATION and not DEFAULT_SPECULATION.sampled
+    assert run(llm, prompts, greedy()) == expected
+    drafted = spec_stats(llm).num_draft_tokens
+    assert drafted > 0
+    run(llm, prompts, SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))
+    assert spec_stats(llm).num_draft_tokens == drafted
+    off = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
+    assert off.engine.spec.config is None
+    assert run(off, prompts, greedy()) == expected and spec_stats(off).num_draft_tokens == 0
+
+
 @pytest.fixture(scope="module")
 def tiny_gemma_dir(tmp_path_factory):
     from conftest import build_tiny_gemma3
@@ -142,7 +159,7 @@ def tiny_gemma_dir(tmp_path_factory):
 
 def test_greedy_identical_sliding_window(tiny_gemma_dir):
     """Gemma 3 (two KV cache groups, sliding-window blocks freed as they leave the window) with drafts."""
-    base = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    base = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     prompts = [base.get_tokenizer().encode(REPEAT), base.get_tokenizer().encode("Once upon a time, there was " * 3)]
     expected = run(base, prompts, greedy(max_tokens=32))
     spec = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config=NGRAM)
@@ -172,7 +189,7 @@ def test_greedy_identical_smollm2(smollm2_path):
     """A real model copies a quoted passage: n-gram drafts are accepted, and the output is the same as without."""
     prompt = ("Repeat the following sentence exactly.\nSentence: The paged key value cache stores attention keys "
               "and values in fixed size blocks, so that memory can be shared.\nRepeated: The paged")
-    base = LLM(str(smollm2_path), num_kv_blocks=128, max_num_batched_tokens=32)
+    base = LLM(str(smollm2_path), num_kv_blocks=128, max_num_batched_tokens=32, speculative_config="off")
     spec = LLM(str(smollm2_path), num_kv_blocks=128, max_num_batched_tokens=32,
                speculative_config={**NGRAM, "num_speculative_tokens": 6})
     params = greedy(max_tokens=32, n=2)
@@ -205,7 +222,7 @@ def test_greedy_identical_under_the_quantized_plan(smollm2_path):
     from pagedlm.bench.speculative import WORKLOADS, prompts
 
     edit = next(w for w in WORKLOADS if w.prediction)
-    kw = dict(num_kv_blocks=128, enable_prefix_caching=False, kernel_max_rows=4)
+    kw = dict(num_kv_blocks=128, enable_prefix_caching=False, kernel_max_rows=4, speculative_config="off")
     base = LLM(str(smollm2_path), **kw)
     assert base.engine.plan.quantization and base.engine.plan.kernel_max_rows == 4
     [ids] = prompts(edit, 1, base.get_tokenizer())
@@ -355,6 +372,8 @@ def test_speculative_config_flag():
     add_arguments(parser, EngineConfig, only=["speculative_config"])
     args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    assert parser.parse_args([]).speculative_config in ("auto", DEFAULT_SPECULATION)
+    assert parser.parse_args(["--speculative-config", "off"]).speculative_config is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
 
@@ -421,7 +440,7 @@ def test_prediction_usage_on_the_server(server):
 def test_logprobs_and_penalties_as_without_speculation(tiny_model_dir):
     """Every draft position is sampled with the request's own controls over the output so far (drafts included):
     penalties, bias and logprobs come out as without speculation."""
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     prompt = llm.get_tokenizer().encode(REPEAT)
     params = dict(logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={7: 3.0}, min_tokens=5)
     ref = llm.generate(prompt, greedy(**params), use_tqdm=False)[0].outputs[0]

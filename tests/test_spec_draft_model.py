@@ -162,7 +162,7 @@ def other_draft_dir(tmp_path_factory):
 def reference(tiny_2k_model_dir):
     """The target: a tiny LLaMA with untied embeddings (a tied one's greedy answer repeats one token, which any draft
     guesses), its prompts and greedy answers without speculation."""
-    llm = LLM(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    llm = LLM(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in (REPEAT, "Hello! How are you today?", "Once upon a time, there was " * 4)]
     gen = lambda p: [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, p, use_tqdm=False)]  # noqa: E731
@@ -206,7 +206,7 @@ def test_sliding_window_draft(tmp_path_factory):
 
     path = build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_draft"), sliding_window=8,
                              max_position_embeddings=256)
-    base = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=4)
+    base = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     prompts = [base.get_tokenizer().encode("Once upon a time, there was " * 3)]
     expected = [[o.token_ids for o in r.outputs] for r in base.generate(prompts, greedy(), use_tqdm=False)]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config=draft_config(path))

@@ -49,7 +49,7 @@ def follows(so: StructuredOutputsParams, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     outs = generate(llm, PROMPTS, [constrained(so) for so in CONSTRAINTS])
     for so, o in zip(CONSTRAINTS, outs):
         follows(so, o.text)
@@ -67,7 +67,7 @@ def test_greedy_constrained_identical_with_ngram(tiny_model_dir, reference, kw):
 
 def test_greedy_constrained_identical_with_prediction(tiny_model_dir, reference):
     """Each constrained request alone, its reference as the prediction: drafts run and are accepted."""
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     for prompt, so, expected in zip(PROMPTS, CONSTRAINTS, reference):
         before = llm.engine.get_stats().spec_decode.num_accepted_tokens
         out = generate(llm, [prompt], [constrained(so, prediction=expected)])[0]
@@ -77,7 +77,7 @@ def test_greedy_constrained_identical_with_prediction(tiny_model_dir, reference)
 
 def test_greedy_constrained_identical_with_a_draft_model(tiny_2k_model_dir):
     """The draft model drafts unconstrained (its own argmax): its drafts are cut at the grammar."""
-    plain = LLM(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    plain = LLM(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     params = [constrained(so, max_tokens=40) for so in CONSTRAINTS]
     expected = [o.token_ids for o in generate(plain, PROMPTS, params)]
     spec = LLM(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config={
@@ -101,7 +101,7 @@ def violating(manager, template, tokens: list[int], every: int = 4) -> list[int]
 def test_a_draft_token_the_grammar_rejects_is_never_emitted(tiny_model_dir, reference, monkeypatch, cut):
     """A prediction with forbidden tokens spliced in: cut at the grammar, no forbidden draft reaches the verifier;
     uncut (the cut switched off), they reach it, and its per-position masks reject every one of them."""
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config="off")
     mgr = llm.engine.structured
     if not cut:
         monkeypatch.setattr(spec_decode, "constrain", lambda seq: None)
@@ -150,7 +150,7 @@ def test_matcher_holds_the_accepted_output_only(tiny_model_dir, reference):
 
 def test_draft_masks_follow_the_drafts(tiny_model_dir):
     """fill_bitmask with drafts: row j is the mask after the first j drafts; the matcher's state is unchanged."""
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=16, block_size=4)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=16, block_size=4, speculative_config="off")
     mgr = llm.engine.structured
     tok = llm.get_tokenizer()
     template = mgr.compile(CONSTRAINTS[1])

@@ -1,11 +1,11 @@
-"""Speculative decoding against the defaults, single stream, alternated in one run on one engine (the same weights
+"""Speculative decoding against drafting off, single stream, alternated in one run on one engine (the same weights
 and KV cache; only the drafting differs): code editing with a `prediction` (the original source, as an editor sends
 it; and the model's own answer with one line changed, as from a model that makes just the edit asked for), a summary
 that quotes its document with prompt lookup, and open-ended chat (little to copy) with prompt lookup. Greedy, so both
 modes produce the same tokens (checked) and the comparison is tokens/s of the same text.
 
 With `--speculative-config '{"method": "draft_model", ...}'` the draft model drafts in every workload (no
-prediction) and the default side runs the same engine with drafting off.
+prediction) and the other side runs the same engine with drafting off.
 
 With `--concurrency N`, each run sends N requests at once (the workload's prompt, each with a line of its own in
 front) to the engine, which batches them as the server's would; tok/s is every request's tokens over the wall time.
@@ -182,13 +182,13 @@ def cmd_speculative(args: argparse.Namespace, engine_kwargs) -> int:
                                   runs=acc["rates"]))
     print(format_table(rows, [("workload", "workload", ""), ("concurrency", "requests", "d"),
                               ("tokens", "out tok", "d"),
-                              ("base", "default tok/s", ".1f"), ("spec", "spec tok/s", ".1f"),
+                              ("base", "off tok/s", ".1f"), ("spec", "spec tok/s", ".1f"),
                               ("speedup", "speedup", ".2f"), ("acceptance", "accepted", ".0%"),
                               ("same", "same output", "")]))
     if peer_rows:
         print(format_table(peer_rows, [("workload", "workload", ""), ("side", "llama.cpp", ""),
                                        ("tokens", "out tok", "d"), ("rate", "tok/s", ".1f"),
-                                       ("vs_base", "/ pagedlm default", ".2f"), ("vs_spec", "/ pagedlm spec", ".2f"),
+                                       ("vs_base", "/ pagedlm off", ".2f"), ("vs_spec", "/ pagedlm spec", ".2f"),
                                        ("acceptance", "accepted (about)", ".0%")]))
     write_json(args.output_json, dict(config=vars(spec) if spec else None, results=rows, llama_cpp=peer_rows))
     return 0 if all(r["same"] for r in rows) else 1

@@ -62,9 +62,10 @@ class EngineConfig:
         None, "quantized weights: steps of at most this many rows run the quantized kernels (and the fused decoder "
         "stack), larger ones a dense GEMM (default: measured once per CPU, model/probe.py)")
     speculative_config: SpeculativeConfig | dict | str | None = option(
-        None, 'speculative decoding, vLLM\'s JSON shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": "NAME", '
-        '"num_speculative_tokens": 4}\' (docs/speculative.md; requests with a `prediction` speculate without it)',
+        "auto", 'speculative decoding: auto (greedy requests draft by prompt lookup), off, or vLLM\'s JSON shape: '
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or '
+        '\'{"method": "draft_model", "model": "NAME", "num_speculative_tokens": 4}\' (docs/speculative.md; requests '
+        'with a `prediction` speculate whatever this is)', metavar="auto|off|JSON",
         parse=parse_speculative_config)
     weight_cache: str = option("auto", "where a GGUF's repacked weights are cached, so that a second start maps "
                                "them instead of converting them again: auto (<cache root>/weights/<uid>), a "

@@ -82,7 +82,7 @@ class SpecDecoder:
             self._seen = True
             return SpecState(PredictionProposer(p._prediction_token_ids), PREDICTION_TOKENS,
                              cfg.adaptive if cfg else True, len(p._prediction_token_ids))
-        if cfg is None:
+        if cfg is None or not (cfg.sampled or p.greedy):
             return None
         if cfg.method == "draft_model":
             return SpecState(self.drafter, cfg.num_speculative_tokens, cfg.adaptive) if self.drafter else None
