@@ -363,9 +363,9 @@ def test_missing_chat_template_raises(tiny_model_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_tokenizer_parity(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first load converts the GGUF's vocabulary as AutoTokenizer does (the same class, the same tokenizer), but
-    without gguf-py's read of the whole metadata that AutoTokenizer makes to find the class (4 s here); later loads
-    read the converted copy."""
+    """The first load converts the GGUF's vocabulary as AutoTokenizer does (the same class, the same tokenizer; built
+    without transformers: gguf_vocab.py), without gguf-py's read of the whole metadata that AutoTokenizer makes to
+    find the class (4 s here); later loads read the converted copy."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     ref = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
@@ -449,6 +449,7 @@ def test_gguf_header_reader_equals_gguf_py(endian, tmp_path: Path) -> None:
     for key, value in ours.fields.items():
         assert value == ref.fields[key].contents() and type(value) is type(ref.fields[key].contents()), key
     assert ours.fields["t.strs"] == ["a", "", "ünï"] and ours.fields["t.u64"] == 2**40
+    assert ours.little_endian == (endian == gguf.GGUFEndian.LITTLE)
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
     for t, r in zip(ours.tensors, ref.tensors):
         assert t.tensor_type == r.tensor_type and list(t.shape) == r.shape.tolist() and t.n_elements == r.n_elements

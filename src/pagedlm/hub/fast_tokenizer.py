@@ -5,8 +5,10 @@ configured it, from a snapshot written beside the converted copy the first time 
 
 The snapshot (`pagedlm_fast.json` + the Rust tokenizer's state in `pagedlm_backend.json`, in `<file>.tokenizer/`)
 is taken only where the result cannot differ from the transformers tokenizer's: its class implements these
-methods as `TokenizersBackend` does (none overridden), and the two agree on probe texts when it is taken. It is
-used only if all of this holds, else ignored (transformers is loaded as before) and taken again:
+methods as `TokenizersBackend` does (none overridden), and the two agree on probe texts when it is taken; or
+(`store_snapshot`) of a byte-level BPE vocabulary that gguf_vocab.py built as transformers converts it, at a first
+start without transformers. It is used only if all of this holds, else ignored (transformers is loaded as before)
+and taken again:
 - its format, and the transformers and tokenizers versions, are the running ones;
 - every other file of the directory (the converted tokenizer, its config and chat template, the stamp of the GGUF
   it was converted from) has the size and mtime it had when the snapshot was taken (a reconversion or an edited
@@ -122,13 +124,24 @@ def save_snapshot(directory: Path, hf) -> bool:
         if not _agrees(FastTokenizer(backend, facts), hf):
             logger.info("Tokenizer of %s: no snapshot (it does not answer as transformers' does).", directory)
             return False
+        return store_snapshot(directory, backend, facts)
+    except Exception as e:  # noqa: BLE001 - a start without the snapshot is only slower
+        logger.warning("Tokenizer snapshot not written in %s (%s: %s).", directory, type(e).__name__, e)
+        return False
+
+
+def store_snapshot(directory: Path, backend, facts: TokenizerFacts) -> bool:
+    """Snapshot the Rust tokenizer `backend` and `facts` into `directory`, whose other files are complete (the
+    caller knows they answer as the transformers tokenizer saved there: `save_snapshot`, or gguf_vocab.py's
+    conversion). False where it could not be written."""
+    try:
         data = backend.to_str().encode()
         _write(directory / BACKEND, data)
         meta = {"format": _FORMAT, "versions": _versions(), "files": _files(directory),
                 "backend_sha256": hashlib.sha256(data).hexdigest(), "facts": asdict(facts)}
         _write(directory / SNAPSHOT, json.dumps(meta).encode())
         return True
-    except Exception as e:  # noqa: BLE001 - a start without the snapshot is only slower
+    except OSError as e:
         logger.warning("Tokenizer snapshot not written in %s (%s: %s).", directory, type(e).__name__, e)
         return False
 

@@ -58,6 +58,7 @@ class GGUFFile:
     tensors: list[GGUFTensor]
     alignment: int
     mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)
+    little_endian: bool = True
 
     def release(self, tensor: GGUFTensor, start: int = 0, nbytes: int | None = None) -> None:
         """Unmap the pages of `tensor`'s data (bytes `start` .. `start + nbytes` of it, None: to its end) from this
@@ -191,4 +192,4 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         else:
             data = buf[at:at + nbytes].reshape(*dims[:-1], dims[-1] // block * type_size) if dims else buf[at:at]
         tensors.append(GGUFTensor(name, shape, ttype, data, at))
-    return GGUFFile(path, fields, tensors, alignment, mapping)
+    return GGUFFile(path, fields, tensors, alignment, mapping, order == "<")

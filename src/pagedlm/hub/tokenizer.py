@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -11,13 +12,18 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedlm.hub.fast_tokenizer import FastTokenizer, load_snapshot, save_snapshot
+from pagedlm.hub.fast_tokenizer import FastTokenizer, load_snapshot, save_snapshot, store_snapshot
+from pagedlm.hub.gguf_vocab import GGUFVocab
+from pagedlm.hub.gguf_vocab import build as build_vocab
 from pagedlm.hub.loader import load_hf_config
+from pagedlm.hub.registry import open_gguf
 
 if TYPE_CHECKING:  # transformers is imported when a tokenizer is loaded (a second of start-up), not with pagedlm
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["GEMMA_CHAT_TEMPLATE", "Tokenizer", "load_tokenizer"]
+
+logger = logging.getLogger(__name__)
 
 # Gemma's turn format, for Gemma checkpoints that ship no template (the pretrained base models).
 GEMMA_CHAT_TEMPLATE = (
@@ -144,9 +150,9 @@ class Tokenizer:
 def load_tokenizer(path: Path) -> Tokenizer:
     """Tokenizer for a model path from `registry.resolve_model`.
 
-    For a GGUF file, the vocabulary converted by transformers is cached next to it in
-    `<file>.tokenizer/` (written atomically, rebuilt if the GGUF changes), with a snapshot that later starts load
-    without transformers (fast_tokenizer.py).
+    For a GGUF file, the vocabulary converted by transformers (a byte-level BPE one built as transformers converts
+    it, without importing it: gguf_vocab.py) is cached next to it in `<file>.tokenizer/` (written atomically, rebuilt
+    if the GGUF changes), with a snapshot that later starts load without transformers (fast_tokenizer.py).
     """
     path = Path(path)
     cfg = load_hf_config(path)
@@ -162,7 +168,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
         tok = Tokenizer(AutoTokenizer.from_pretrained(path), eos, default_chat_template=template)
     else:
         hf, fast, cached = _gguf_tokenizer(path, cfg["model_type"])
-        tok = Tokenizer(hf, eos, fast, lambda: _saved_tokenizer(cached), template)
+        tok = Tokenizer(hf, eos, fast, lambda: _hf_tokenizer(path, cfg["model_type"], cached), template)
     if gemma:
         end_of_turn = tok.token_to_id("<end_of_turn>")
         if end_of_turn is not None:
@@ -185,25 +191,53 @@ def _gguf_tokenizer(path: Path, model_type: str) -> tuple[PreTrainedTokenizerBas
             return hf, None, cached
     except (OSError, ValueError):
         pass
+    if (vocab := _direct_vocab(path, model_type)) is not None:  # transformers' conversion, without transformers
+        if _cache(path, cached, stamp, vocab.save):
+            store_snapshot(cached, vocab.tokenizer, vocab.facts)
+        return None, FastTokenizer(vocab.tokenizer, vocab.facts), cached
     hf = _gguf_tokenizer_class(model_type).from_pretrained(path.parent, gguf_file=path.name)
+    if _cache(path, cached, stamp, hf.save_pretrained):
+        save_snapshot(cached, hf)
+    return hf, None, cached
+
+
+def _direct_vocab(path: Path, model_type: str) -> GGUFVocab | None:
+    try:
+        reader = open_gguf(path)
+        return build_vocab(path, reader.fields, model_type, reader.little_endian)
+    except Exception as e:  # noqa: BLE001 - whatever the file holds: transformers converts it, as it would anyway
+        logger.info("Tokenizer of %s: converted by transformers (%s: %s).", path, type(e).__name__, e)
+        return None
+
+
+def _cache(path: Path, cached: Path, stamp: dict, save: Callable[[Path], Any]) -> bool:
+    """Write the converted tokenizer (`save(directory)`) and the GGUF's stamp as `cached`, atomically."""
     try:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{cached.name}."))
     except OSError:
-        return hf, None, cached
+        return False
     try:
-        hf.save_pretrained(tmp)
+        save(tmp)
         (tmp / "pagedlm_source.json").write_text(json.dumps(stamp))
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o777 & ~mask)
         shutil.rmtree(cached, ignore_errors=True)
         os.replace(tmp, cached)
-        save_snapshot(cached, hf)
+        return True
     except OSError:
-        pass
+        return False
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return hf, None, cached
+
+
+def _hf_tokenizer(path: Path, model_type: str, cached: Path) -> PreTrainedTokenizerBase:
+    """The transformers tokenizer of a GGUF started from a snapshot: the converted copy, else (it could not be
+    written beside the file) converted again."""
+    try:
+        return _saved_tokenizer(cached)
+    except OSError:
+        return _gguf_tokenizer_class(model_type).from_pretrained(path.parent, gguf_file=path.name)
 
 
 def _saved_tokenizer(cached: Path) -> PreTrainedTokenizerBase:
