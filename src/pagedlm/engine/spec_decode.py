@@ -8,7 +8,8 @@ Which sequences speculate: a request with a `prediction` (its tokens are the dra
 `SpeculativeConfig`, every request by prompt lookup, suffix drafts or the draft model; never beam searches. A
 constrained request's draft ends before the first token its grammar rejects (`constrain`), and the step verifies each
 draft position under the grammar's mask at that position (sample.py), so its output is the same as without drafts.
-No sequence speculates in a step that runs more than `disable_by_batch_size` sequences. The draft model
+No sequence speculates in a step that runs more than `disable_by_batch_size` sequences (a prediction: more than
+PREDICTION_BATCH_SIZE, if that is larger). The draft model
 (engine/draft_loader.py) drafts for all its sequences at once and keeps K/V only for running sequences
 (`SpecDecoder.retain`)."""
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pagedlm.spec.suffix import SuffixCache, SuffixProposer
 # The most draft tokens of a prediction per step: a client's prediction is nearly all right or clearly wrong (the
 # proposer drafts only where the output is copying it), 16 against 8 gave 4.3x against 3.8x on a one-line code edit.
 PREDICTION_TOKENS = 16
-PREDICTION_BATCH_SIZE = 4  # the most running sequences a prediction speculates with, without a SpeculativeConfig
+PREDICTION_BATCH_SIZE = 4  # a prediction speculates while at most this many sequences run (or the config's number)
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +98,14 @@ class SpecDecoder:
             return
         live = [(r, s) for r in running for s in r.live_seqs]
         limit = self.config.disable_by_batch_size if self.config else PREDICTION_BATCH_SIZE
+        predicted = max(limit, PREDICTION_BATCH_SIZE)
         batch, ks = [], []  # the draft model's, drafted together
         for req, seq in live:
             if seq.spec is None:
                 continue
             seq.spec.draft_token_ids = []
-            if len(live) > limit or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 \
+            most = predicted if seq.spec.prediction_len else limit
+            if len(live) > most or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 \
                     or req.params.structured_outputs is not None and seq.matcher is None:
                 continue
             if self.drafter is not None and seq.spec.proposer is self.drafter:
