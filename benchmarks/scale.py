@@ -10,7 +10,9 @@ Llama-3.2-3B's, 8b: Llama-3.1-8B's; SmolLM2's tokenizer, so both engines load th
 4096 for decode deep in a context, where attention and its KV reads grow); the limit is the
 file's bytes read once per token at the read bandwidth measured just before each run (a sum over a buffer far larger
 than the caches, with torch's threads); "of limit" is the median over runs of decode / that run's limit.
-`pagedlm` runs its defaults (`LLM(model=path)`); `llama.cpp` is llama-cpp-python (the `llamacpp` extra). Peak RSS is the child's high-water mark (VmHWM).
+`pagedlm` runs its defaults (`LLM(model=path)`) but for speculative decoding, which is off here (a random-weight
+model's greedy output repeats, so drafts would be accepted and the rate would no longer be one token per read of the
+weights); `llama.cpp` is llama-cpp-python (the `llamacpp` extra). Peak RSS is the child's high-water mark (VmHWM).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def child(backend: str, path: str, prefill: int, seed: int, context: int = 32) -
     t0 = time.perf_counter()
     from pagedlm.bench.backends import make_backend
 
-    engine = make_backend(backend, path, "auto", {})
+    engine = make_backend(backend, path, "auto", {"speculative_config": None} if backend == "pagedlm" else {})
     load = time.perf_counter() - t0
     rng = random.Random(seed)
 
