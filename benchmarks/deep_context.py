@@ -24,7 +24,7 @@ def child(engine: str, path: str, n: int) -> str:
     if engine == "pagedlm":
         from pagedlm import LLM, SamplingParams
 
-        eng = LLM(model=path, max_model_len=n + 128).engine
+        eng = LLM(model=path, max_model_len=n + 128, speculative_config=None).engine  # one token per step, as llama.cpp
         t = time.perf_counter()
         eng.add_request("deep", ids, SamplingParams(max_tokens=STEPS + 16, temperature=0.0, ignore_eos=True))
         while not any(d.token_ids for o in eng.step() for d in o.outputs):
