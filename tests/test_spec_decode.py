@@ -133,11 +133,14 @@ def test_greedy_identical_with_ngram_tiny(tiny_model_dir, tiny_reference, kw):
         assert llm.engine.scheduler.num_preemptions > 0, "the test must force preemption"
 
 
-def test_greedy_requests_draft_by_default(tiny_model_dir, tiny_reference):
+def test_greedy_requests_draft_by_default(tiny_model_dir, tiny_reference, caplog):
     """With no speculative_config, greedy requests draft by prompt lookup (and give the same tokens); sampled ones do
-    not (a seeded request's tokens stay independent of the requests beside it); `off` drafts for none."""
+    not (a seeded request's tokens stay independent of the requests beside it); `off` drafts for none. The start-up
+    log says which."""
     prompts, expected, _ = tiny_reference
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    with caplog.at_level("INFO", logger="pagedlm.engine.llm_engine"):
+        llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=4)
+    assert "speculative decoding: prompt lookup for greedy requests" in caplog.text
     assert llm.engine.spec.config == DEFAULT_SPECULATION and not DEFAULT_SPECULATION.sampled
     assert run(llm, prompts, greedy()) == expected
     drafted = spec_stats(llm).num_draft_tokens

@@ -79,6 +79,13 @@ class SpeculativeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"speculative_config: {name} must be true or false, got {getattr(self, name)!r}.")
 
+    def describe(self) -> str:
+        """The start-up line."""
+        source = {"ngram": "prompt lookup", "suffix": "suffix drafts", "draft_model": f"draft model {self.model}"}
+        who = "every request" if self.sampled else "greedy requests"
+        return (f"speculative decoding: {source[self.method]} for {who}, up to {self.num_speculative_tokens} tokens a "
+                f"step, paused above {self.disable_by_batch_size} sequences")
+
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """From the flag's JSON text, `auto` (DEFAULT), `off`, a dict (`LLM(speculative_config={...})`) or a

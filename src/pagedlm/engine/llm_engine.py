@@ -92,6 +92,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         drafter = self.draft.start(kv.budget.draft_blocks) if self.draft is not None else None
         self.spec = SpecDecoder(spec_config, self.max_model_len, drafter)
+        logger.info("%s", spec_config.describe() if spec_config is not None else
+                    "speculative decoding: off (a request with a prediction drafts from it)")
         self.offload = self.scheduler.kv_loader = DiskOffload.create(
             config, path, self.model_config, self.plan, self.block_manager, self.runner.kv_cache)
         self.block_moves = BlockMoves()  # blocks copied and swapped, for the memory views (snapshot.py)
