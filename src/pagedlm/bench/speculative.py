@@ -72,7 +72,8 @@ class Workload:
     one_line_edit: bool = False  # the prediction is the model's own answer with one line changed
 
 
-EDIT = f"Rename the function `add` to `plus` in this file and reply with the whole file, nothing else.\n\n```python\n{CODE}```"
+EDIT = (f"Rename the function `add` to `plus` in this file and reply with the whole file, nothing else.\n\n"
+        f"```python\n{CODE}```")
 WORKLOADS = [
     # what a code editor sends: the file as the prediction (SmolLM2-135M rewrites more of it than asked)
     Workload("code-edit+prediction", EDIT, CODE, chat=True),
