@@ -23,8 +23,7 @@ class PredictionProposer:
     def __init__(self, prediction_token_ids: list[int]) -> None:
         self.prediction = np.asarray(prediction_token_ids, dtype=np.int64)
         self.cursor = 0  # the prediction's position the output is expected to continue with
-        self._drafted_at = -1  # the output's length when the last draft was taken
-        self._draft_start = 0  # where in the prediction that draft started
+        self._drafted_at = -1  # the output's length when the last draft (from the cursor) was taken
 
     def propose(self, seq: DraftSeq, max_tokens: int) -> list[int]:
         out = seq.output_token_ids
@@ -35,19 +34,19 @@ class PredictionProposer:
                 if start is None:
                     return []
                 self.cursor = start
-        self._drafted_at, self._draft_start = len(out), self.cursor
+        self._drafted_at = len(out)
         return self.prediction[self.cursor:self.cursor + max_tokens].tolist()
 
     def _advance(self, out: list[int]) -> None:
-        """Move the cursor over the output's new tokens as far as they copied the prediction from the last draft's
-        start."""
+        """Move the cursor over the output's new tokens as far as they copied the prediction from it (where the last
+        draft started)."""
         if self._drafted_at < 0 or self._drafted_at > len(out):
             return
         new = np.asarray(out[self._drafted_at:], dtype=np.int64)
-        ahead = self.prediction[self._draft_start:self._draft_start + len(new)]
+        ahead = self.prediction[self.cursor:self.cursor + len(new)]
         same = new[:len(ahead)] == ahead
         copied = len(ahead) if same.all() else int(np.argmin(same))
-        self.cursor = self._draft_start + copied
+        self.cursor += copied
         self._drafted_at = -1
 
     def _on_track(self, out: list[int]) -> bool:
