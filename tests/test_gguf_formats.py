@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from pagedlm import cbuild
+from pagedlm.cpu import cpu_features
 from pagedlm.hub.blocks import RawBlocks
 from pagedlm.model import quant
 
@@ -105,8 +106,6 @@ def test_native_layouts_bit_identical_in_every_build(monkeypatch, march):
     products at 1-19 rows and the bf16 / fp32 dequantizations."""
     import platform
 
-    from pagedlm.cpu import cpu_features
-
     _kernel_or_skip()
     if platform.machine() != "x86_64" or (march != "x86-64" and not {"avx2", "fma", "f16c"} <= cpu_features().flags):
         pytest.skip(f"this CPU cannot run a -march={march} build")
@@ -116,6 +115,7 @@ def test_native_layouts_bit_identical_in_every_build(monkeypatch, march):
     assert variant is not None
     g = torch.Generator().manual_seed(2)
     x = torch.randn(19, 512, generator=g)
+    vnni_before = variant.pagedlm_gguf_vnni_products()
     for kind in ("Q4_0", "Q4_1", "Q4_K", *quant.GGUF_KINDS):
         raw = RawBlocks.from_gguf(random_blocks(kind, 48, 512, 4), kind, 512)
         int4 = kind.startswith("Q4")
@@ -132,6 +132,9 @@ def test_native_layouts_bit_identical_in_every_build(monkeypatch, march):
         assert torch.equal(layer.dequantize(), native_w), kind
         monkeypatch.undo()
         assert counting.calls.count("pagedlm_linear_int4" if int4 else "pagedlm_linear_gguf") == 4
+    # the 5- to 8-bit kinds' products of 2, 3 and 19 rows ran the AVX-512 VNNI kernels in that build only
+    vnni = 3 * len(quant.GGUF_KINDS) if march == cbuild.EMULATED_AVX512 else 0
+    assert variant.pagedlm_gguf_vnni_products() - vnni_before == vnni
 
 
 @pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25)])
@@ -156,7 +159,10 @@ def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
     assert torch.equal(layer.dequantize_to(torch.bfloat16), want.to(torch.bfloat16))
     layer.kernel_max_rows = 64
     x = torch.randn(19, cols, generator=torch.Generator().manual_seed(3))
+    vnni_before = lib.pagedlm_gguf_vnni_products()
     full = layer(x)
+    if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"} <= cpu_features().flags:
+        assert lib.pagedlm_gguf_vnni_products() == vnni_before + 1  # AVX-512 VNNI: the AVX2 build's bits (below)
     for size in (1, 2, 3, 5, 8, 9, 13):
         assert torch.equal(layer(x[4:4 + size]), full[4:4 + size]), size
     assert counting.calls.count("pagedlm_linear_gguf") == 8

@@ -17,6 +17,8 @@
 // per 16 inputs), Q5_K then f = fma(-dmin * m, d_x * sum_x, f). The AVX2 code runs on AVX-512 machines too.
 #pragma once
 
+#include <atomic>
+
 enum GgufKind { GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3 };
 
 struct GgufX16 {
@@ -136,6 +138,66 @@ struct GgufX16 {
     }
   }
 #endif
+#ifdef PAGEDLM_AVX512_VNNI
+  // Block b's codes for the tile's 16 rows as vpdpbusd's unsigned multipliers, q[c] of inputs 4c..4c+3 (c = 0..7):
+  // Q8_0's q + 128, Q5_0's and Q5_K's q (0..31), Q6_K's q (0..63). The dot then lacks KindOffset<KIND> times the
+  // activations' sum (of each half for Q6_K).
+  template <int KIND>
+  void load16(int b, __m512i* q) const {
+    if constexpr (KIND == GK_Q8_0) {
+      const __m512i flip = _mm512_set1_epi8(char(0x80));
+      for (int c = 0; c < 8; ++c) q[c] = _mm512_xor_si512(_mm512_loadu_si512(codes + int64_t(b) * 512 + 64 * c), flip);
+      return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + int64_t(b) * 256 + 64 * c);
+      q[c] = _mm512_and_si512(v, m4);
+      q[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      if constexpr (KIND == GK_Q6_K) {  // byte 32h + p: plane byte (2c + h) * 16 + p % 16, fields shifted by p >= 16
+        const __m256i pb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + int64_t(b) * 128 + 32 * c));
+        const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(pb));
+        const __m512i t = _mm512_srlv_epi32(z,
+                                            _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2));
+        const __m512i m30 = _mm512_set1_epi8(0x30);
+        q[c] = _mm512_or_si512(q[c], _mm512_and_si512(_mm512_slli_epi32(t, 4), m30));
+        q[4 + c] = _mm512_or_si512(q[4 + c], _mm512_and_si512(t, m30));
+      } else {  // Q5: bit 32h + p of (lo, hi) is bit p of word (2c + h) * 8 (+ 4 for hi)
+        const uint8_t* pl = planes + int64_t(b) * 64 + 16 * c;
+        uint32_t w[4];
+        std::memcpy(w, pl, 16);
+        const __m512i bit = _mm512_set1_epi8(0x10);
+        q[c] = _mm512_or_si512(q[c], _mm512_maskz_mov_epi8(w[0] | uint64_t(w[2]) << 32, bit));
+        q[4 + c] = _mm512_or_si512(q[4 + c], _mm512_maskz_mov_epi8(w[1] | uint64_t(w[3]) << 32, bit));
+      }
+    }
+  }
+  // Block b's scales for the tile's 16 rows, as scales8 gives each half of them.
+  template <int KIND>
+  void scales16(int b, __m512& s0, __m512& s1, __m512& mn) const {
+    auto f16 = [](const uint16_t* p) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    };
+    auto u8 = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    auto s8 = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    if constexpr (KIND == GK_Q5_K) {
+      s0 = _mm512_mul_ps(f16(scales + (b / 8) * 32), u8(aux + b * 32));
+      mn = _mm512_castsi512_ps(_mm512_xor_si512(
+          _mm512_castps_si512(_mm512_mul_ps(f16(scales + (b / 8) * 32 + 16), u8(aux + b * 32 + 16))),
+          _mm512_set1_epi32(int32_t(0x80000000u))));
+    } else if constexpr (KIND == GK_Q6_K) {
+      const __m512 d = f16(scales + (b / 8) * 16);
+      s0 = _mm512_mul_ps(d, s8(aux + b * 32));
+      s1 = _mm512_mul_ps(d, s8(aux + b * 32 + 16));
+    } else {
+      s0 = f16(scales + b * 16);
+    }
+  }
+#endif
 };
 
 #ifdef PAGEDLM_AVX2
@@ -209,12 +271,84 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
 }
 #endif
 
-// Tile t of a GGUF x16 weight against every row of x (packed activations, blocks of 32, bsum / gsum per block).
-void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, const float* gsum,
-                   float* y, int M, int N, int t) {
+#ifdef PAGEDLM_AVX512_VNNI
+std::atomic<int64_t> gguf_vnni_products{0};  // products of several rows that ran gguf_x16_rows16 (tests see the path)
+
+template <int KIND>
+constexpr int kKindOffset = KIND == GK_Q8_0 ? 128 : KIND == GK_Q5_0 ? 16 : KIND == GK_Q6_K ? 32 : 0;
+
+// The sum of four vpdpbusd of codes q[c0..c0+3] with the activations at xb + 4 * c0, from `init`.
+inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
+  for (int c = 0; c < 4; ++c) init = dpbusd_bcast(init, q[c], xb + 4 * c);
+  return init;
+}
+
+// Rows m0 .. m0 + R of x (R <= 8, one packed group) against the 16 rows of tile n0 / 16 in one pass over its blocks,
+// with AVX-512 VNNI: per block the exact integer dots the AVX2 code forms (vpdpbusd on load16's codes, less the
+// offset times the activations' sum; Q6_K's halves apart, hsum the sum of each block's first 16), then its fp32
+// operations in its order, so the results are gguf_x16_tile's in every build.
+template <int KIND, int R>
+void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hsum,
+                     const float* gsum, float* y, int N, int n0, int m0) {
+  const int nblk = w.nblk;
+  const int64_t g0 = int64_t(m0) * nblk;  // this row group's blocks: xq [nblk, 8, 32], d / bsum / hsum / gsum [nblk, 8]
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  for (int b = 0; b < nblk; ++b) {
+    if (m0 == 0) {
+      prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
+      if constexpr (KIND != GK_Q8_0) prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
+    }
+    __m512i q[8];
+    w.load16<KIND>(b, q);
+    __m512 s0, s1, mn;
+    w.scales16<KIND>(b, s0, s1, mn);
+    const int8_t* xb = xq + (g0 + int64_t(b) * 8) * 32;
+    const int64_t mb = g0 + int64_t(b) * 8;
+    for (int i = 0; i < R; ++i) {
+      const int8_t* xi = xb + 32 * i;
+      const __m512 dv = _mm512_set1_ps(d[mb + i]);
+      if constexpr (KIND == GK_Q6_K) {
+        const int32_t h0 = hsum[mb + i], h1 = bsum[mb + i] - h0;
+        const __m512i d0 = dot_chunks4(_mm512_set1_epi32(-32 * h0), q, xi);
+        const __m512i d1 = dot_chunks4(_mm512_set1_epi32(-32 * h1), q + 4, xi + 16);
+        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, dv), f[i]);
+        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, dv), f[i]);
+      } else {
+        const __m512i init = _mm512_set1_epi32(-kKindOffset<KIND> * bsum[mb + i]);
+        const __m512i dot = _mm512_add_epi32(dot_chunks4(init, q, xi), dot_chunks4(_mm512_setzero_si512(), q + 4, xi + 16));
+        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, dv), f[i]);
+        if constexpr (KIND == GK_Q5_K) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[mb + i]), f[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
+}
+
+template <int KIND>
+void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hsum,
+                     const float* gsum, float* y, int M, int N, int n0) {
+  for_row_groups(M, [&](auto r, int m0) {
+    gguf_x16_rows16<KIND, decltype(r)::value>(w, xq, d, bsum, hsum, gsum, y, N, n0, m0);
+  });
+}
+#endif
+
+// Tile t of a GGUF x16 weight against every row of x (packed activations, blocks of 32, bsum / gsum per block;
+// hsum: the sum of each block's first 16 activations, for Q6_K on AVX-512 VNNI).
+void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hsum,
+                   const float* gsum, float* y, int M, int N, int t) {
   const GgufX16 w = weights.tile(t);
   const int nblk = w.nblk, n0 = t * X16;
-#ifdef PAGEDLM_AVX2
+#ifdef PAGEDLM_AVX512_VNNI
+  switch (w.kind) {
+    case GK_Q8_0: return gguf_x16_tile16<GK_Q8_0>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
+    case GK_Q5_0: return gguf_x16_tile16<GK_Q5_0>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
+    case GK_Q5_K: return gguf_x16_tile16<GK_Q5_K>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
+    default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
+  }
+  (void)nblk;
+#elif defined(PAGEDLM_AVX2)
   for_row_groups(M, [&](auto r, int m0) {
     constexpr int R = decltype(r)::value;
     if constexpr (R == 1) {
@@ -254,6 +388,7 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
     }
   (void)bsum;
 #endif
+  (void)hsum;
 }
 
 #ifdef PAGEDLM_AVX2

@@ -1449,6 +1449,16 @@ int pagedlm_amx_enable(int mode) { return amx_enabled.exchange(std::clamp(mode, 
 // Products that have run on AMX tiles in this process.
 int64_t pagedlm_amx_products() { return amx_products.load(); }
 
+// Products of several rows of a GGUF Q8_0 / Q5_0 / Q5_K / Q6_K weight that ran the AVX-512 VNNI kernels (0 in
+// builds without them).
+int64_t pagedlm_gguf_vnni_products() {
+#ifdef PAGEDLM_AVX512_VNNI
+  return gguf_vnni_products.load();
+#else
+  return 0;
+#endif
+}
+
 // Whether this build multiplies bf16 weights with AVX512-BF16 (else portable code computes the same sums).
 int pagedlm_bf16_x16_native() {
 #ifdef PAGEDLM_AVX512_BF16
@@ -1638,6 +1648,22 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   float *const dp = d.data(), *const gp = gsum.data();
   int32_t* const bp = bsum.data();
   quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay);
+  int32_t* hp = nullptr;
+#ifdef PAGEDLM_AVX512_VNNI
+  thread_local std::vector<int32_t> hsum;
+  if (kind == GK_Q6_K) {  // each block's first 16 activations summed (gguf_x16_rows16 corrects Q6_K's halves apart)
+    hsum.resize(size_t(Mr) * nblk);
+    hp = hsum.data();
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < nblk; ++b) {
+        const int8_t* xb = xqp + lay.xq(m, b, nblk);
+        int32_t sum = 0;
+        for (int v = 0; v < 16; ++v) sum += xb[v];
+        hp[lay.blk(m, b, nblk)] = sum;
+      }
+  }
+  gguf_vnni_products.fetch_add(M > 1 && !amx, std::memory_order_relaxed);
+#endif
   const GgufX16 g{kind, nblk, codes, planes, scales, aux};
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
@@ -1659,6 +1685,7 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
 #endif
       for (; t < t1; ++t)
         gguf_x16_tile(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
+                      hp ? hp + int64_t(m0) * nblk : nullptr,
                       gp + int64_t(m0) * nblk, y + int64_t(m0) * N, rows, N, t);
     });
   }

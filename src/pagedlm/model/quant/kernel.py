@@ -37,6 +37,8 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_amx_enable.argtypes = [i]
     lib.pagedlm_amx_products.argtypes = []
     lib.pagedlm_amx_products.restype = ctypes.c_int64
+    lib.pagedlm_gguf_vnni_products.argtypes = []
+    lib.pagedlm_gguf_vnni_products.restype = ctypes.c_int64
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
                lib.pagedlm_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
                lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16, lib.pagedlm_dequant_int4_x16,
