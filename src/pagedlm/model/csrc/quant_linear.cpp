@@ -53,6 +53,9 @@ using pagedlm_touch::touch_lines;
 constexpr int NT = 4;  // output rows per tile: their weights are read once for every row of x
 constexpr int PF_TILES = 8;
 constexpr int PF_BYTES = 2048;  // prefetch distance in a packed stream
+// Blocks ahead that the x16 kernels prefetch a weight's scales (a stream of 32-64 bytes a block beside the codes'):
+// Q4_K's single-row products of cold weights 1.27x on a Zen 4.
+constexpr int PF_SCALE_BLOCKS = 16;
 
 // Software prefetches of every 64-byte line of [p, p + bytes): on a Zen 3 a stream whose every other line alone is
 // prefetched reads at half the rate of one prefetched in full (its hardware prefetchers do not fill the gaps).
@@ -437,6 +440,12 @@ struct F16Scales {
   }
   float scale(int g, int j) const { return half_to_float(s[g * X16 + j]); }
   float min(int g, int j) const { return m ? half_to_float(m[g * X16 + j]) : scale(g, j) * -8.f; }
+  // The scales of block b + PF_SCALE_BLOCKS (their own memory streams, beside the codes').
+  void prefetch(int b) const {
+    const int64_t at = int64_t((b + PF_SCALE_BLOCKS) / bpg) * X16;
+    __builtin_prefetch(s + at, 0, 3);
+    if (m) __builtin_prefetch(m + at, 0, 3);
+  }
 #ifdef PAGEDLM_AVX2
   void load8(int g, int h, __m256& sc, __m256& mn) const {
     sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + int64_t(g) * X16 + 8 * h)));
@@ -463,6 +472,10 @@ struct KScales {
   static constexpr int bpg = 1;
 
   KScales tile(int t) const { return {dd + int64_t(t) * (nblk / 8) * 2 * X16, sm + int64_t(t) * nblk * 2 * X16, nblk}; }
+  void prefetch(int b) const {  // as F16Scales::prefetch: the 6-bit scales and the super-block's d and dmin
+    __builtin_prefetch(sm + int64_t(b + PF_SCALE_BLOCKS) * 2 * X16, 0, 3);
+    __builtin_prefetch(dd + int64_t((b + PF_SCALE_BLOCKS) / 8) * 2 * X16, 0, 3);
+  }
   float scale(int b, int j) const { return half_to_float(dd[(b / 8) * 2 * X16 + j]) * float(sm[b * 2 * X16 + j]); }
   float min(int b, int j) const {
     return -(half_to_float(dd[(b / 8) * 2 * X16 + X16 + j]) * float(sm[b * 2 * X16 + X16 + j]));
@@ -547,7 +560,7 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
   for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
     // every line (not every other one): 1.1-1.25x the decode rate of a 1B model on a 2-core Zen 4
-    if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK);
+    if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK), sc.prefetch(b);
     __m512i w[8];
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(wb + 64 * c);
@@ -592,6 +605,7 @@ void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, cons
     for (int u = 0; u < T; ++u) {
       const uint8_t* wb = qt[u] + int64_t(b) * X16_BLOCK;
       prefetch_lines(wb + PF_BYTES, X16_BLOCK);
+      sc[u].prefetch(b);
       __m512i w[8];
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * c);
@@ -627,6 +641,7 @@ void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, cons
   for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
     prefetch_lines(wb + PF_BYTES, X16_BLOCK);  // every line: 2x the single-core stream rate of every other one
+    sc.prefetch(b);
     if (in_group == 0) sc.load8(g, 0, s[0], mn[0]), sc.load8(g, 1, s[1], mn[1]);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256;
@@ -676,7 +691,7 @@ void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, cons
   if (in_group != 0) sc.load8(g, h, s, mn);  // a chunk that starts inside a group
   for (int b = b0; b < b1; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK + 32 * h;
-    if (h == 0 && i0 == 0) prefetch_lines(qt + int64_t(b) * X16_BLOCK + PF_BYTES, X16_BLOCK);
+    if (h == 0 && i0 == 0) prefetch_lines(qt + int64_t(b) * X16_BLOCK + PF_BYTES, X16_BLOCK), sc.prefetch(b);
     if (in_group == 0) sc.load8(g, h, s, mn);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
@@ -1449,8 +1464,8 @@ int pagedlm_amx_enable(int mode) { return amx_enabled.exchange(std::clamp(mode, 
 // Products that have run on AMX tiles in this process.
 int64_t pagedlm_amx_products() { return amx_products.load(); }
 
-// Products of several rows of a GGUF Q8_0 / Q5_0 / Q5_K / Q6_K weight that ran the AVX-512 VNNI kernels (0 in
-// builds without them).
+// Products of a GGUF Q8_0 (several rows) / Q5_0 / Q5_K / Q6_K weight that ran gguf_x16_rows16, the AVX-512 VNNI
+// kernel (0 in builds without it).
 int64_t pagedlm_gguf_vnni_products() {
 #ifdef PAGEDLM_AVX512_VNNI
   return gguf_vnni_products.load();
@@ -1662,7 +1677,7 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
         hp[lay.blk(m, b, nblk)] = sum;
       }
   }
-  gguf_vnni_products.fetch_add(M > 1 && !amx, std::memory_order_relaxed);
+  gguf_vnni_products.fetch_add(!amx && (M > 1 || kind != GK_Q8_0), std::memory_order_relaxed);
 #endif
   const GgufX16 g{kind, nblk, codes, planes, scales, aux};
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
@@ -1680,7 +1695,7 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
 #ifdef PAGEDLM_AVX512_VNNI
       for (; rows == 1 && kind == GK_Q8_0 && t + 2 <= t1; t += 2) gguf_q8_0_row_tiles<2>(g, xqp, dp, bp, y, t);
 #endif
-#ifdef PAGEDLM_AVX2
+#if defined(PAGEDLM_AVX2) && !defined(PAGEDLM_AVX512_VNNI)
       for (; rows == 1 && t + 2 <= t1; t += 2) gguf_x16_row_pair(g, xqp, dp, bp, gp, y, N, t);
 #endif
       for (; t < t1; ++t)
