@@ -8,7 +8,8 @@ source (e.g. from `git worktree add /tmp/old <commit>`) against the working tree
 
 `attention`: decode over `--layers` separate bf16 caches in turn (30, as SmolLM2 has: their K/V do not fit the
 caches, so each call reads them cold, as in a real step). `int4`: the x16 int4 product at 1 to 2,048 rows for
-SmolLM2's projection shapes. Each source must sit in its own checkout (its #includes are relative).
+SmolLM2's projection shapes. `gguf`: each GGUF block kind (`--kinds`) at 1 row of cold weights and 8 to 256 rows.
+Each source must sit in its own checkout (its #includes are relative).
 """
 from __future__ import annotations
 
@@ -70,10 +71,19 @@ def attention(sources: list[str], batch: int, context: int, layers: int, reps: i
     print(_line(f"attention, bf16 KV, batch {batch} x context {context}, {layers} layers", times))
 
 
+def _configure_products(lib: ctypes.CDLL) -> None:
+    """The products' entry points alone (older sources lack some of the others)."""
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.pagedlm_linear_int4.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
+    lib.pagedlm_linear_gguf.argtypes = [p, i, p, p, p, p, p, i, i, i, i]
+    for fn in (lib.pagedlm_linear_int4, lib.pagedlm_linear_gguf):
+        fn.restype = i
+
+
 def int4(sources: list[str], reps: int) -> None:
     from pagedlm.model import quant
 
-    libs = _load(sources, quant._configure)
+    libs = _load(sources, _configure_products)
     g = torch.Generator().manual_seed(0)
     for rows in (1, 16, 64, 2048):
         for k, n in ((576, 3072), (1536, 576), (576, 960)):
@@ -94,19 +104,51 @@ def int4(sources: list[str], reps: int) -> None:
                         f"{rows:4d} rows, {k} -> {n}", times))
 
 
+def gguf(sources: list[str], reps: int, kinds: list[str]) -> None:
+    """GGUF block kinds as the file stores them: several rows on a 2,048 -> 5,632 projection (in cache), one row on
+    8,192 -> 32,768 (cold: larger than the last-level cache, as decode reads a model's weights)."""
+    from pagedlm.bench.kernel import random_gguf_blocks
+    from pagedlm.hub.blocks import RawBlocks
+    from pagedlm.model import quant
+
+    libs = _load(sources, _configure_products)
+    g = torch.Generator().manual_seed(0)
+    for kind in kinds:
+        for rows, (k, n) in ((1, (8192, 32768)), (8, (2048, 5632)), (64, (2048, 5632)), (256, (2048, 5632))):
+            raw = RawBlocks.from_gguf(random_gguf_blocks(kind, n, k, 1), kind, k)
+            layer = quant.Int4Linear(raw, 32, x16=True) if kind.startswith("Q4") else quant.GGUFLinear(raw)
+            x = torch.randn(rows, k, generator=g)
+            ys = {name: torch.empty(rows, n) for name in libs}
+            for name, lib in libs.items():
+                layer._kernel(lib, x, ys[name])
+            first = next(iter(ys.values()))
+            assert all(torch.equal(y, first) for y in ys.values()), "builds disagree"
+            times: dict[str, list[float]] = {name: [] for name in libs}
+            for _ in range(reps):
+                for name, lib in libs.items():
+                    t = time.perf_counter()
+                    layer._kernel(lib, x, ys[name])
+                    times[name].append(time.perf_counter() - t)
+            gmacs = rows * k * n / statistics.median(times[next(reversed(times))]) / 1e9
+            print(_line(f"{kind}, {rows:3d} rows, {k} -> {n} (last build {gmacs:.0f} GMAC/s)", times))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["attention", "int4"])
+    ap.add_argument("kernel", choices=["attention", "int4", "gguf"])
     ap.add_argument("sources", nargs="+", help="kernel sources, the first is the baseline")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kinds", default="Q8_0,Q5_0,Q5_K,Q6_K,Q4_K,Q4_0", help="gguf: the block kinds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernel == "attention":
         attention(args.sources, args.batch, args.context, args.layers, args.repeats)
+    elif args.kernel == "gguf":
+        gguf(args.sources, args.repeats, args.kinds.split(","))
     else:
         int4(args.sources, args.repeats)
 

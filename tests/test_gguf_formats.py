@@ -12,24 +12,9 @@ from gguf import GGMLQuantizationType as Q
 
 from pagedlm import cbuild
 from pagedlm.cpu import cpu_features
+from pagedlm.bench.kernel import random_gguf_blocks as random_blocks
 from pagedlm.hub.blocks import RawBlocks
 from pagedlm.model import quant
-
-
-def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Valid GGUF blocks of `kind` for a [rows, cols] weight: every code and 6-bit scale drawn at random (gguf-py
-    cannot quantize the K-quants), the fp16 factors small and positive."""
-    rng = np.random.default_rng(seed)
-    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
-        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, Q[kind])
-    block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
-    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    small = (rng.random((rows, cols // block, 2)) * 0.004 + 1e-4).astype(np.float16).view(np.uint8)
-    if kind in ("Q4_K", "Q5_K"):  # d, dmin (fp16) lead the super-block
-        raw[..., 0:4] = small
-    elif kind == "Q6_K":  # d (fp16) ends it
-        raw[..., 208:210] = small[..., 0:2]
-    return raw.reshape(rows, -1)
 
 
 def reference(raw: np.ndarray, kind: str, rows: int, cols: int) -> torch.Tensor:
