@@ -69,11 +69,6 @@ struct GgufX16 {
       default: return half_to_float(scales[b * 16 + j]);
     }
   }
-  void prefetch_scales(int b) const {  // block b's scales: streams of their own, beside the codes'
-    if (aux) __builtin_prefetch(aux + int64_t(b) * 32, 0, 3);
-    __builtin_prefetch(scales + (kind == GK_Q5_K ? int64_t(b / 8) * 32 : kind == GK_Q6_K ? int64_t(b / 8) * 16
-                                                                                        : int64_t(b) * 16), 0, 3);
-  }
   float min(int b, int j) const { return -(half_to_float(scales[(b / 8) * 32 + 16 + j]) * float(aux[b * 32 + 16 + j])); }
   float weight(int b, int j, int v) const {  // the dequantized weight, as gguf-py computes it
     const int q = code(b, j, v);
@@ -229,7 +224,6 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
     if (i0 == 0 && h0 == 0) {  // the block PF_BLOCKS ahead, every line of its codes and high bits
       prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
       if (w.planes) prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
-      w.prefetch_scales(b + PF_SCALE_BLOCKS);
     }
     const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
     __m256i a0[R][H], a1[R][H];  // 16-bit pair sums (a1: Q6_K's second half), or Q8_0's 32-bit sums in a0
@@ -306,7 +300,6 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
     if (m0 == 0) {
       prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
       if constexpr (KIND != GK_Q8_0) prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
-      w.prefetch_scales(b + PF_SCALE_BLOCKS);
     }
     __m512i q[8];
     w.load16<KIND>(b, q);
@@ -431,7 +424,6 @@ void gguf_q8_0_row_tiles(const GgufX16& weights, const int8_t* xq, const float* 
     for (int u = 0; u < T; ++u) {
       const uint8_t* wb = w[u].codes + int64_t(b) * 512;
       prefetch_lines(wb + PF_BLOCKS * 512, 512);
-      w[u].prefetch_scales(b + PF_SCALE_BLOCKS);
       __m512i q[8];
       for (int c = 0; c < 8; ++c) q[c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), flip);
       const __m512i dot = _mm512_sub_epi32(dot_block32(q, xq + mb * 32), corr);

@@ -53,9 +53,6 @@ using pagedlm_touch::touch_lines;
 constexpr int NT = 4;  // output rows per tile: their weights are read once for every row of x
 constexpr int PF_TILES = 8;
 constexpr int PF_BYTES = 2048;  // prefetch distance in a packed stream
-// Blocks ahead that the x16 kernels prefetch a weight's scales (a stream of 32-64 bytes a block beside the codes'):
-// Q4_K's single-row products of cold weights 1.27x on a Zen 4.
-constexpr int PF_SCALE_BLOCKS = 16;
 
 // Software prefetches of every 64-byte line of [p, p + bytes): on a Zen 3 a stream whose every other line alone is
 // prefetched reads at half the rate of one prefetched in full (its hardware prefetchers do not fill the gaps).
@@ -440,12 +437,6 @@ struct F16Scales {
   }
   float scale(int g, int j) const { return half_to_float(s[g * X16 + j]); }
   float min(int g, int j) const { return m ? half_to_float(m[g * X16 + j]) : scale(g, j) * -8.f; }
-  // The scales of block b + PF_SCALE_BLOCKS (their own memory streams, beside the codes').
-  void prefetch(int b) const {
-    const int64_t at = int64_t((b + PF_SCALE_BLOCKS) / bpg) * X16;
-    __builtin_prefetch(s + at, 0, 3);
-    if (m) __builtin_prefetch(m + at, 0, 3);
-  }
 #ifdef PAGEDLM_AVX2
   void load8(int g, int h, __m256& sc, __m256& mn) const {
     sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + int64_t(g) * X16 + 8 * h)));
@@ -472,50 +463,35 @@ struct KScales {
   static constexpr int bpg = 1;
 
   KScales tile(int t) const { return {dd + int64_t(t) * (nblk / 8) * 2 * X16, sm + int64_t(t) * nblk * 2 * X16, nblk}; }
-  void prefetch(int b) const {  // as F16Scales::prefetch: the 6-bit scales and the super-block's d and dmin
-    __builtin_prefetch(sm + int64_t(b + PF_SCALE_BLOCKS) * 2 * X16, 0, 3);
-    __builtin_prefetch(dd + int64_t((b + PF_SCALE_BLOCKS) / 8) * 2 * X16, 0, 3);
-  }
   float scale(int b, int j) const { return half_to_float(dd[(b / 8) * 2 * X16 + j]) * float(sm[b * 2 * X16 + j]); }
   float min(int b, int j) const {
     return -(half_to_float(dd[(b / 8) * 2 * X16 + X16 + j]) * float(sm[b * 2 * X16 + X16 + j]));
   }
-  // load8 / load16 convert a super-block's d and dmin at its first block and keep them for its other seven: every
-  // kernel walks a tile's blocks in order from a super-block's start (Q4_K's single rows 1.5x on a Zen 4). The
-  // minimum, (-dmin) * m, is the same fp32 product as -(dmin * m).
 #ifdef PAGEDLM_AVX2
-  mutable __m256 d8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, ndmin8[2] = {d8[0], d8[0]};
   void load8(int b, int h, __m256& sc, __m256& mn) const {
-    if (b % 8 == 0) {
-      const uint16_t* d = dd + int64_t(b / 8) * 2 * X16 + 8 * h;
-      d8[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
-      ndmin8[h] = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + X16))),
-                                _mm256_set1_ps(-0.f));
-    }
+    const uint16_t* d = dd + int64_t(b / 8) * 2 * X16 + 8 * h;
     const uint8_t* q = sm + int64_t(b) * 2 * X16 + 8 * h;
     auto bytes = [](const uint8_t* p) {
       return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     };
-    sc = _mm256_mul_ps(d8[h], bytes(q));
-    mn = _mm256_mul_ps(ndmin8[h], bytes(q + X16));
+    sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))), bytes(q));
+    mn = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + X16))),
+                                     bytes(q + X16)),
+                       _mm256_set1_ps(-0.f));
   }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-  mutable __m512 d16 = _mm512_setzero_ps(), ndmin16 = d16;
   void load16(int b, __m512& sc, __m512& mn) const {
-    if (b % 8 == 0) {
-      const uint16_t* d = dd + int64_t(b / 8) * 2 * X16;
-      d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
-      ndmin16 = _mm512_castsi512_ps(_mm512_xor_si512(
-          _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + X16)))),
-          _mm512_set1_epi32(int(0x80000000u))));
-    }
+    const uint16_t* d = dd + int64_t(b / 8) * 2 * X16;
     const uint8_t* q = sm + int64_t(b) * 2 * X16;
     auto bytes = [](const uint8_t* p) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     };
-    sc = _mm512_mul_ps(d16, bytes(q));
-    mn = _mm512_mul_ps(ndmin16, bytes(q + X16));
+    sc = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d))), bytes(q));
+    mn = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + X16))), bytes(q + X16))),
+        _mm512_set1_epi32(int(0x80000000u))));
   }
 #endif
 };
@@ -571,7 +547,7 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
   for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
     // every line (not every other one): 1.1-1.25x the decode rate of a 1B model on a 2-core Zen 4
-    if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK), sc.prefetch(b);
+    if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK);
     __m512i w[8];
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(wb + 64 * c);
@@ -616,7 +592,6 @@ void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, cons
     for (int u = 0; u < T; ++u) {
       const uint8_t* wb = qt[u] + int64_t(b) * X16_BLOCK;
       prefetch_lines(wb + PF_BYTES, X16_BLOCK);
-      sc[u].prefetch(b);
       __m512i w[8];
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * c);
@@ -652,7 +627,6 @@ void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, cons
   for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
     prefetch_lines(wb + PF_BYTES, X16_BLOCK);  // every line: 2x the single-core stream rate of every other one
-    sc.prefetch(b);
     if (in_group == 0) sc.load8(g, 0, s[0], mn[0]), sc.load8(g, 1, s[1], mn[1]);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256;
@@ -702,7 +676,7 @@ void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, cons
   if (in_group != 0) sc.load8(g, h, s, mn);  // a chunk that starts inside a group
   for (int b = b0; b < b1; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK + 32 * h;
-    if (h == 0 && i0 == 0) prefetch_lines(qt + int64_t(b) * X16_BLOCK + PF_BYTES, X16_BLOCK), sc.prefetch(b);
+    if (h == 0 && i0 == 0) prefetch_lines(qt + int64_t(b) * X16_BLOCK + PF_BYTES, X16_BLOCK);
     if (in_group == 0) sc.load8(g, h, s, mn);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
