@@ -71,6 +71,22 @@ def attention(sources: list[str], batch: int, context: int, layers: int, reps: i
     print(_line(f"attention, bf16 KV, batch {batch} x context {context}, {layers} layers", times))
 
 
+def _time_layer(libs: dict[str, ctypes.CDLL], layer, x: torch.Tensor, reps: int) -> dict[str, list[float]]:
+    """Seconds per call of `layer`'s kernel in each build, the builds alternated; they must give the same bits."""
+    ys = {name: torch.empty(x.shape[0], layer.out_features) for name in libs}
+    for name, lib in libs.items():
+        layer._kernel(lib, x, ys[name])
+    first = next(iter(ys.values()))
+    assert all(torch.equal(y, first) for y in ys.values()), "builds disagree"
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    for _ in range(reps):
+        for name, lib in libs.items():
+            t = time.perf_counter()
+            layer._kernel(lib, x, ys[name])
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
 def _configure_products(lib: ctypes.CDLL) -> None:
     """The products' entry points alone (older sources lack some of the others)."""
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -89,17 +105,7 @@ def int4(sources: list[str], reps: int) -> None:
         for k, n in ((576, 3072), (1536, 576), (576, 960)):
             layer = quant.Int4Linear(torch.randn(n, k, generator=g) * 0.05, 32)
             x = torch.randn(rows, k, generator=g)
-            ys = {name: torch.empty(rows, n) for name in libs}
-            for name, lib in libs.items():
-                layer._kernel(lib, x, ys[name])
-            first = next(iter(ys.values()))
-            assert all(torch.equal(y, first) for y in ys.values()), "builds disagree"
-            times: dict[str, list[float]] = {name: [] for name in libs}
-            for _ in range(max(5, min(reps * 10, int(2e4 / rows)))):
-                for name, lib in libs.items():
-                    t = time.perf_counter()
-                    layer._kernel(lib, x, ys[name])
-                    times[name].append(time.perf_counter() - t)
+            times = _time_layer(libs, layer, x, max(5, min(reps * 10, int(2e4 / rows))))
             print(_line(f"int4 x16{' (x16 layout off: row layout)' if not layer.x16 else ''}, "
                         f"{rows:4d} rows, {k} -> {n}", times))
 
@@ -117,18 +123,7 @@ def gguf(sources: list[str], reps: int, kinds: list[str]) -> None:
         for rows, (k, n) in ((1, (8192, 32768)), (8, (2048, 5632)), (64, (2048, 5632)), (256, (2048, 5632))):
             raw = RawBlocks.from_gguf(random_gguf_blocks(kind, n, k, 1), kind, k)
             layer = quant.Int4Linear(raw, 32, x16=True) if kind.startswith("Q4") else quant.GGUFLinear(raw)
-            x = torch.randn(rows, k, generator=g)
-            ys = {name: torch.empty(rows, n) for name in libs}
-            for name, lib in libs.items():
-                layer._kernel(lib, x, ys[name])
-            first = next(iter(ys.values()))
-            assert all(torch.equal(y, first) for y in ys.values()), "builds disagree"
-            times: dict[str, list[float]] = {name: [] for name in libs}
-            for _ in range(reps):
-                for name, lib in libs.items():
-                    t = time.perf_counter()
-                    layer._kernel(lib, x, ys[name])
-                    times[name].append(time.perf_counter() - t)
+            times = _time_layer(libs, layer, torch.randn(rows, k, generator=g), reps)
             gmacs = rows * k * n / statistics.median(times[next(reversed(times))]) / 1e9
             print(_line(f"{kind}, {rows:3d} rows, {k} -> {n} (last build {gmacs:.0f} GMAC/s)", times))
 
