@@ -142,7 +142,7 @@ struct GgufX16 {
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
   // Block b's codes for the tile's 16 rows as vpdpbusd's unsigned multipliers, q[c] of inputs 4c..4c+3 (c = 0..7):
-  // Q8_0's q + 128, Q5_0's and Q5_K's q (0..31), Q6_K's q (0..63). The dot then lacks KindOffset<KIND> times the
+  // Q8_0's q + 128, Q5_0's and Q5_K's q (0..31), Q6_K's q (0..63). The dot then lacks kKindOffset<KIND> times the
   // activations' sum (of each half for Q6_K).
   template <int KIND>
   void load16(int b, __m512i* q) const {
@@ -158,9 +158,9 @@ struct GgufX16 {
       q[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
       if constexpr (KIND == GK_Q6_K) {  // byte 32h + p: plane byte (2c + h) * 16 + p % 16, fields shifted by p >= 16
         const __m256i pb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + int64_t(b) * 128 + 32 * c));
-        const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(pb));
-        const __m512i t = _mm512_srlv_epi32(z,
-                                            _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2));
+        const __m512i z =
+            _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(pb));
+        const __m512i t = _mm512_srlv_epi32(z, _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2));
         const __m512i m30 = _mm512_set1_epi8(0x30);
         q[c] = _mm512_or_si512(q[c], _mm512_and_si512(_mm512_slli_epi32(t, 4), m30));
         q[4 + c] = _mm512_or_si512(q[4 + c], _mm512_and_si512(t, m30));
@@ -299,7 +299,8 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
   for (int b = 0; b < nblk; ++b) {
     if (m0 == 0) {
       prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
-      if constexpr (KIND != GK_Q8_0) prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
+      if constexpr (KIND != GK_Q8_0)
+        prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
     }
     __m512i q[8];
     w.load16<KIND>(b, q);
@@ -318,7 +319,8 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
         f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, dv), f[i]);
       } else {
         const __m512i init = _mm512_set1_epi32(-kKindOffset<KIND> * bsum[mb + i]);
-        const __m512i dot = _mm512_add_epi32(dot_chunks4(init, q, xi), dot_chunks4(_mm512_setzero_si512(), q + 4, xi + 16));
+        const __m512i dot =
+            _mm512_add_epi32(dot_chunks4(init, q, xi), dot_chunks4(_mm512_setzero_si512(), q + 4, xi + 16));
         f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, dv), f[i]);
         if constexpr (KIND == GK_Q5_K) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[mb + i]), f[i]);
       }
