@@ -15,7 +15,7 @@
 // The activations are Q8 per 32-value block (quantize_act) and every path computes each block's exact integer dot
 // products, then the same fp32 operations: f = fma(dot, scale * d_x, f), Q6_K once per half-block (its scales are
 // per 16 inputs), Q5_K then f = fma(-dmin * m, d_x * sum_x, f). On AVX-512 VNNI machines the products run
-// gguf_x16_rows16 (16 outputs a pass, vpdpbusd: 3-5x the AVX2 code's rate at several rows on a Zen 4, 1.6-1.8x at
+// gguf_x16_rows16 (16 outputs a pass, vpdpbusd: 2.6-3.6x the AVX2 code's rate at 8-256 rows on a Zen 4, 1.2-1.3x at
 // one row of cold weights), but Q8_0's single rows, which take a VNNI kernel of their own (gguf_q8_0_row_tiles).
 #pragma once
 
@@ -274,7 +274,7 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
 #endif
 
 #ifdef PAGEDLM_AVX512_VNNI
-std::atomic<int64_t> gguf_vnni_products{0};  // products of several rows that ran gguf_x16_rows16 (tests see the path)
+std::atomic<int64_t> gguf_vnni_products{0};  // products that ran gguf_x16_rows16 (tests see the path)
 
 template <int KIND>
 constexpr int kKindOffset = KIND == GK_Q8_0 ? 128 : KIND == GK_Q5_0 ? 16 : KIND == GK_Q6_K ? 32 : 0;
@@ -345,13 +345,13 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
   const GgufX16 w = weights.tile(t);
   const int nblk = w.nblk, n0 = t * X16;
 #ifdef PAGEDLM_AVX512_VNNI
+  (void)nblk;
   switch (w.kind) {
     case GK_Q8_0: return gguf_x16_tile16<GK_Q8_0>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
     case GK_Q5_0: return gguf_x16_tile16<GK_Q5_0>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
     case GK_Q5_K: return gguf_x16_tile16<GK_Q5_K>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
     default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
   }
-  (void)nblk;
 #elif defined(PAGEDLM_AVX2)
   for_row_groups(M, [&](auto r, int m0) {
     constexpr int R = decltype(r)::value;

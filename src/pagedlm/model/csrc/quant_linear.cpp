@@ -1653,14 +1653,16 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   thread_local std::vector<int32_t> hsum;
   if (kind == GK_Q6_K) {  // each block's first 16 activations summed (gguf_x16_rows16 corrects Q6_K's halves apart)
     hsum.resize(size_t(Mr) * nblk);
-    hp = hsum.data();
-    for (int m = 0; m < M; ++m)
-      for (int b = 0; b < nblk; ++b) {
-        const int8_t* xb = xqp + lay.xq(m, b, nblk);
-        int32_t sum = 0;
-        for (int v = 0; v < 16; ++v) sum += xb[v];
-        hp[lay.blk(m, b, nblk)] = sum;
-      }
+    int32_t* const hsp = hp = hsum.data();
+    parallel_for(M, int64_t(M) * K >= 65536 ? nthreads : 1, 8, [&](int64_t m0, int64_t m1) {
+      for (int m = int(m0); m < m1; ++m)
+        for (int b = 0; b < nblk; ++b) {
+          const int8_t* xb = xqp + lay.xq(m, b, nblk);
+          int32_t sum = 0;
+          for (int v = 0; v < 16; ++v) sum += xb[v];
+          hsp[lay.blk(m, b, nblk)] = sum;
+        }
+    });
   }
   gguf_vnni_products.fetch_add(!amx && (M > 1 || kind != GK_Q8_0), std::memory_order_relaxed);
 #endif
