@@ -123,6 +123,35 @@ def test_native_layouts_bit_identical_in_every_build(monkeypatch, march):
     assert variant.pagedlm_gguf_vnni_products() - vnni_before == vnni
 
 
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64", cbuild.EMULATED_AVX512])
+def test_a_pass_of_one_row_after_full_passes_reads_its_own_row(monkeypatch, march):
+    """The x16 products run 256 rows of x per pass over the weights; a last pass of a single row (257, 513 rows: a
+    257-token prompt) takes the one-row kernels, which read that row's activations and write its outputs, not row
+    0's: each row of a 257-row product equals its product alone, in every layout and build."""
+    import platform
+
+    _kernel_or_skip()
+    if march != "native" and (platform.machine() != "x86_64"
+                              or (march != "x86-64" and not {"avx2", "fma", "f16c"} <= cpu_features().flags)):
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    if march == cbuild.EMULATED_AVX512 and not cbuild.emulation_available():
+        pytest.skip("no SIMDe headers (libsimde-dev) for the emulated AVX-512 build")
+    variant = quant.kernel_variant(march).load() if march != "native" else quant.load_quant_kernel()
+    assert variant is not None
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(257, 256, generator=g)
+    layers = {kind: (quant.Int4Linear(raw, 32, x16=True) if kind.startswith("Q4") else quant.GGUFLinear(raw))
+              for kind in ("Q4_0", "Q4_1", "Q4_K", *quant.GGUF_KINDS)
+              for raw in [RawBlocks.from_gguf(random_blocks(kind, 64, 256, 5), kind, 256)]}
+    layers["int8 x16"] = quant.Int8Linear(torch.randn(64, 256, generator=g), x16=True)
+    monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: variant)  # the layouts built, this build runs them
+    for name, layer in layers.items():
+        assert getattr(layer, "x16", True), name
+        y = layer(x)
+        for m in (0, 255, 256):
+            assert torch.equal(y[m], layer(x[m:m + 1])[0]), (name, m)
+
+
 @pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25)])
 def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
     """Q8_0 / Q5_0 / Q5_K / Q6_K weights keep the file's codes and scales (about its bytes; no second rounding to

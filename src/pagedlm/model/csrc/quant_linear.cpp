@@ -1339,21 +1339,22 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
       for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
         const int rows = std::min(X16_MBLOCK, M - m0);
         amx_products.fetch_add(amx, std::memory_order_relaxed);
+        // This pass's rows: activations, their scales and sums, outputs.
+        const int8_t* xm = xqp + int64_t(m0) * K;
+        const float *dm = dp + int64_t(m0) * nblk, *gm = gp + int64_t(m0) * ngroups;
+        float* ym = y + int64_t(m0) * N;
         parallel_for(N / X16, nthreads, rows == 1 ? 2 : 1, [&](int64_t t0, int64_t t1) {
           int t = int(t0);
 #ifdef PAGEDLM_AMX
           if (amx) {
-            int4x16_amx_tiles(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, gp + int64_t(m0) * ngroups, q, sc,
-                              y + int64_t(m0) * N, rows, K, N, t, int(t1));
+            int4x16_amx_tiles(xm, dm, gm, q, sc, ym, rows, K, N, t, int(t1));
             return;
           }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-          for (; rows == 1 && t + 2 <= t1; t += 2) int4x16_row_tiles<2>(xqp, dp, gp, q, sc, y, K, N, t);
+          for (; rows == 1 && t + 2 <= t1; t += 2) int4x16_row_tiles<2>(xm, dm, gm, q, sc, ym, K, N, t);
 #endif
-          for (; t < t1; ++t)
-            int4x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, gp + int64_t(m0) * ngroups, q, sc,
-                         y + int64_t(m0) * N, rows, K, N, t);
+          for (; t < t1; ++t) int4x16_tile(xm, dm, gm, q, sc, ym, rows, K, N, t);
         });
       }
     });
@@ -1402,7 +1403,9 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
       }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-      for (; rows == 1 && t + 2 <= t1; t += 2) int8x16_row_tiles<2>(xqp, dp, bp, q, s, y + int64_t(m0) * N, K, t * X16);
+      for (; rows == 1 && t + 2 <= t1; t += 2)
+        int8x16_row_tiles<2>(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk, q, s,
+                             y + int64_t(m0) * N, K, t * X16);
 #endif
       for (; t < t1; ++t)
         int8x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk, q, s,
@@ -1680,10 +1683,14 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
       }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-      for (; rows == 1 && kind == GK_Q8_0 && t + 2 <= t1; t += 2) gguf_q8_0_row_tiles<2>(g, xqp, dp, bp, y, t);
+      for (; rows == 1 && kind == GK_Q8_0 && t + 2 <= t1; t += 2)
+        gguf_q8_0_row_tiles<2>(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
+                               y + int64_t(m0) * N, t);
 #endif
 #if defined(PAGEDLM_AVX2) && !defined(PAGEDLM_AVX512_VNNI)
-      for (; rows == 1 && t + 2 <= t1; t += 2) gguf_x16_row_pair(g, xqp, dp, bp, gp, y, N, t);
+      for (; rows == 1 && t + 2 <= t1; t += 2)
+        gguf_x16_row_pair(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
+                          gp + int64_t(m0) * nblk, y + int64_t(m0) * N, N, t);
 #endif
       for (; t < t1; ++t)
         gguf_x16_tile(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
