@@ -39,3 +39,16 @@ def test_batch_invariance(smollm2_path, prompts, kwargs):
         assert eng.scheduler.num_preemptions > 0, "too many blocks: preemption never happened"
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+
+
+def test_default_plan_prompt_one_past_a_kernel_pass(smollm2_path):
+    """The default (quantized) plan, a prompt of 257 tokens: its prefill's products run a last pass of one row after
+    a full pass of 256 (csrc/quant_linear.cpp), which must read that row; the same prompt prefilled in chunks of 128
+    never runs such a pass. Both give the same greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [100 + (i * 7919) % 40000 for i in range(257)]
+    whole = LLM(str(smollm2_path), speculative_config=None)
+    assert whole.engine.config.max_num_batched_tokens >= len(prompt)
+    want = whole.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    chunked = LLM(str(smollm2_path), speculative_config=None, max_num_batched_tokens=128)
+    assert chunked.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
