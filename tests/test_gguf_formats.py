@@ -69,9 +69,12 @@ def test_int4_blocks_run_in_their_own_layout(monkeypatch, kind, layout, bytes_pe
     ref = F.linear(quant.quantize_activations_q8(x).double(), want.double())
     torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
-    # the same weight through the fp16 layout (Q4_0: with minimums; Q4_K: scales rounded to fp16)
+    # the same weight through the fp16 layout with minimums (-8 x scale, a minimum's FMA per block), where Q4_0's
+    # own subtracts 8 x the activations' integer sum before scaling: the same product to fp32 rounding
     if kind == "Q4_0":
-        assert torch.equal(quant.Int4Linear(fused.blocks(), 32, x16=True)(x), full)
+        with_mins = quant.Int4Linear(fused.blocks(), 32, x16=True)(x)
+        assert not torch.equal(with_mins, full)
+        torch.testing.assert_close(with_mins, full, rtol=1e-5, atol=1e-5)
     bf16 = torch.empty(sum(rows), cols, dtype=torch.bfloat16)
     assert layer._dequant_rows(0, sum(rows), bf16) is bf16 and torch.equal(bf16, want.to(torch.bfloat16))
 

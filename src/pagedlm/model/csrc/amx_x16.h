@@ -134,10 +134,11 @@ inline void amx_unpack_int4(const uint8_t* qt, int nblk, int8_t* out) {
 // Rows m0 .. m0 + R (m0 a multiple of 16, activations kPack16) of x against int4 tile n0 / 16 (B tiles wt, see
 // amx_unpack_int4): int4x16_rows' fp32 operations on the same integer dot products.
 template <int R, class S, class W>
-void int4x16_amx_rows(const int8_t* xq, const float* d, const float* gsum, W wb, const S& sc, float* y, int K, int N,
-                      int n0, int m0) {
+void int4x16_amx_rows(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, W wb, const S& sc,
+                      float* y, int K, int N, int n0, int m0) {
   const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
   const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
+  const int32_t* bg = S::offset8 ? bsum + int64_t(m0) * nblk : nullptr;
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
   __m512 s = _mm512_setzero_ps(), mn = s;
@@ -153,8 +154,10 @@ void int4x16_amx_rows(const int8_t* xq, const float* d, const float* gsum, W wb,
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const __m512 cs = _mm512_mul_ps(s, _mm512_set1_ps(db[i]));
-      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)), cs, f[i]);
-      if (group_end) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gb[i]), f[i]);
+      __m512i dot = _mm512_load_si512(c + 16 * i);
+      if constexpr (S::offset8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * bg[int64_t(bb) * 16 + i]));
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), cs, f[i]);
+      if (!S::offset8 && group_end) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gb[i]), f[i]);
     }
     if (group_end) in_group = 0, ++g;
   }
@@ -180,8 +183,8 @@ inline void for_amx_groups(int M, F rows) {
 // The int4 x16 product for tiles t0 .. t1, every row of x (M rows, activations kPack16): each tile unpacked once
 // into a buffer of this thread (K * 16 bytes, in L1 / L2) that every group of rows then reads.
 template <class S>
-void int4x16_amx_tiles(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const S& scales,
-                       float* y, int M, int K, int N, int t0, int t1) {
+void int4x16_amx_tiles(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* q,
+                       const S& scales, float* y, int M, int K, int N, int t0, int t1) {
   const int nblk = K / 32;
   thread_local std::vector<int8_t> buf;
   buf.resize(size_t(nblk) * 512);
@@ -192,7 +195,7 @@ void int4x16_amx_tiles(const int8_t* xq, const float* d, const float* gsum, cons
     amx_unpack_int4(q + int64_t(t) * nblk * X16_BLOCK, nblk, wt);
     const S sc = scales.tile(t);
     for_amx_groups(M, [&](auto r, int m0) {
-      int4x16_amx_rows<decltype(r)::value>(xq, d, gsum, wb, sc, y, K, N, t * X16, m0);
+      int4x16_amx_rows<decltype(r)::value>(xq, d, gsum, bsum, wb, sc, y, K, N, t * X16, m0);
     });
   }
 }

@@ -225,15 +225,17 @@ void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, flo
       amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
       const float db = amax > 0.f ? amax / 127.f : 1.f;
       const __m256 dv = _mm256_set1_ps(db);
-      __m256i isum = _mm256_setzero_si256();
-      alignas(32) int32_t tmp[32];
+      __m256i isum = _mm256_setzero_si256(), qi[4];
       for (int i = 0; i < 4; ++i) {
-        const __m256i qi = _mm256_cvtps_epi32(
+        qi[i] = _mm256_cvtps_epi32(
             _mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        isum = _mm256_add_epi32(isum, qi);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 8 * i), qi);
+        isum = _mm256_add_epi32(isum, qi[i]);
       }
-      for (int i = 0; i < 32; ++i) qb[i] = int8_t(tmp[i]);
+      // |q| <= 127: the saturating packs are exact; they interleave 4-value groups per 128-bit lane, undone by the
+      // permutation
+      const __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                          _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
@@ -430,6 +432,7 @@ inline void for_row_groups(int M, F rows) {
 struct F16Scales {
   const uint16_t *s, *m;
   int ngroups, bpg;  // groups per row, blocks per group
+  static constexpr bool offset8 = false;
 
   F16Scales tile(int t) const {
     const int64_t at = int64_t(t) * ngroups * X16;
@@ -453,6 +456,14 @@ struct F16Scales {
 #endif
 };
 
+// Q40Scales: GGUF Q4_0's, weight = (code - 8) * scale (no minimums). The products subtract 8 x the activations'
+// integer sum (bsum) from each block's integer dot product, then scale it: one fp32 operation fewer per row and block
+// than a minimum's FMA, and the exact product of the dequantized weights with the quantized activations.
+struct Q40Scales : F16Scales {
+  static constexpr bool offset8 = true;
+  Q40Scales tile(int t) const { return {F16Scales::tile(t)}; }
+};
+
 // KScales (GGUF Q4_K): per super-block of 256 inputs an fp16 d and dmin (dd: [N/16, K/256, 2, 16], d then dmin),
 // per 32-value block b a 6-bit scale and minimum held as bytes (sm: [N/16, K/32, 2, 16]): scale = d * sc and
 // minimum = -(dmin * m), each one fp32 product, as llama.cpp dequantizes them.
@@ -461,6 +472,7 @@ struct KScales {
   const uint8_t* sm;
   int nblk;
   static constexpr int bpg = 1;
+  static constexpr bool offset8 = false;
 
   KScales tile(int t) const { return {dd + int64_t(t) * (nblk / 8) * 2 * X16, sm + int64_t(t) * nblk * 2 * X16, nblk}; }
   float scale(int b, int j) const { return half_to_float(dd[(b / 8) * 2 * X16 + j]) * float(sm[b * 2 * X16 + j]); }
@@ -535,11 +547,12 @@ inline __m512i dot_block32(const __m512i* w, const int8_t* xb) {
 // Rows m0 .. m0+R of x (m0 a multiple of 8; activations packed, see ActLayout) against tile t (16 outputs):
 // y[m, 16t .. 16t+15].
 template <int R, class S>
-void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const S& sc, float* y,
-                  int K, int N, int n0, int m0, bool prefetch) {
+void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* qt,
+                  const S& sc, float* y, int K, int N, int n0, int m0, bool prefetch) {
   const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
   const int8_t* xg = xq + int64_t(m0) * K;  // this row group's blocks: [nblk, 8, 32]
   const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
+  const int32_t* bg = S::offset8 ? bsum + int64_t(m0) * nblk : nullptr;
   const __m512i lo = _mm512_set1_epi8(0x0f);
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
@@ -559,10 +572,11 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
     const int8_t* xb = xg + int64_t(b) * 256;
     const float* db = dg + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
-      const __m512i dot = dot_block32(w, xb + 32 * i);
+      __m512i dot = dot_block32(w, xb + 32 * i);
+      if constexpr (S::offset8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * bg[int64_t(b) * 8 + i]));
       const __m512 cs = _mm512_mul_ps(s, _mm512_set1_ps(db[i]));
       f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), cs, f[i]);
-      if (group_end) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gg[int64_t(g) * 8 + i]), f[i]);
+      if (!S::offset8 && group_end) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gg[int64_t(g) * 8 + i]), f[i]);
     }
     if (group_end) in_group = 0, ++g;
   }
@@ -573,8 +587,8 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
 // int4x16_rows<1> reads one (two streams read 1.13-1.18x the bytes per second of one on a 2-core Sapphire Rapids).
 // Each tile's operations are int4x16_rows<1>'s, in the same order, so the results are bit-identical.
 template <int T, class S>
-void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const S& scales,
-                       float* y, int K, int N, int t) {
+void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* q,
+                       const S& scales, float* y, int K, int N, int t) {
   const int nblk = K / 32, bpg = scales.bpg;
   const __m512i lo = _mm512_set1_epi8(0x0f);
   const uint8_t* qt[T];
@@ -599,8 +613,10 @@ void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, cons
         w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
       }
       if (group_start) sc[u].load16(g, s[u], mn[u]);
-      f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_block32(w, xb)), _mm512_mul_ps(s[u], db), f[u]);
-      if (group_end) f[u] = _mm512_fmadd_ps(mn[u], _mm512_set1_ps(gsum[int64_t(g) * 8]), f[u]);
+      __m512i dot = dot_block32(w, xb);
+      if constexpr (S::offset8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * bsum[int64_t(b) * 8]));
+      f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s[u], db), f[u]);
+      if (!S::offset8 && group_end) f[u] = _mm512_fmadd_ps(mn[u], _mm512_set1_ps(gsum[int64_t(g) * 8]), f[u]);
     }
     if (group_end) in_group = 0, ++g;
   }
@@ -615,11 +631,12 @@ void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, cons
 // Rows m0 .. m0+R (R <= 2) against all 16 outputs of the tile in one pass over its blocks, both halves of each
 // 64-byte chunk as they arrive: one sequential stream per tile (1.5x the rate of two half passes at one row).
 template <int R, class S>
-void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const S& sc, float* y,
-                       int K, int N, int n0, int m0) {
+void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* qt,
+                       const S& sc, float* y, int K, int N, int n0, int m0) {
   const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
   const int8_t* xg = xq + int64_t(m0) * K;
   const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
+  const int32_t* bg = S::offset8 ? bsum + int64_t(m0) * nblk : nullptr;
   const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 f[R][2];
   for (int i = 0; i < R; ++i) f[i][0] = f[i][1] = _mm256_setzero_ps();
@@ -649,8 +666,11 @@ void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, cons
       const __m256 dv = _mm256_set1_ps(db[i]);
       for (int h = 0; h < 2; ++h) {
         const __m256 cs = _mm256_mul_ps(s[h], dv);
-        f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][h], ones)), cs, f[i][h]);
-        if (group_end) f[i][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(gg[int64_t(g) * 8 + i]), f[i][h]);
+        __m256i dot = _mm256_madd_epi16(acc[i][h], ones);
+        if constexpr (S::offset8) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * bg[int64_t(b) * 8 + i]));
+        f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), cs, f[i][h]);
+        if (!S::offset8 && group_end)
+          f[i][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(gg[int64_t(g) * 8 + i]), f[i][h]);
       }
     }
     if (group_end) in_group = 0, ++g;
@@ -662,11 +682,12 @@ void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, cons
 // Rows m0 + i0 .. m0 + i0 + R of x (R <= 4) against half h of the tile (outputs n0 + 8h .. n0 + 8h + 7, one per
 // 32-bit lane), over blocks b0 .. b1: the outputs' partial sums continue from y (b0 > 0) and are stored back.
 template <int R, class S>
-void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const S& sc, float* y,
-                       int K, int N, int n0, int m0, int i0, int h, int b0, int b1) {
+void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* qt,
+                       const S& sc, float* y, int K, int N, int n0, int m0, int i0, int h, int b0, int b1) {
   const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
   const int8_t* xg = xq + int64_t(m0) * K;
   const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
+  const int32_t* bg = S::offset8 ? bsum + int64_t(m0) * nblk + i0 : nullptr;
   const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   float* yh = y + int64_t(m0 + i0) * N + n0 + 8 * h;
   __m256 f[R];
@@ -693,8 +714,10 @@ void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, cons
     const float* db = dg + int64_t(b) * 8 + i0;
     for (int i = 0; i < R; ++i) {
       const __m256 cs = _mm256_mul_ps(s, _mm256_set1_ps(db[i]));
-      f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], ones)), cs, f[i]);
-      if (group_end) f[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(gg[int64_t(g) * 8 + i0 + i]), f[i]);
+      __m256i dot = _mm256_madd_epi16(acc[i], ones);
+      if constexpr (S::offset8) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * bg[int64_t(b) * 8 + i]));
+      f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), cs, f[i]);
+      if (!S::offset8 && group_end) f[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(gg[int64_t(g) * 8 + i0 + i]), f[i]);
     }
     if (group_end) in_group = 0, ++g;
   }
@@ -704,20 +727,20 @@ void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, cons
 // Rows m0 .. m0+R of x (R <= 8, one packed group) against tile n0 / 16. Up to two rows in one pass; more as two
 // halves of 8 outputs, rows 4 at a time, over chunks of X16_CHUNK blocks that stay in L1 between the passes.
 template <int R, class S>
-void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uint8_t* qt, const S& sc, float* y,
-                  int K, int N, int n0, int m0) {
+void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* qt,
+                  const S& sc, float* y, int K, int N, int n0, int m0) {
   if constexpr (R <= 2) {
-    int4x16_full_rows<R>(xq, d, gsum, qt, sc, y, K, N, n0, m0);
+    int4x16_full_rows<R>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0);
   } else {
     const int nblk = K / 32;
     for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
       const int b1 = std::min(nblk, b0 + X16_CHUNK);
       for (int h = 0; h < 2; ++h) {
         if constexpr (R > 4) {
-          int4x16_half_rows<4>(xq, d, gsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
-          int4x16_half_rows<R - 4>(xq, d, gsum, qt, sc, y, K, N, n0, m0, 4, h, b0, b1);
+          int4x16_half_rows<4>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
+          int4x16_half_rows<R - 4>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, 4, h, b0, b1);
         } else {
-          int4x16_half_rows<R>(xq, d, gsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
+          int4x16_half_rows<R>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
         }
       }
     }
@@ -728,17 +751,19 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const uin
 // The x16 product for tile t, every row of x. Builds with neither AVX-512 VNNI nor AVX2: the same arithmetic
 // in scalar code (std::fma rounds as vfmadd does), so every build gives the same results for this layout.
 template <class S>
-void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uint8_t* q, const S& scales, float* y,
-                  int M, int K, int N, int t) {
+void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* q,
+                  const S& scales, float* y, int M, int K, int N, int t) {
   const int nblk = K / 32, bpg = scales.bpg, ngroups = nblk / bpg, n0 = t * X16;
   const uint8_t* qt = q + int64_t(t) * nblk * X16_BLOCK;
   const S sc = scales.tile(t);
 #ifdef PAGEDLM_AVX512_VNNI
   for_row_groups(M, [&](auto r, int m0) {
-    int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, sc, y, K, N, n0, m0, m0 == 0);
+    int4x16_rows<decltype(r)::value>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, m0 == 0);
   });
 #elif defined(PAGEDLM_AVX2)
-  for_row_groups(M, [&](auto r, int m0) { int4x16_rows<decltype(r)::value>(xq, d, gsum, qt, sc, y, K, N, n0, m0); });
+  for_row_groups(M, [&](auto r, int m0) {
+    int4x16_rows<decltype(r)::value>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0);
+  });
 #else
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < X16; ++j) {
@@ -753,9 +778,10 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const uin
             dot += int(v & 0x0f) * xb[4 * c + i] + int(v >> 4) * xb[16 + 4 * c + i];
           }
         const int g = b / bpg;
+        if constexpr (S::offset8) dot -= 8 * bsum[kPack8.blk(m, b, nblk)];
         const float cs = sc.scale(g, j) * d[kPack8.blk(m, b, nblk)];
         f = std::fma(float(dot), cs, f);
-        if ((b + 1) % bpg == 0) f = std::fma(sc.min(g, j), gsum[kPack8.blk(m, g, ngroups)], f);
+        if (!S::offset8 && (b + 1) % bpg == 0) f = std::fma(sc.min(g, j), gsum[kPack8.blk(m, g, ngroups)], f);
       }
       y[int64_t(m) * N + n0 + j] = f;
     }
@@ -1269,11 +1295,13 @@ inline bool int4_layout_ok(int layout, int K, int N, int G, const void* mins) {
   }
 }
 
-// Calls f(scales) with the scales of an x16 layout (F16Scales or KScales).
+// Calls f(scales) with the scales of an x16 layout (F16Scales, Q40Scales or KScales).
 template <class F>
 inline void with_x16_scales(int layout, const void* scales, const void* mins, int K, int G, F&& f) {
   if (layout == INT4_X16_K)
     f(KScales{static_cast<const uint16_t*>(scales), static_cast<const uint8_t*>(mins), K / 32});
+  else if (mins == nullptr)
+    f(Q40Scales{{static_cast<const uint16_t*>(scales), nullptr, K / G, G / 32}});
   else
     f(F16Scales{static_cast<const uint16_t*>(scales), static_cast<const uint16_t*>(mins), K / G, G / 32});
 }
@@ -1323,14 +1351,17 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
   if (!int4_layout_ok(layout, K, N, G, mins)) return 1;
   thread_local std::vector<int8_t> xq;  // kept between calls (grow-only): no page faults per call
   thread_local std::vector<float> d, gsum;
+  thread_local std::vector<int32_t> bsum;  // Q4_0 (no minimums): the offset's correction, see Q40Scales
   const bool amx = layout != INT4_ROW_LAYOUT && amx_use(M, 4);  // then every pass runs on AMX tiles
   const ActLayout lay = layout == INT4_ROW_LAYOUT ? ActLayout{0} : amx ? kPack16 : kPack8;
   const int64_t Mr = rows_allocated(M, lay.group());
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / G));
+  if (mins == nullptr) bsum.resize(size_t(Mr) * (K / 32));
   // Pointers taken here: inside the loops' bodies the names would be each thread's own (empty) vectors.
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
-  quantize_act(x, M, K, G, xqp, dp, gp, nthreads, nullptr, lay);
+  int32_t* const bp = mins == nullptr ? bsum.data() : nullptr;
+  quantize_act(x, M, K, G, xqp, dp, gp, nthreads, bp, lay);
   if (layout != INT4_ROW_LAYOUT) {
     // Big products in blocks of X16_MBLOCK rows, so a block's activations stay in cache while every tile (the
     // same tiles on the same thread each time) passes over them.
@@ -1342,19 +1373,20 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
         // This pass's rows: activations, their scales and sums, outputs.
         const int8_t* xm = xqp + int64_t(m0) * K;
         const float *dm = dp + int64_t(m0) * nblk, *gm = gp + int64_t(m0) * ngroups;
+        const int32_t* bm = bp ? bp + int64_t(m0) * nblk : nullptr;
         float* ym = y + int64_t(m0) * N;
         parallel_for(N / X16, nthreads, rows == 1 ? 2 : 1, [&](int64_t t0, int64_t t1) {
           int t = int(t0);
 #ifdef PAGEDLM_AMX
           if (amx) {
-            int4x16_amx_tiles(xm, dm, gm, q, sc, ym, rows, K, N, t, int(t1));
+            int4x16_amx_tiles(xm, dm, gm, bm, q, sc, ym, rows, K, N, t, int(t1));
             return;
           }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-          for (; rows == 1 && t + 2 <= t1; t += 2) int4x16_row_tiles<2>(xm, dm, gm, q, sc, ym, K, N, t);
+          for (; rows == 1 && t + 2 <= t1; t += 2) int4x16_row_tiles<2>(xm, dm, gm, bm, q, sc, ym, K, N, t);
 #endif
-          for (; t < t1; ++t) int4x16_tile(xm, dm, gm, q, sc, ym, rows, K, N, t);
+          for (; t < t1; ++t) int4x16_tile(xm, dm, gm, bm, q, sc, ym, rows, K, N, t);
         });
       }
     });
