@@ -155,6 +155,49 @@ def test_a_pass_of_one_row_after_full_passes_reads_its_own_row(monkeypatch, marc
             assert torch.equal(y[m], layer(x[m:m + 1])[0]), (name, m)
 
 
+@pytest.mark.parametrize("march", ["native", "haswell", cbuild.EMULATED_AVX512])
+def test_one_row_reads_tiles_in_pairs_or_alone_with_the_same_bits(monkeypatch, march):
+    """Decode (one row) reads x16 tiles in pairs (two memory streams per core) or one at a time, by CPU
+    (pagedlm_row_pairs): the same bits either way, in every layout, and the pairs ran where the build has them
+    (AVX-512 VNNI: int4, int8 and Q8_0; AVX2: the GGUF kinds)."""
+    import platform
+
+    _kernel_or_skip()
+    if march != "native" and (platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= cpu_features().flags):
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    if march == cbuild.EMULATED_AVX512 and not cbuild.emulation_available():
+        pytest.skip("no SIMDe headers (libsimde-dev) for the emulated AVX-512 build")
+    variant = quant.kernel_variant(march).load() if march != "native" else quant.load_quant_kernel()
+    g = torch.Generator().manual_seed(4)
+    layers = {kind: (quant.Int4Linear(raw, 32, x16=True) if kind.startswith("Q4") else quant.GGUFLinear(raw))
+              for kind in ("Q4_0", "Q4_K", *quant.GGUF_KINDS)
+              for raw in [RawBlocks.from_gguf(random_blocks(kind, 96, 512, 6), kind, 512)]}
+    layers["int8 x16"] = quant.Int8Linear(torch.randn(96, 512, generator=g), x16=True)
+    x = torch.randn(1, 512, generator=g)
+    native_vnni = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"} <= cpu_features().flags
+    vnni = march == cbuild.EMULATED_AVX512 or (march == "native" and native_vnni)
+    avx2 = march == "haswell" or (march == "native" and not native_vnni and {"avx2", "fma"} <= cpu_features().flags)
+    monkeypatch.setattr(quant.kernel, "load_quant_kernel", lambda: variant)
+    before = variant.pagedlm_row_pairs(1)
+    try:
+        for name, layer in layers.items():
+            variant.pagedlm_row_pairs(1)
+            passes = variant.pagedlm_row_pair_passes()
+            paired = layer(x)
+            ran = variant.pagedlm_row_pair_passes() - passes
+            variant.pagedlm_row_pairs(0)
+            passes = variant.pagedlm_row_pair_passes()
+            assert torch.equal(layer(x), paired), name
+            assert variant.pagedlm_row_pair_passes() == passes, name
+            gguf_kind = name in quant.GGUF_KINDS
+            if vnni:
+                assert ran == (1 if not gguf_kind or name == "Q8_0" else 0), name
+            elif avx2:
+                assert ran == (1 if gguf_kind else 0), name
+    finally:
+        variant.pagedlm_row_pairs(before)
+
+
 @pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25)])
 def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
     """Q8_0 / Q5_0 / Q5_K / Q6_K weights keep the file's codes and scales (about its bytes; no second rounding to

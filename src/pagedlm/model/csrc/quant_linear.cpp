@@ -54,6 +54,27 @@ constexpr int NT = 4;  // output rows per tile: their weights are read once for 
 constexpr int PF_TILES = 8;
 constexpr int PF_BYTES = 2048;  // prefetch distance in a packed stream
 
+// One-row products (decode) read x16 tiles in pairs, two memory streams per core (int4x16_row_tiles,
+// int8x16_row_tiles, gguf_q8_0_row_tiles, gguf_x16_row_pair), where that reads faster: a 2-core Sapphire Rapids
+// decodes 1.13-1.18x as fast with pairs. A 2-core Zen 4 decodes a 1B Q4_K_M 1.13-1.16x as fast with one tile
+// at a time, so pairs are off on AMD CPUs. The results are the same either way; pagedlm_row_pairs sets it.
+#if defined(__x86_64__) || defined(__i386__)
+std::atomic<int> row_pairs{[] {
+  __builtin_cpu_init();  // this runs among the library's constructors
+  return !__builtin_cpu_is("amd");
+}()};
+#else
+std::atomic<int> row_pairs{1};
+#endif
+std::atomic<int64_t> row_pair_passes{0};  // passes over a weight that read its tiles in pairs (tests see the path)
+
+// Whether a pass of `rows` rows reads tile pairs (counted once per pass, before its loops).
+inline bool pairs_at(int rows) {
+  const bool on = rows == 1 && row_pairs.load(std::memory_order_relaxed);
+  if (on) row_pair_passes.fetch_add(1, std::memory_order_relaxed);
+  return on;
+}
+
 // Software prefetches of every 64-byte line of [p, p + bytes): on a Zen 3 a stream whose every other line alone is
 // prefetched reads at half the rate of one prefetched in full (its hardware prefetchers do not fill the gaps).
 inline void prefetch_lines(const void* p, int bytes) {
@@ -1375,6 +1396,9 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
         const float *dm = dp + int64_t(m0) * nblk, *gm = gp + int64_t(m0) * ngroups;
         const int32_t* bm = bp ? bp + int64_t(m0) * nblk : nullptr;
         float* ym = y + int64_t(m0) * N;
+#ifdef PAGEDLM_AVX512_VNNI
+        const bool pairs = !amx && pairs_at(rows);
+#endif
         parallel_for(N / X16, nthreads, rows == 1 ? 2 : 1, [&](int64_t t0, int64_t t1) {
           int t = int(t0);
 #ifdef PAGEDLM_AMX
@@ -1384,7 +1408,7 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
           }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-          for (; rows == 1 && t + 2 <= t1; t += 2) int4x16_row_tiles<2>(xm, dm, gm, bm, q, sc, ym, K, N, t);
+          for (; pairs && t + 2 <= t1; t += 2) int4x16_row_tiles<2>(xm, dm, gm, bm, q, sc, ym, K, N, t);
 #endif
           for (; t < t1; ++t) int4x16_tile(xm, dm, gm, bm, q, sc, ym, rows, K, N, t);
         });
@@ -1425,6 +1449,9 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
     amx_products.fetch_add(amx, std::memory_order_relaxed);
+#ifdef PAGEDLM_AVX512_VNNI
+    const bool pairs = !amx && pairs_at(rows);
+#endif
     parallel_for(N / X16, nthreads, rows == 1 ? 2 : 1, [&](int64_t t0, int64_t t1) {
       int t = int(t0);
 #ifdef PAGEDLM_AMX
@@ -1435,7 +1462,7 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
       }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-      for (; rows == 1 && t + 2 <= t1; t += 2)
+      for (; pairs && t + 2 <= t1; t += 2)
         int8x16_row_tiles<2>(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk, q, s,
                              y + int64_t(m0) * N, K, t * X16);
 #endif
@@ -1480,6 +1507,12 @@ int pagedlm_amx_native() { return amx_use(1 << 20, 4); }
 // Turns the AMX paths on (1: products of enough rows, see AMX_MIN_ROWS_INT4), off (0: the VNNI code, the same results)
 // or on for every row count (2: tests); returns the previous setting.
 int pagedlm_amx_enable(int mode) { return amx_enabled.exchange(std::clamp(mode, 0, 2)); }
+
+// One-row products read x16 tiles in pairs (1) or one at a time (0), see row_pairs; returns the previous setting.
+int pagedlm_row_pairs(int mode) { return row_pairs.exchange(mode != 0); }
+
+// Passes over a weight that read its tiles in pairs, in this process.
+int64_t pagedlm_row_pair_passes() { return row_pair_passes.load(); }
 
 // Products that have run on AMX tiles in this process.
 int64_t pagedlm_amx_products() { return amx_products.load(); }
@@ -1705,6 +1738,11 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
     amx_products.fetch_add(amx, std::memory_order_relaxed);
+#if defined(PAGEDLM_AVX512_VNNI)
+    const bool pairs = !amx && kind == GK_Q8_0 && pairs_at(rows);
+#elif defined(PAGEDLM_AVX2)
+    const bool pairs = pairs_at(rows);
+#endif
     parallel_for(N / X16, nthreads, rows == 1 ? 2 : 1, [&](int64_t t0, int64_t t1) {
       int t = int(t0);
 #ifdef PAGEDLM_AMX
@@ -1715,12 +1753,12 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
       }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-      for (; rows == 1 && kind == GK_Q8_0 && t + 2 <= t1; t += 2)
+      for (; pairs && t + 2 <= t1; t += 2)
         gguf_q8_0_row_tiles<2>(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
                                y + int64_t(m0) * N, t);
 #endif
 #if defined(PAGEDLM_AVX2) && !defined(PAGEDLM_AVX512_VNNI)
-      for (; rows == 1 && t + 2 <= t1; t += 2)
+      for (; pairs && t + 2 <= t1; t += 2)
         gguf_x16_row_pair(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
                           gp + int64_t(m0) * nblk, y + int64_t(m0) * N, N, t);
 #endif

@@ -35,6 +35,9 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_gguf_q8_0_to_int8.argtypes = [p, i, i, p, p, i]
     lib.pagedlm_amx_native.argtypes = []
     lib.pagedlm_amx_enable.argtypes = [i]
+    lib.pagedlm_row_pairs.argtypes = [i]
+    lib.pagedlm_row_pair_passes.argtypes = []
+    lib.pagedlm_row_pair_passes.restype = ctypes.c_int64
     lib.pagedlm_amx_products.argtypes = []
     lib.pagedlm_amx_products.restype = ctypes.c_int64
     lib.pagedlm_gguf_vnni_products.argtypes = []
@@ -45,7 +48,7 @@ def _configure(lib: ctypes.CDLL) -> None:
                lib.pagedlm_gguf_q4_to_x16, lib.pagedlm_gguf_q4_k_to_x16, lib.pagedlm_gguf_q8_0_to_int8,
                lib.pagedlm_gguf_to_x16, lib.pagedlm_linear_gguf, lib.pagedlm_dequant_gguf_x16,
                lib.pagedlm_dequant_gguf_x16_bf16, lib.pagedlm_gguf_x16_rows, lib.pagedlm_amx_native,
-               lib.pagedlm_amx_enable):
+               lib.pagedlm_amx_enable, lib.pagedlm_row_pairs):
         fn.restype = ctypes.c_int
 
 
