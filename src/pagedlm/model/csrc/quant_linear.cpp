@@ -1449,6 +1449,11 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
     amx_products.fetch_add(amx, std::memory_order_relaxed);
+    // This pass's rows: activations, their scales and sums, outputs.
+    const int8_t* xm = xqp + int64_t(m0) * K;
+    const float* dm = dp + int64_t(m0) * nblk;
+    const int32_t* bm = bp + int64_t(m0) * nblk;
+    float* ym = y + int64_t(m0) * N;
 #ifdef PAGEDLM_AVX512_VNNI
     const bool pairs = !amx && pairs_at(rows);
 #endif
@@ -1456,19 +1461,14 @@ int pagedlm_linear_int8_x16(const float* x, const int8_t* q, const float* s, flo
       int t = int(t0);
 #ifdef PAGEDLM_AMX
       if (amx) {
-        int8x16_amx_tiles(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, q, s, nullptr, y + int64_t(m0) * N, rows, K,
-                          N, t, int(t1));
+        int8x16_amx_tiles(xm, dm, q, s, nullptr, ym, rows, K, N, t, int(t1));
         return;
       }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-      for (; pairs && t + 2 <= t1; t += 2)
-        int8x16_row_tiles<2>(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk, q, s,
-                             y + int64_t(m0) * N, K, t * X16);
+      for (; pairs && t + 2 <= t1; t += 2) int8x16_row_tiles<2>(xm, dm, bm, q, s, ym, K, t * X16);
 #endif
-      for (; t < t1; ++t)
-        int8x16_tile(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk, q, s,
-                     y + int64_t(m0) * N, rows, K, N, t * X16);
+      for (; t < t1; ++t) int8x16_tile(xm, dm, bm, q, s, ym, rows, K, N, t * X16);
     });
   }
   return 0;
@@ -1738,6 +1738,11 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   for (int m0 = 0; m0 < M; m0 += X16_MBLOCK) {
     const int rows = std::min(X16_MBLOCK, M - m0);
     amx_products.fetch_add(amx, std::memory_order_relaxed);
+    // This pass's rows: activations, their scales and sums, outputs.
+    const int8_t* xm = xqp + int64_t(m0) * K;
+    const float *dm = dp + int64_t(m0) * nblk, *gm = gp + int64_t(m0) * nblk;
+    const int32_t *bm = bp + int64_t(m0) * nblk, *hm = hp ? hp + int64_t(m0) * nblk : nullptr;
+    float* ym = y + int64_t(m0) * N;
 #if defined(PAGEDLM_AVX512_VNNI)
     const bool pairs = !amx && kind == GK_Q8_0 && pairs_at(rows);
 #elif defined(PAGEDLM_AVX2)
@@ -1747,25 +1752,18 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
       int t = int(t0);
 #ifdef PAGEDLM_AMX
       if (amx) {
-        int8x16_amx_tiles(xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, reinterpret_cast<const int8_t*>(codes),
-                          nullptr, scales, y + int64_t(m0) * N, rows, K, N, t, int(t1));
+        int8x16_amx_tiles(xm, dm, reinterpret_cast<const int8_t*>(codes), nullptr, scales, ym, rows, K, N, t,
+                          int(t1));
         return;
       }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-      for (; pairs && t + 2 <= t1; t += 2)
-        gguf_q8_0_row_tiles<2>(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
-                               y + int64_t(m0) * N, t);
+      for (; pairs && t + 2 <= t1; t += 2) gguf_q8_0_row_tiles<2>(g, xm, dm, bm, ym, t);
 #endif
 #if defined(PAGEDLM_AVX2) && !defined(PAGEDLM_AVX512_VNNI)
-      for (; pairs && t + 2 <= t1; t += 2)
-        gguf_x16_row_pair(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
-                          gp + int64_t(m0) * nblk, y + int64_t(m0) * N, N, t);
+      for (; pairs && t + 2 <= t1; t += 2) gguf_x16_row_pair(g, xm, dm, bm, gm, ym, N, t);
 #endif
-      for (; t < t1; ++t)
-        gguf_x16_tile(g, xqp + int64_t(m0) * K, dp + int64_t(m0) * nblk, bp + int64_t(m0) * nblk,
-                      hp ? hp + int64_t(m0) * nblk : nullptr,
-                      gp + int64_t(m0) * nblk, y + int64_t(m0) * N, rows, N, t);
+      for (; t < t1; ++t) gguf_x16_tile(g, xm, dm, bm, hm, gm, ym, rows, N, t);
     });
   }
   return 0;
