@@ -287,13 +287,13 @@ inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
 
 // Rows m0 .. m0 + R of x (R <= 8, one packed group) against the 16 rows of tile n0 / 16 in one pass over its blocks,
 // with AVX-512 VNNI: per block the exact integer dots the AVX2 code forms (vpdpbusd on load16's codes, less the
-// offset times the activations' sum; Q6_K's halves apart, hsum the sum of each block's first 16), then its fp32
+// offset times the activations' sum; Q6_K's halves apart, their chains starting from hoff's offsets), then its fp32
 // operations in its order, so the results are gguf_x16_tile's in every build.
 template <int KIND, int R>
-void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hsum,
+void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
                      const float* gsum, float* y, int N, int n0, int m0) {
   const int nblk = w.nblk;
-  const int64_t g0 = int64_t(m0) * nblk;  // this row group's blocks: xq [nblk, 8, 32], d / bsum / hsum / gsum [nblk, 8]
+  const int64_t g0 = int64_t(m0) * nblk;  // this row group's blocks: xq [nblk, 8, 32], d / bsum / gsum [nblk, 8]
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
   for (int b = 0; b < nblk; ++b) {
@@ -312,9 +312,8 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
       const int8_t* xi = xb + 32 * i;
       const __m512 dv = _mm512_set1_ps(d[mb + i]);
       if constexpr (KIND == GK_Q6_K) {
-        const int32_t h0 = hsum[mb + i], h1 = bsum[mb + i] - h0;
-        const __m512i d0 = dot_chunks4(_mm512_set1_epi32(-32 * h0), q, xi);
-        const __m512i d1 = dot_chunks4(_mm512_set1_epi32(-32 * h1), q + 4, xi + 16);
+        const __m512i d0 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i)]), q, xi);
+        const __m512i d1 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i) + 1]), q + 4, xi + 16);
         f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, dv), f[i]);
         f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, dv), f[i]);
       } else {
@@ -330,27 +329,28 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
 }
 
 template <int KIND>
-void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hsum,
+void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
                      const float* gsum, float* y, int M, int N, int n0) {
   for_row_groups(M, [&](auto r, int m0) {
-    gguf_x16_rows16<KIND, decltype(r)::value>(w, xq, d, bsum, hsum, gsum, y, N, n0, m0);
+    gguf_x16_rows16<KIND, decltype(r)::value>(w, xq, d, bsum, hoff, gsum, y, N, n0, m0);
   });
 }
 #endif
 
 // Tile t of a GGUF x16 weight against every row of x (packed activations, blocks of 32, bsum / gsum per block;
-// hsum: the sum of each block's first 16 activations, for Q6_K on AVX-512 VNNI).
-void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hsum,
+// hoff, for Q6_K on AVX-512 VNNI: per block [nblk, 8, 2] -32 x the sum of its first and of its last 16 activations,
+// read by the dot products' first instruction as a broadcast from memory, with no integer work per row).
+void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
                    const float* gsum, float* y, int M, int N, int t) {
   const GgufX16 w = weights.tile(t);
   const int nblk = w.nblk, n0 = t * X16;
 #ifdef PAGEDLM_AVX512_VNNI
   (void)nblk;
   switch (w.kind) {
-    case GK_Q8_0: return gguf_x16_tile16<GK_Q8_0>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
-    case GK_Q5_0: return gguf_x16_tile16<GK_Q5_0>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
-    case GK_Q5_K: return gguf_x16_tile16<GK_Q5_K>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
-    default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hsum, gsum, y, M, N, n0);
+    case GK_Q8_0: return gguf_x16_tile16<GK_Q8_0>(w, xq, d, bsum, hoff, gsum, y, M, N, n0);
+    case GK_Q5_0: return gguf_x16_tile16<GK_Q5_0>(w, xq, d, bsum, hoff, gsum, y, M, N, n0);
+    case GK_Q5_K: return gguf_x16_tile16<GK_Q5_K>(w, xq, d, bsum, hoff, gsum, y, M, N, n0);
+    default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hoff, gsum, y, M, N, n0);
   }
 #elif defined(PAGEDLM_AVX2)
   for_row_groups(M, [&](auto r, int m0) {
@@ -392,7 +392,7 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
     }
   (void)bsum;
 #endif
-  (void)hsum;
+  (void)hoff;
 }
 
 #ifdef PAGEDLM_AVX2

@@ -1718,17 +1718,19 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay);
   int32_t* hp = nullptr;
 #ifdef PAGEDLM_AVX512_VNNI
-  thread_local std::vector<int32_t> hsum;
-  if (kind == GK_Q6_K) {  // each block's first 16 activations summed (gguf_x16_rows16 corrects Q6_K's halves apart)
-    hsum.resize(size_t(Mr) * nblk);
-    int32_t* const hsp = hp = hsum.data();
+  thread_local std::vector<int32_t> hoff;
+  if (kind == GK_Q6_K) {  // Q6_K's offsets of each block's halves (gguf_x16_rows16 corrects them apart)
+    hoff.resize(size_t(Mr) * nblk * 2);
+    int32_t* const hop = hp = hoff.data();
     parallel_for(M, int64_t(M) * K >= 65536 ? nthreads : 1, 8, [&](int64_t m0, int64_t m1) {
       for (int m = int(m0); m < m1; ++m)
         for (int b = 0; b < nblk; ++b) {
           const int8_t* xb = xqp + lay.xq(m, b, nblk);
           int32_t sum = 0;
           for (int v = 0; v < 16; ++v) sum += xb[v];
-          hsp[lay.blk(m, b, nblk)] = sum;
+          const int64_t at = lay.blk(m, b, nblk);
+          hop[2 * at] = -32 * sum;
+          hop[2 * at + 1] = -32 * (bp[at] - sum);
         }
     });
   }
@@ -1741,7 +1743,7 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
     // This pass's rows: activations, their scales and sums, outputs.
     const int8_t* xm = xqp + int64_t(m0) * K;
     const float *dm = dp + int64_t(m0) * nblk, *gm = gp + int64_t(m0) * nblk;
-    const int32_t *bm = bp + int64_t(m0) * nblk, *hm = hp ? hp + int64_t(m0) * nblk : nullptr;
+    const int32_t *bm = bp + int64_t(m0) * nblk, *hm = hp ? hp + int64_t(m0) * nblk * 2 : nullptr;
     float* ym = y + int64_t(m0) * N;
 #if defined(PAGEDLM_AVX512_VNNI)
     const bool pairs = !amx && kind == GK_Q8_0 && pairs_at(rows);
