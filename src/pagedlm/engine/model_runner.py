@@ -47,7 +47,7 @@ class ModelRunner:
                                                    plan.head_kernel_max_rows, plan.fallback, plan.dense_copy,
                                                    bool(plan.native_types), weight_cache_dir(config.weight_cache),
                                                    None if config.weight_cache_budget == "auto"
-                                                   else parse_bytes(config.weight_cache_budget))
+                                                   else parse_bytes(config.weight_cache_budget), config.huge_pages)
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.block_size
         self.kv_spec = KVCacheSpec.for_model(self.model_config, self.block_size, self.dtype, plan.kv_cache_dtype)

@@ -18,7 +18,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
                head_kernel_max_rows: int | None = None,
                fallback: str | None = None, dense_copy: bool = True,
                native: bool = False, weight_cache_dir: Path | None = None,
-               weight_cache_budget: int | None = None) -> tuple[CausalLM, ModelConfig]:
+               weight_cache_budget: int | None = None, huge_pages: bool = True) -> tuple[CausalLM, ModelConfig]:
     """Build the model for the checkpoint at `path` (.gguf file or HF directory) and load its weights, then
     quantize its linear layers (`quantization`: None | "int8" | "int4"; products with more than `kernel_max_rows`
     rows through a dense copy in `dense_dtype` (per call without `dense_copy`), see model/quant/ and plan.py;
@@ -30,9 +30,12 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     temporaries. With `weight_cache_dir`, a GGUF's converted layouts are mapped from the repacked-weight cache
     there where it holds them, and written there at the end of a load that converted anything (weight_cache.py; the
     files there within `weight_cache_budget` bytes, None: half the disk space free for them);
-    `model.weight_cache` then says what was mapped and converted."""
+    `model.weight_cache` then says what was mapped and converted. With `huge_pages` (where the OS has them), the
+    converted weights live in 2 MiB pages (huge_pages.py), mapped ones copied there."""
     from pagedlm.hub.loader import iter_weights, load_hf_config, open_gguf
     from pagedlm.model import weight_cache
+    from pagedlm.model.huge_pages import HugePageArena
+    from pagedlm.model.huge_pages import available as huge_pages_available
     from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.layers import Linear, deferred_weights
     from pagedlm.model.llama import LlamaForCausalLM
@@ -57,7 +60,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     cache = None
     if weight_cache_dir is not None and quantization and device.type == "cpu" and Path(path).is_file():
         cache = weight_cache.WeightCache.open(weight_cache_dir, Path(path), open_gguf(path), weight_cache_budget)
-    with weight_cache.active(cache):
+    arena = HugePageArena() if huge_pages and quantization and device.type == "cpu" and huge_pages_available() else None
+    with weight_cache.active(cache, arena):
         model.load_weights(iter_weights(path, dtype, native, lazy), quantizer, device)
         if quantizer is not None:
             quantizer.finish(dense_dtype, kernel_max_rows, head_kernel_max_rows, dense_copy)

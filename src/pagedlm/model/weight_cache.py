@@ -17,6 +17,10 @@ The buffers a layer takes from the file must have the shapes and dtypes it asks 
 cannot make a kernel read outside a buffer. Files whose model file is gone are removed when another is written, and
 the files stay within a disk budget (`weight_cache_budget`; least recently used removed first, none written where it
 would leave less than 1 GiB of disk free).
+
+With a huge-page arena (huge_pages.py, the default on Linux), converted buffers are allocated in it, and mapped ones
+copied into it, each buffer's pages of the mapping released once copied: the weights run from 2 MiB pages, and a load
+holds no more than the weights plus one buffer.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from pagedlm import cbuild
 from pagedlm.cpu import cpu_features
 from pagedlm.hub.gguf_file import GGUFFile
 from pagedlm.model import weight_file
+from pagedlm.model.huge_pages import HugePageArena
 from pagedlm.model.weight_file import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -91,6 +96,8 @@ class WeightCache:
         self.stats = WeightCacheStats(cache_file(directory, source))
         self._entries: dict[str, list[list]] = {}  # the file's: entry -> [[dtype, shape, offset, nbytes, crc]]
         self._mapping: mmap.mmap | None = None
+        self._fd: int | None = None  # the file mapped, open until the load ends (lookup reads it into an arena)
+        self._viewed = False  # lookup gave views of the mapping
         self._new: dict[str, list[torch.Tensor]] = {}  # every entry of this load, mapped or converted, in order
         self._load()
 
@@ -106,15 +113,21 @@ class WeightCache:
                            type(e).__name__, e)
             return None
 
-    def lookup(self, entry: str, specs: Sequence[Spec]) -> list[torch.Tensor] | None:
-        """The buffers of `entry` with `specs` (shape, dtype) mapped from the file, or None (not held, or held with
-        other shapes: then converted and the file rewritten)."""
+    def lookup(self, entry: str, specs: Sequence[Spec],
+               arena: HugePageArena | None = None) -> list[torch.Tensor] | None:
+        """The buffers of `entry` with `specs` (shape, dtype) mapped from the file (copied into `arena`, if any), or
+        None (not held, or held with other shapes: then converted and the file rewritten)."""
         record = self._entries.get(entry)
         if record is None or [(dtype, tuple(shape)) for dtype, shape, *_ in record] != [
                 (str(dtype), tuple(shape)) for shape, dtype in specs]:
             return None
-        tensors = [weight_file.view(self._mapping, offset, shape, DTYPES[dtype])
-                   for dtype, shape, offset, _, _ in record]
+        if arena is not None:  # read from the file: the mapping's pages stay out of this process
+            tensors = [arena.read(self._fd, offset, tuple(shape), DTYPES[dtype])
+                       for dtype, shape, offset, _, _ in record]
+        else:
+            tensors = [weight_file.view(self._mapping, offset, shape, DTYPES[dtype])
+                       for dtype, shape, offset, _, _ in record]
+            self._viewed = True
         self._new[entry] = tensors
         self.stats.hits += 1
         return tensors
@@ -123,6 +136,17 @@ class WeightCache:
         """`entry` was converted into `tensors` at this start."""
         self._new[entry] = tensors
         self.stats.misses += 1
+
+    def close_file(self) -> None:
+        """The load is over: no more lookups. The mapping goes too where no buffer is a view of it (all were read into
+        an arena): the pages its checks touched leave this process. (Views do not pin it: closing it would unmap
+        their memory.)"""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._mapping is not None and not self._viewed:
+            self._mapping.close()
+            self._mapping = None
 
     def save(self) -> None:
         """If this load converted anything, write the file on a thread of its own (the engine need not wait for
@@ -164,7 +188,7 @@ class WeightCache:
             self.stats.rejected = "not a file owned by this user that only this user can write"
         else:
             try:
-                self._mapping, self._entries = weight_file.read(path, self.key)
+                self._mapping, self._entries, self._fd = weight_file.read(path, self.key)
                 os.utime(path)  # recently used: the last the budget removes
             except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # whatever a damaged file holds
                 self.stats.rejected = str(e) or type(e).__name__
@@ -172,18 +196,21 @@ class WeightCache:
             logger.warning("Repacked-weight cache %s is not used (%s); it is rebuilt.", path, self.stats.rejected)
 
 
-_ACTIVE: ContextVar[WeightCache | None] = ContextVar("pagedlm_weight_cache", default=None)
+_ACTIVE: ContextVar[tuple[WeightCache | None, HugePageArena | None]] = ContextVar("pagedlm_weight_cache",
+                                                                                default=(None, None))
 
 
 @contextmanager
-def active(cache: WeightCache | None) -> Iterator[None]:
-    """Conversions in this block (`converted`) go through `cache`, which saves what they converted at the end."""
-    token = _ACTIVE.set(cache)
+def active(cache: WeightCache | None, arena: HugePageArena | None = None) -> Iterator[None]:
+    """Conversions in this block (`converted`) go through `cache`, which saves what they converted at the end, and
+    put their buffers in `arena` (None: torch's allocator)."""
+    token = _ACTIVE.set((cache, arena))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
     if cache is not None:
+        cache.close_file()
         cache.save()
         logger.info("%s", cache.stats.describe())
 
@@ -192,12 +219,19 @@ def converted(source: str | None, layout: str, specs: Sequence[Spec],
               fill: Callable[[list[torch.Tensor]], None]) -> list[torch.Tensor]:
     """The buffers (`specs`: shape, dtype) of the weight `source` (its identity in the file, e.g. RawBlocks.source;
     None: not cacheable) converted into `layout`: mapped from the active cache where it holds them, else allocated
-    and filled by `fill` (and added to the cache)."""
-    cache = _ACTIVE.get() if source is not None else None
+    (in the active arena, if any) and filled by `fill` (and added to the cache)."""
+    cache, arena = _ACTIVE.get()
+    if source is None:
+        cache = None
     entry = f"{layout}|{source}"
-    if cache is not None and (hit := cache.lookup(entry, specs)) is not None:
-        return hit
-    tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    if cache is not None:
+        try:
+            if (hit := cache.lookup(entry, specs, arena)) is not None:
+                return hit
+        except OSError as e:  # the file changed under the load (truncated): convert, and the file is rewritten
+            logger.warning("Repacked-weight cache %s unreadable (%s); converting %s.", cache.stats.path, e, entry)
+    tensors = [arena.empty(tuple(shape), dtype) if arena is not None else torch.empty(shape, dtype=dtype)
+               for shape, dtype in specs]
     fill(tensors)
     if cache is not None:
         cache.add(entry, tensors)

@@ -138,15 +138,31 @@ def pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
-def checksum(buf, offset: int, nbytes: int) -> int:
-    """CRC-32 of bytes offset .. offset + nbytes of `buf`: all of them up to WHOLE, else SAMPLES pages."""
-    view = memoryview(buf)
+def _checked_spans(offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """The (start, length) spans of bytes offset .. offset + nbytes that its checksum covers: all of them up to WHOLE,
+    else SAMPLES pages."""
     if nbytes <= WHOLE:
-        return zlib.crc32(view[offset:offset + nbytes])
+        return [(offset, nbytes)]
+    return [(offset + (nbytes - PAGE) * i // (SAMPLES - 1), PAGE) for i in range(SAMPLES)]
+
+
+def checksum(buf, offset: int, nbytes: int) -> int:
+    """CRC-32 of bytes offset .. offset + nbytes of `buf`, those of _checked_spans."""
+    view, crc = memoryview(buf), 0
+    for at, n in _checked_spans(offset, nbytes):
+        crc = zlib.crc32(view[at:at + n], crc)
+    return crc
+
+
+def file_checksum(fd: int, offset: int, nbytes: int) -> int:
+    """checksum() of the bytes of file `fd`, read with pread: a page read through a mapping can map a whole 2 MiB
+    folio of the file into this process."""
     crc = 0
-    for i in range(SAMPLES):
-        at = offset + (nbytes - PAGE) * i // (SAMPLES - 1)
-        crc = zlib.crc32(view[at:at + PAGE], crc)
+    for at, n in _checked_spans(offset, nbytes):
+        data = os.pread(fd, n, at)
+        if len(data) != n:
+            raise ValueError("truncated")
+        crc = zlib.crc32(data, crc)
     return crc
 
 
@@ -167,8 +183,10 @@ def _index(path: Path) -> tuple[dict, int]:
     return json.loads(index), size - TRAILER.size - length
 
 
-def read(path: Path, key: dict) -> tuple[mmap.mmap, dict[str, list[list]]]:
-    """The mapped file and its entries, once every check of the module docstring passed (else ValueError)."""
+def read(path: Path, key: dict) -> tuple[mmap.mmap, dict[str, list[list]], int]:
+    """The mapped file, its entries and a descriptor of the file mapped (to read buffers from: the file checked, even
+    if another is renamed over `path` meanwhile; the caller closes it), once every check of the module docstring
+    passed (else ValueError)."""
     head, index_start = _index(path)
     if head.get("format") != FORMAT_VERSION or head.get("key") != key:
         old = head.get("key") if isinstance(head.get("key"), dict) else {}
@@ -179,6 +197,18 @@ def read(path: Path, key: dict) -> tuple[mmap.mmap, dict[str, list[list]]]:
         raise ValueError(f"the index says {end} bytes of buffers, the file holds {index_start}")
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: the file is never written through
+        fd = os.dup(f.fileno())
+    try:
+        entries = _checked_entries(head, fd, end)
+    except BaseException:
+        os.close(fd)
+        raise
+    if hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_WILLNEED)
+    return mapping, entries, fd
+
+
+def _checked_entries(head: dict, fd: int, end: int) -> dict[str, list[list]]:
     entries: dict[str, list[list]] = head["entries"]
     spans = []
     for entry, record in entries.items():
@@ -187,15 +217,13 @@ def read(path: Path, key: dict) -> tuple[mmap.mmap, dict[str, list[list]]]:
             if (dtype not in DTYPES or n < 0 or n * DTYPES[dtype].itemsize != nbytes
                     or not isinstance(offset, int) or offset < 0 or offset % PAGE or offset + nbytes > end):
                 raise ValueError(f"entry {entry!r} does not fit the file")
-            if nbytes and checksum(mapping, offset, nbytes) != crc:
+            if nbytes and file_checksum(fd, offset, nbytes) != crc:
                 raise ValueError(f"checksum mismatch in {entry!r}")
             spans.append((offset, offset + nbytes))
     spans.sort()
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         raise ValueError("overlapping entries")
-    if hasattr(mapping, "madvise"):
-        mapping.madvise(mmap.MADV_WILLNEED)
-    return mapping, entries
+    return entries
 
 
 def view(mapping: mmap.mmap, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
