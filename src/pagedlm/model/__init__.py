@@ -31,7 +31,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     there where it holds them, and written there at the end of a load that converted anything (weight_cache.py; the
     files there within `weight_cache_budget` bytes, None: half the disk space free for them);
     `model.weight_cache` then says what was mapped and converted. With `huge_pages` (where the OS has them), the
-    converted weights live in 2 MiB pages (huge_pages.py), mapped ones copied there."""
+    converted weights live in 2 MiB pages (huge_pages.py), cached ones read there."""
     from pagedlm.hub.loader import iter_weights, load_hf_config, open_gguf
     from pagedlm.model import weight_cache
     from pagedlm.model.huge_pages import HugePageArena

@@ -18,9 +18,9 @@ cannot make a kernel read outside a buffer. Files whose model file is gone are r
 the files stay within a disk budget (`weight_cache_budget`; least recently used removed first, none written where it
 would leave less than 1 GiB of disk free).
 
-With a huge-page arena (huge_pages.py, the default on Linux), converted buffers are allocated in it, and mapped ones
-copied into it, each buffer's pages of the mapping released once copied: the weights run from 2 MiB pages, and a load
-holds no more than the weights plus one buffer.
+With a huge-page arena (huge_pages.py, the default on Linux), converted buffers are allocated in it and cached ones
+read into it from the file (pread, never through the mapping, which is closed once the load is over): the weights run
+from 2 MiB pages, and a load holds no more than the weights.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class WeightCache:
 
     def lookup(self, entry: str, specs: Sequence[Spec],
                arena: HugePageArena | None = None) -> list[torch.Tensor] | None:
-        """The buffers of `entry` with `specs` (shape, dtype) mapped from the file (copied into `arena`, if any), or
+        """The buffers of `entry` with `specs` (shape, dtype) mapped from the file (read into `arena`, if any), or
         None (not held, or held with other shapes: then converted and the file rewritten)."""
         record = self._entries.get(entry)
         if record is None or [(dtype, tuple(shape)) for dtype, shape, *_ in record] != [
@@ -209,8 +209,9 @@ def active(cache: WeightCache | None, arena: HugePageArena | None = None) -> Ite
         yield
     finally:
         _ACTIVE.reset(token)
+        if cache is not None:
+            cache.close_file()
     if cache is not None:
-        cache.close_file()
         cache.save()
         logger.info("%s", cache.stats.describe())
 
