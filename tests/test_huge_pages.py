@@ -1,8 +1,9 @@
 """Quantized weights in 2 MiB pages (model/huge_pages.py): converted into memory advised MADV_HUGEPAGE at a first
-start, read there from the repacked-weight cache at a second (the cache file then no longer mapped), the same bytes
-either way and as without huge pages."""
+start, mapped from the repacked-weight cache at a second (the mapping advised so, the file written in 2 MiB pieces),
+the same bytes either way and as without huge pages."""
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from test_loading_memory import write_random_llama
 
 from pagedlm.config import KERNEL_MAX_ROWS
-from pagedlm.model import huge_pages, load_model, quant
+from pagedlm.model import huge_pages, load_model, quant, weight_file
 from pagedlm.model.quant import QuantLinear
 
 Q = gguf.GGMLQuantizationType
@@ -53,6 +54,20 @@ def model_path(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return write_random_llama(tmp_path_factory.mktemp("huge") / "q4k.gguf", smollm2_path, 256, 2, 4, 2, 512, Q.Q4_K)
 
 
+def _file_folios_map_huge(tmp_path: Path) -> bool:
+    """Whether this OS maps a file written in 2 MiB pieces in 2 MiB pages (Linux with THP and large folios for the
+    file system: ext4, xfs, ...)."""
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(os.urandom(4 << 20))
+    with open(probe, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    huge_pages.populate(m)
+    try:
+        return huge_pages.file_pmd_mapped(m) > 0
+    finally:
+        m.close()
+
+
 def _load(path: Path, cache: Path | None, huge: bool):
     model, _ = load_model(path, torch.float32, torch.device("cpu"), "int4", 32, None, KERNEL_MAX_ROWS, native=True,
                           weight_cache_dir=cache, huge_pages=huge)
@@ -76,22 +91,23 @@ def test_weights_converted_and_cached_live_in_huge_pages(model_path: Path, tmp_p
         for name, t in held.items():
             assert _in_huge_pages(t, spans), name
             assert torch.equal(_bytes(t), _bytes(plain[name])), name  # bytes: random fp16 scales hold NaNs
-    assert not any(_in_huge_pages(t, spans) for t in plain.values())
-    # the second load read its buffers out of the file: no mapping of it is left in this process
-    with open("/proc/self/maps") as f:
-        assert str(second.weight_cache.path) not in f.read()
+    if _file_folios_map_huge(tmp_path):  # the second load's buffers are mapped from the file, in 2 MiB pages
+        assert second.weight_cache.huge_bytes >= 2 << 20
+        assert second.weight_cache.huge_bytes > second.weight_cache.path.stat().st_size // 2
 
 
 def test_huge_pages_off_keeps_the_mapped_cache(model_path: Path, tmp_path: Path) -> None:
     cache = tmp_path / "weights"
     _load(model_path, cache, False)
     mapped = _load(model_path, cache, False)
-    assert mapped.weight_cache.hits
+    assert mapped.weight_cache.hits and not mapped.weight_cache.huge_bytes
+    held = _buffers(mapped)
+    assert held and not any(_in_huge_pages(t, _advised_spans()) for t in held.values())  # mapped, not advised
     with open("/proc/self/maps") as f:
         assert str(mapped.weight_cache.path) in f.read()
 
 
-def test_arena_carves_aligned_tensors_and_reads_files(tmp_path: Path) -> None:
+def test_arena_carves_aligned_tensors() -> None:
     arena = huge_pages.HugePageArena(chunk=1 << 21)
     a = arena.empty((3, 5), torch.float16)
     b = arena.empty((1 << 19,), torch.int32)  # 2 MiB: beyond the first chunk's rest, a mapping of its own
@@ -101,13 +117,30 @@ def test_arena_carves_aligned_tensors_and_reads_files(tmp_path: Path) -> None:
     a.fill_(1.5)
     b.fill_(7)
     assert a.sum().item() == 22.5 and arena.bytes == 30 + (2 << 20)
-    data = torch.arange(3000, dtype=torch.int32)
-    path = tmp_path / "data.bin"
-    path.write_bytes(b"\0" * 8192 + data.numpy().tobytes())
-    fd = os.open(path, os.O_RDONLY)
+
+
+@pytest.mark.parametrize("pieces", [[1, 4096, 3 << 20, 5, 4 << 20], [2 << 20], [100]])
+def test_the_cache_file_is_written_in_2_mib_pieces(pieces: list[int], tmp_path: Path, monkeypatch) -> None:
+    writes = []
+    real = os.pwrite
+    monkeypatch.setattr(weight_file.os, "pwrite",
+                        lambda fd, data, at: writes.append((at, len(data))) or real(fd, data, at))
+    data = [os.urandom(n) for n in pieces]
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        assert torch.equal(arena.read(fd, 8192, (3, 1000), torch.int32), data.view(3, 1000))
-        with pytest.raises(OSError, match="short"):
-            arena.read(fd, 8192, (4, 1000), torch.int32)
+        out = weight_file._ChunkedWriter(fd)
+        for d in data:
+            out.put(memoryview(d))
+        out.flush()
     finally:
         os.close(fd)
+    assert path.read_bytes() == b"".join(data) and out.pos == sum(pieces)
+    chunk = huge_pages.HUGE_PAGE
+    assert all(at % chunk == 0 and (n % chunk == 0 or at + n == out.pos) for at, n in writes)
+    if out.pos >= chunk and _file_folios_map_huge(tmp_path):
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        huge_pages.populate(m)
+        assert huge_pages.file_pmd_mapped(m) == out.pos // chunk * chunk
+        m.close()

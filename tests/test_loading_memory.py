@@ -267,9 +267,11 @@ def test_per_call_scratch_is_per_thread() -> None:
     import threading
 
     ptrs = {}
+    both = threading.Barrier(2)  # neither thread ends (freeing its buffer for the other to get) before both have one
 
     def grab(name: str) -> None:
         ptrs[name] = quant.scratch(1024, torch.bfloat16).data_ptr()
+        both.wait()
 
     threads = [threading.Thread(target=grab, args=(n,)) for n in ("a", "b")]
     for t in threads:

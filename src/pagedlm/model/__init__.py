@@ -31,7 +31,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     there where it holds them, and written there at the end of a load that converted anything (weight_cache.py; the
     files there within `weight_cache_budget` bytes, None: half the disk space free for them);
     `model.weight_cache` then says what was mapped and converted. With `huge_pages` (where the OS has them), the
-    converted weights live in 2 MiB pages (huge_pages.py), cached ones read there."""
+    weights live in 2 MiB pages (huge_pages.py): converted ones in an arena, cached ones mapped so."""
     from pagedlm.hub.loader import iter_weights, load_hf_config, open_gguf
     from pagedlm.model import weight_cache
     from pagedlm.model.huge_pages import HugePageArena
@@ -59,7 +59,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     lazy = ("model.embed_tokens.weight", "lm_head.weight") if quantization and device.type == "cpu" else ()
     cache = None
     if weight_cache_dir is not None and quantization and device.type == "cpu" and Path(path).is_file():
-        cache = weight_cache.WeightCache.open(weight_cache_dir, Path(path), open_gguf(path), weight_cache_budget)
+        cache = weight_cache.WeightCache.open(weight_cache_dir, Path(path), open_gguf(path), weight_cache_budget,
+                                              huge_pages)
     arena = HugePageArena() if huge_pages and quantization and device.type == "cpu" and huge_pages_available() else None
     with weight_cache.active(cache, arena):
         model.load_weights(iter_weights(path, dtype, native, lazy), quantizer, device)

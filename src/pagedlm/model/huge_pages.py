@@ -1,20 +1,25 @@
 """Weights in 2 MiB pages. A decode step streams every weight once; from 4 KiB pages each page of the stream costs a
-TLB miss, and the hardware prefetchers stop at every page's end. A mapped file is in 2 MiB pages only as far as its
-page cache folios are (they are as large as the reads that filled them made them: a repacked-weight file mapped by a
-1B model was 37% in 4 KiB pages on a Zen 4). In anonymous memory advised MADV_HUGEPAGE the same weights decoded
-1.08-1.19x as fast at 1B-3B (docs/benchmarks.md). So the quantized weights live there: converted into it at a first
-start, read into it from the repacked-weight cache at a second (weight_cache.py)."""
+TLB miss, and the hardware prefetchers stop at every page's end: from 2 MiB pages the same weights decoded 1.08-1.19x
+as fast at 1B-3B on a Zen 4 (docs/benchmarks.md). So weights converted at a first start are put in anonymous memory
+advised MADV_HUGEPAGE (`HugePageArena`), and the repacked-weight cache a second start maps is held in 2 MiB pages
+too (`populate`): a mapped file is in 2 MiB pages as far as its page cache folios are, and those are as large as the
+writes or faults that made them (weight_file.py writes the cache in 2 MiB pieces; a fault in a mapping advised
+MADV_HUGEPAGE reads 2 MiB folios). Mapping rather than copying takes no fresh memory, which a VM's host can be slow
+to give: a second start of a 1B model took 0.6-0.8 s mapped, 0.7-1.5 s read into an arena, decode the same.
+"""
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
-import os
+import sys
 from pathlib import Path
 
 import torch
 
 HUGE_PAGE = 2 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
 def available() -> bool:
@@ -24,6 +29,41 @@ def available() -> bool:
         return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in THP_SETTING.read_text()
     except OSError:
         return False
+
+
+def populate(mapping: mmap.mmap, huge: bool = True) -> None:
+    """Fault a file's `mapping` in now (page tables filled: no fault while serving), with `huge` (where the OS has
+    huge pages) advised MADV_HUGEPAGE first: what is not in the page cache is then read into 2 MiB folios, and what
+    is in 2 MiB folios mapped in 2 MiB pages."""
+    if huge and available():
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    if sys.platform.startswith("linux"):
+        try:
+            mapping.madvise(MADV_POPULATE_READ)
+            return
+        except OSError:  # before Linux 5.14
+            pass
+    if hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_WILLNEED)
+
+
+def file_pmd_mapped(mapping: mmap.mmap) -> int:
+    """How many bytes of a file's `mapping` this process maps in 2 MiB pages (0 where the OS does not say)."""
+    try:
+        anchor = ctypes.c_char.from_buffer(mapping)
+        start = ctypes.addressof(anchor)
+        del anchor
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    inside = int(head.split("-")[0], 16) == start
+                elif inside and head == "FilePmdMapped:":
+                    return int(line.split()[1]) * 1024
+    except (OSError, TypeError, ValueError):
+        pass
+    return 0
 
 
 class HugePageArena:
@@ -44,19 +84,6 @@ class HugePageArena:
             return torch.empty(shape, dtype=dtype)
         m, offset = self._carve(nbytes)
         return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
-
-    def read(self, fd: int, position: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor read from file `fd` at `position` (the kernel copies from the page cache: no page of the file is
-        mapped into this process). OSError if the file ends before it."""
-        t = self.empty(shape, dtype)
-        view = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], position + done)
-            if n <= 0:
-                raise OSError(f"the file ends {len(view) - done} bytes short of a buffer")
-            done += n
-        return t
 
     def _carve(self, nbytes: int) -> tuple[mmap.mmap, int]:
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE

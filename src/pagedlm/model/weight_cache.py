@@ -18,9 +18,9 @@ cannot make a kernel read outside a buffer. Files whose model file is gone are r
 the files stay within a disk budget (`weight_cache_budget`; least recently used removed first, none written where it
 would leave less than 1 GiB of disk free).
 
-With a huge-page arena (huge_pages.py, the default on Linux), converted buffers are allocated in it and cached ones
-read into it from the file (pread, never through the mapping, which is closed once the load is over): the weights run
-from 2 MiB pages, and a load holds no more than the weights.
+With huge pages (huge_pages.py, the default on Linux), the buffers converted at a first start are allocated in a
+huge-page arena, and the mapping of the file at a second start is advised MADV_HUGEPAGE and faulted in at once: the
+weights run from 2 MiB pages either way.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import torch
 from pagedlm import cbuild
 from pagedlm.cpu import cpu_features
 from pagedlm.hub.gguf_file import GGUFFile
-from pagedlm.model import weight_file
+from pagedlm.model import huge_pages, weight_file
 from pagedlm.model.huge_pages import HugePageArena
 from pagedlm.model.weight_file import DTYPES
 
@@ -58,6 +58,7 @@ class WeightCacheStats:
 
     path: Path
     hits: int = 0  # converted weights mapped from the file
+    huge_bytes: int = 0  # bytes of the file mapped in 2 MiB pages
     misses: int = 0  # weights converted at this start
     written: bool = False  # the file was (re)written after the load
     rejected: str | None = None  # why an existing file was not used
@@ -69,11 +70,12 @@ class WeightCacheStats:
             self.writer.join()
 
     def describe(self) -> str:
+        huge = f" ({self.huge_bytes / 2**20:.0f} MiB in 2 MiB pages)" if self.huge_bytes else ""
         if self.hits and not self.misses:
-            return f"repacked weights: {self.hits} mapped from {self.path}"
+            return f"repacked weights: {self.hits} mapped from {self.path}{huge}"
         s = f"repacked weights: {self.misses} converted"
         if self.hits:
-            s += f", {self.hits} mapped"
+            s += f", {self.hits} mapped{huge}"
         if self.rejected:
             s += f" ({self.path.name} not used: {self.rejected})"
         return s + f", cached in {self.path}" + (" (being written)" if self.writer and not self.written else "")
@@ -90,44 +92,41 @@ class WeightCache:
     """The cache file of one model file: `lookup` gives a converted weight's buffers as views of the mapped file,
     `add` records the ones converted at this start, `save` writes them (on a thread of its own)."""
 
-    def __init__(self, directory: Path, source: Path, key: dict, budget: int | None = None) -> None:
+    def __init__(self, directory: Path, source: Path, key: dict, budget: int | None = None,
+                 huge: bool = True) -> None:
         self.key = key
         self.budget = budget
+        self.huge = huge  # map the file in 2 MiB pages
         self.stats = WeightCacheStats(cache_file(directory, source))
         self._entries: dict[str, list[list]] = {}  # the file's: entry -> [[dtype, shape, offset, nbytes, crc]]
         self._mapping: mmap.mmap | None = None
-        self._fd: int | None = None  # the file mapped, open until the load ends (lookup reads it into an arena)
         self._viewed = False  # lookup gave views of the mapping
         self._new: dict[str, list[torch.Tensor]] = {}  # every entry of this load, mapped or converted, in order
         self._load()
 
     @classmethod
-    def open(cls, directory: Path, source: Path, reader: GGUFFile, budget: int | None = None) -> WeightCache | None:
+    def open(cls, directory: Path, source: Path, reader: GGUFFile, budget: int | None = None,
+             huge: bool = True) -> WeightCache | None:
         """The cache of `source` (read as `reader`) in `directory`, its files within `budget` bytes (None: half the
-        disk space free for them), or None where the directory cannot be used."""
+        disk space free for them), mapped in 2 MiB pages with `huge`, or None where the directory cannot be used."""
         try:
             return cls(cbuild.private_dir(Path(directory).expanduser()), source, weight_file.cache_key(source, reader),
-                       budget)
+                       budget, huge)
         except (OSError, RuntimeError) as e:
             logger.warning("Repacked-weight cache off (%s: %s); weights are converted at every start.",
                            type(e).__name__, e)
             return None
 
-    def lookup(self, entry: str, specs: Sequence[Spec],
-               arena: HugePageArena | None = None) -> list[torch.Tensor] | None:
-        """The buffers of `entry` with `specs` (shape, dtype) mapped from the file (read into `arena`, if any), or
-        None (not held, or held with other shapes: then converted and the file rewritten)."""
+    def lookup(self, entry: str, specs: Sequence[Spec]) -> list[torch.Tensor] | None:
+        """The buffers of `entry` with `specs` (shape, dtype) mapped from the file, or None (not held, or held with
+        other shapes: then converted and the file rewritten)."""
         record = self._entries.get(entry)
         if record is None or [(dtype, tuple(shape)) for dtype, shape, *_ in record] != [
                 (str(dtype), tuple(shape)) for shape, dtype in specs]:
             return None
-        if arena is not None:  # read from the file: the mapping's pages stay out of this process
-            tensors = [arena.read(self._fd, offset, tuple(shape), DTYPES[dtype])
-                       for dtype, shape, offset, _, _ in record]
-        else:
-            tensors = [weight_file.view(self._mapping, offset, shape, DTYPES[dtype])
-                       for dtype, shape, offset, _, _ in record]
-            self._viewed = True
+        tensors = [weight_file.view(self._mapping, offset, shape, DTYPES[dtype])
+                   for dtype, shape, offset, _, _ in record]
+        self._viewed = True
         self._new[entry] = tensors
         self.stats.hits += 1
         return tensors
@@ -138,13 +137,14 @@ class WeightCache:
         self.stats.misses += 1
 
     def close_file(self) -> None:
-        """The load is over: no more lookups. The mapping goes too where no buffer is a view of it (all were read into
-        an arena): the pages its checks touched leave this process. (Views do not pin it: closing it would unmap
-        their memory.)"""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._mapping is not None and not self._viewed:
+        """The load is over: no more lookups. The mapping is closed where no buffer is a view of it (none was used):
+        the pages its checks touched leave this process. (Views do not pin it: closing it would unmap their
+        memory.)"""
+        if self._mapping is None:
+            return
+        if self._viewed:
+            self.stats.huge_bytes = huge_pages.file_pmd_mapped(self._mapping) if self.huge else 0
+        else:
             self._mapping.close()
             self._mapping = None
 
@@ -188,7 +188,7 @@ class WeightCache:
             self.stats.rejected = "not a file owned by this user that only this user can write"
         else:
             try:
-                self._mapping, self._entries, self._fd = weight_file.read(path, self.key)
+                self._mapping, self._entries = weight_file.read(path, self.key, self.huge)
                 os.utime(path)  # recently used: the last the budget removes
             except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # whatever a damaged file holds
                 self.stats.rejected = str(e) or type(e).__name__
@@ -225,12 +225,8 @@ def converted(source: str | None, layout: str, specs: Sequence[Spec],
     if source is None:
         cache = None
     entry = f"{layout}|{source}"
-    if cache is not None:
-        try:
-            if (hit := cache.lookup(entry, specs, arena)) is not None:
-                return hit
-        except OSError as e:  # the file changed under the load (truncated): convert, and the file is rewritten
-            logger.warning("Repacked-weight cache %s unreadable (%s); converting %s.", cache.stats.path, e, entry)
+    if cache is not None and (hit := cache.lookup(entry, specs)) is not None:
+        return hit
     tensors = [arena.empty(tuple(shape), dtype) if arena is not None else torch.empty(shape, dtype=dtype)
                for shape, dtype in specs]
     fill(tensors)

@@ -2,7 +2,9 @@
 
 A file is the converted weights' buffers, each at a page boundary, then the index (JSON: format version, key, data
 length, and per entry the dtype, shape, offset, length and checksum of each buffer), then a trailer: MAGIC, the
-index's length and its SHA-256.
+index's length and its SHA-256. It is written in 2 MiB pieces at 2 MiB boundaries, so the page cache holds it in 2 MiB
+folios, and a mapping of it that is advised MADV_HUGEPAGE reads whatever is not cached in 2 MiB folios too: the
+weights mapped from it then sit in 2 MiB pages (huge_pages.py).
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ import torch
 from pagedlm import cbuild
 from pagedlm.cpu import cpu_features
 from pagedlm.hub.gguf_file import GGUFFile
+from pagedlm.model import huge_pages
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: written in 2 MiB pieces
 MAGIC = b"PGLMWTC1"
 TRAILER = struct.Struct("<8sQ32s")  # at the end of the file: magic, index length, SHA-256 of the index
 PAGE = mmap.PAGESIZE
@@ -154,18 +157,6 @@ def checksum(buf, offset: int, nbytes: int) -> int:
     return crc
 
 
-def file_checksum(fd: int, offset: int, nbytes: int) -> int:
-    """checksum() of the bytes of file `fd`, read with pread: a page read through a mapping can map a whole 2 MiB
-    folio of the file into this process."""
-    crc = 0
-    for at, n in _checked_spans(offset, nbytes):
-        data = os.pread(fd, n, at)
-        if len(data) != n:
-            raise ValueError("truncated")
-        crc = zlib.crc32(data, crc)
-    return crc
-
-
 def _index(path: Path) -> tuple[dict, int]:
     """A cache file's index (its trailer and SHA-256 checked) and where it starts; ValueError if damaged."""
     with open(path, "rb") as f:
@@ -183,10 +174,9 @@ def _index(path: Path) -> tuple[dict, int]:
     return json.loads(index), size - TRAILER.size - length
 
 
-def read(path: Path, key: dict) -> tuple[mmap.mmap, dict[str, list[list]], int]:
-    """The mapped file, its entries and a descriptor of the file mapped (to read buffers from: the file checked, even
-    if another is renamed over `path` meanwhile; the caller closes it), once every check of the module docstring
-    passed (else ValueError)."""
+def read(path: Path, key: dict, huge: bool = True) -> tuple[mmap.mmap, dict[str, list[list]]]:
+    """The mapped file, read in (in 2 MiB pages with `huge`, where the OS has them), and its entries, once every check
+    of the module docstring passed (else ValueError)."""
     head, index_start = _index(path)
     if head.get("format") != FORMAT_VERSION or head.get("key") != key:
         old = head.get("key") if isinstance(head.get("key"), dict) else {}
@@ -197,18 +187,15 @@ def read(path: Path, key: dict) -> tuple[mmap.mmap, dict[str, list[list]], int]:
         raise ValueError(f"the index says {end} bytes of buffers, the file holds {index_start}")
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: the file is never written through
-        fd = os.dup(f.fileno())
     try:
-        entries = _checked_entries(head, fd, end)
+        huge_pages.populate(mapping, huge)
+        return mapping, _checked_entries(head, mapping, end)
     except BaseException:
-        os.close(fd)
+        mapping.close()
         raise
-    if hasattr(mapping, "madvise"):
-        mapping.madvise(mmap.MADV_WILLNEED)
-    return mapping, entries, fd
 
 
-def _checked_entries(head: dict, fd: int, end: int) -> dict[str, list[list]]:
+def _checked_entries(head: dict, mapping: mmap.mmap, end: int) -> dict[str, list[list]]:
     entries: dict[str, list[list]] = head["entries"]
     spans = []
     for entry, record in entries.items():
@@ -217,7 +204,7 @@ def _checked_entries(head: dict, fd: int, end: int) -> dict[str, list[list]]:
             if (dtype not in DTYPES or n < 0 or n * DTYPES[dtype].itemsize != nbytes
                     or not isinstance(offset, int) or offset < 0 or offset % PAGE or offset + nbytes > end):
                 raise ValueError(f"entry {entry!r} does not fit the file")
-            if nbytes and file_checksum(fd, offset, nbytes) != crc:
+            if nbytes and checksum(mapping, offset, nbytes) != crc:
                 raise ValueError(f"checksum mismatch in {entry!r}")
             spans.append((offset, offset + nbytes))
     spans.sort()
@@ -236,16 +223,53 @@ def view(mapping: mmap.mmap, offset: int, shape: Sequence[int], dtype: torch.dty
 
 def write(fd: int, key: dict, entries: dict[str, list[torch.Tensor]]) -> None:
     """A cache file into `fd`: each entry's buffers at page boundaries, then the index and the trailer."""
+    out = _ChunkedWriter(fd)
     index: dict[str, list[list]] = {}
-    end = 0
     for entry, tensors in entries.items():
         index[entry] = []
         for t in tensors:
             data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-            done = 0
-            while done < data.nbytes:
-                done += os.pwrite(fd, data[done:], end + done)
-            index[entry].append([str(t.dtype), list(t.shape), end, data.nbytes, checksum(data, 0, data.nbytes)])
-            end += pages(data.nbytes)
-    head = json.dumps({"format": FORMAT_VERSION, "key": key, "data_bytes": end, "entries": index}).encode()
-    os.pwrite(fd, head + TRAILER.pack(MAGIC, len(head), hashlib.sha256(head).digest()), end)
+            index[entry].append([str(t.dtype), list(t.shape), out.pos, data.nbytes, checksum(data, 0, data.nbytes)])
+            out.put(data)
+            out.put(memoryview(bytes(pages(data.nbytes) - data.nbytes)))
+    head = json.dumps({"format": FORMAT_VERSION, "key": key, "data_bytes": out.pos, "entries": index}).encode()
+    out.put(memoryview(head + TRAILER.pack(MAGIC, len(head), hashlib.sha256(head).digest())))
+    out.flush()
+
+
+class _ChunkedWriter:
+    """Writes a stream to a file in pieces of CHUNK bytes at CHUNK boundaries (the last one shorter): the page cache
+    makes a folio of each piece as large as the piece (a buffer written from a 4 KiB boundary left the start of its
+    2 MiB in small folios)."""
+
+    CHUNK = huge_pages.HUGE_PAGE
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pos = 0  # bytes put so far
+        self._buf = bytearray(self.CHUNK)
+        self._held = 0  # bytes of _buf not yet written
+
+    def put(self, data: memoryview) -> None:
+        while data.nbytes:
+            if not self._held and data.nbytes >= self.CHUNK:  # whole pieces straight from `data`
+                n = data.nbytes - data.nbytes % self.CHUNK
+                self._write(self.pos, data[:n])
+            else:
+                n = min(self.CHUNK - self._held, data.nbytes)
+                self._buf[self._held:self._held + n] = data[:n]
+                self._held += n
+            self.pos += n
+            data = data[n:]
+            if self._held == self.CHUNK:
+                self.flush()
+
+    def flush(self) -> None:
+        if self._held:
+            self._write(self.pos - self._held, memoryview(self._buf)[:self._held])
+            self._held = 0
+
+    def _write(self, at: int, data: memoryview) -> None:
+        done = 0
+        while done < data.nbytes:
+            done += os.pwrite(self.fd, data[done:], at + done)
