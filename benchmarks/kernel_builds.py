@@ -40,7 +40,7 @@ def _line(label: str, times: dict[str, list[float]]) -> str:
     return f"{label}: " + "  ".join(f"{n} {v * 1e6:9.1f} us ({base / v:.2f}x)" for n, v in med.items())
 
 
-def attention(sources: list[str], batch: int, context: int, layers: int, reps: int) -> None:
+def attention(sources: list[str], batch: int, context: int, layers: int, reps: int, heads: str) -> None:
     from pagedlm.attention import cpu_kernel
     from pagedlm.bench.kernel import decode_case
 
@@ -51,9 +51,10 @@ def attention(sources: list[str], batch: int, context: int, layers: int, reps: i
         lib.pagedlm_paged_attention.restype = i
 
     libs = _load(sources, configure)
+    h, kvh = (int(x) for x in heads.split(","))
     cases = []
     for seed in range(layers):
-        q, kc, vc, meta, _, _ = decode_case(batch, context, seed=seed)
+        q, kc, vc, meta, _, _ = decode_case(batch, context, h, kvh, seed=seed)
         cases.append((q, kc.bfloat16(), vc.bfloat16(), meta))
     outs = {n: [cpu_kernel.paged_attention_cpu(q, k, v, m, 0.125, lib=lib) for q, k, v, m in cases]
             for n, lib in libs.items()}
@@ -68,7 +69,7 @@ def attention(sources: list[str], batch: int, context: int, layers: int, reps: i
             for q, k, v, m in cases:
                 cpu_kernel.paged_attention_cpu(q, k, v, m, 0.125, lib=lib)
             times[n].append(time.perf_counter() - t)
-    print(_line(f"attention, bf16 KV, batch {batch} x context {context}, {layers} layers", times))
+    print(_line(f"attention, bf16 KV, {h} / {kvh} heads, batch {batch} x context {context}, {layers} layers", times))
 
 
 def _time_layer(libs: dict[str, ctypes.CDLL], layer, x: torch.Tensor, reps: int) -> dict[str, list[float]]:
@@ -135,13 +136,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", default="9,3", help="attention: query and kv heads (the 1B: 32,4)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kinds", default="Q8_0,Q5_0,Q5_K,Q6_K,Q4_K,Q4_0", help="gguf: the block kinds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernel == "attention":
-        attention(args.sources, args.batch, args.context, args.layers, args.repeats)
+        attention(args.sources, args.batch, args.context, args.layers, args.repeats, args.heads)
     elif args.kernel == "gguf":
         gguf(args.sources, args.repeats, args.kinds.split(","))
     else:

@@ -233,12 +233,13 @@ def test_fused_rope_write_kv_equals_torch_path():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("length", [200, 530])
-def test_cpu_kernel_rows_do_not_depend_on_the_batch(kv_dtype, window, length):
+@pytest.mark.parametrize("length,block_size", [(200, 16), (530, 16), (530, 8)])
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(kv_dtype, window, length, block_size):
     """A row's result is bit for bit the same alone (a decode step) as beside its sequence's next rows (a verify
-    step's draft tokens) and other sequences: key ranges split at fixed positions, tiles on a fixed grid."""
+    step's draft tokens) and other sequences: key ranges split at fixed positions, tiles and the online softmax's
+    chunks of tiles on fixed grids."""
     _kernel_or_skip()
-    q, _, _, kc, vc, meta = build_case([length, 300, 40], [9, 1, 40], 9, 3, 64, 16, torch.float32, seed=3)
+    q, _, _, kc, vc, meta = build_case([length, 300, 40], [9, 1, 40], 9, 3, 64, block_size, torch.float32, seed=3)
     kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
     cpu = BACKENDS["cpu"]
     together = cpu.forward(q, kc, vc, meta, 0.125, sliding_window=window)
@@ -246,9 +247,26 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(kv_dtype, window, length):
     for j in range(9):
         pos = length - 9 + j
         alone = AttentionMetadata(meta.slot_mapping[j:j + 1], table, torch.tensor([pos + 1], dtype=torch.int32),
-                                  torch.tensor([0, 1], dtype=torch.int32), [pos + 1], [1], 1, pos + 1, 16)
+                                  torch.tensor([0, 1], dtype=torch.int32), [pos + 1], [1], 1, pos + 1, block_size)
         row = cpu.forward(q[j:j + 1], kc, vc, alone, 0.125, sliding_window=window)
         assert torch.equal(row, together[j:j + 1]), f"row {j} (position {pos}) differs"
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 32])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_blocks_smaller_and_larger_than_a_tile(block_size, kv_dtype):
+    """Blocks of fewer keys than a tile (a tile per block, chunks of several blocks) and of more (several tiles per
+    block): decode, prefill rows and a sliding window against the oracle."""
+    from pagedlm.attention import cpu_kernel
+
+    _kernel_or_skip()
+    for seq_lens, query_lens, window in (([1, 70, 300, 1000], [1, 9, 1, 1], None), ([90, 333], [1, 20], 37)):
+        q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, 9, 3, 64, block_size, torch.float32, seed=5)
+        kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+        assert cpu_kernel.supports(q, kc)
+        out = BACKENDS["cpu"].forward(q, kc, vc, meta, 0.125, sliding_window=window)
+        ref = BACKENDS["reference"].forward(q, kc, vc, meta, 0.125, sliding_window=window)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
 
 
 def _kernel_or_skip():

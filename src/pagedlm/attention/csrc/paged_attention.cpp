@@ -8,11 +8,11 @@
 // Work item = (sequence, tile of query tokens, range of keys). Its rows are the tile's tokens x all heads
 // (at most MAX_ROWS), so each cached token's K/V row [kv_heads, D] is streamed once per item and shared by
 // the G query heads of each kv head. Key ranges are split at fixed positions (every SPLIT keys: flash-decoding)
-// and the partial softmax states merged in order, and key tiles start on a fixed grid, so a row's result depends on
-// its own keys only, never on the batch around it: a decode row equals the same row computed beside other rows of
-// its sequence (a verify step's draft tokens) or beside other sequences. Each thread runs its share of the items
-// in order and loads the next tile's K/V (cold: the weights evicted them) while it runs the current one, across
-// item boundaries.
+// and the partial softmax states merged in order, and key tiles and their chunks start on fixed grids, so a row's
+// result depends on its own keys only, never on the batch around it: a decode row equals the same row computed
+// beside other rows of its sequence (a verify step's draft tokens) or beside other sequences. Each thread runs its
+// share of the items in order and loads the next tile's K/V (cold: the weights evicted them) while it runs the
+// current one, across item boundaries.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -47,6 +47,7 @@ inline void exp_inplace(float* x, int n) {
 }
 
 constexpr int KT = 16;        // keys per inner tile (never crossing a block)
+constexpr int CH = 4;         // tiles per chunk: the online softmax's step (KT * CH keys)
 constexpr int MAX_ROWS = 64;  // query rows (tokens x heads) per work item
 constexpr int SPLIT = 256;    // key ranges split at multiples of this (a multiple of KT)
 
@@ -148,10 +149,13 @@ void rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H,
 }
 
 // ---- the inner loop, one path per ISA level ------------------------------------------------------------------
-// Per key tile and kv head, the query rows of that head are taken RB at a time ("a row block"): each K and V row
-// is loaded once per block, not once per row. Scores: a row's partial dot products with 4 keys are accumulated
-// as vectors (lanes = d), then reduced together by a shuffle tree that leaves key j in lane j (one tree per L keys,
-// instead of one horizontal sum per dot product). P.V: the block's output rows stay in registers over the keys.
+// Keys go in tiles (KT keys, never crossing a block) and tiles in chunks (CH tiles, ending on a fixed grid of keys);
+// the online softmax steps once per chunk (its max, sum and the accumulators' rescaling: 1.2-1.35x the kernel's
+// speed over a step per tile at 4k keys). Per chunk and kv head, the query rows of that head are taken RB at a
+// time ("a row block"): each K and V row is loaded once per block, not once per row. Scores: a row's partial dot
+// products with 4 keys are accumulated as vectors (lanes = d), then reduced together by a shuffle tree that leaves
+// key j in lane j (one tree per L keys, instead of one horizontal sum per dot product). P.V: the block's output
+// rows stay in registers over the chunk's keys.
 // The AVX-512 (__AVX512F__) and AVX2+FMA paths share that code through AttnSimd; the portable path (no AVX2) is
 // plain loops. All compute the same sums in fp32 (in different orders), under the same tests.
 #if defined(__AVX512F__)
@@ -278,9 +282,11 @@ void qk_block(const float* const* qp, const float* k, int64_t ldk, int n, float*
 constexpr int divisor_at_most(int C, int w) { return w <= 1 ? 1 : C % w == 0 ? w : divisor_at_most(C, w - 1); }
 #endif
 
-// o[r] = o[r] * alpha[r] + sum_{j < n} p[r][j] v[j] for the R rows of a block; v rows ldv floats apart.
+// o[r] = o[r] * alpha[r] + sum_t sum_{j < n[t]} p[r][t * KT + j] v_t[j] for the R rows of a block over the nt
+// tiles of a chunk; V rows ldv floats apart.
 template <int D, int R>
-void pv_block(float* const* op, const float* alpha, const float* const* pp, const float* v, int64_t ldv, int n) {
+void pv_chunk(float* const* op, const float* alpha, const float* const* pp, const float* const* vt, int64_t ldv,
+              const int* n, int nt) {
 #if PAGEDLM_ATTN_ISA
   using S = AttnSimd;
   using V = S::V;
@@ -291,31 +297,33 @@ void pv_block(float* const* op, const float* alpha, const float* const* pp, cons
       const V a = S::set1(alpha[r]);
       for (int w = 0; w < W; ++w) o[r][w] = S::mul(S::load(op[r] + (c0 + w) * L), a);
     }
-    for (int j = 0; j < n; ++j) {
-      const float* vj = v + j * ldv + c0 * L;
-      V vv[W];
-      for (int w = 0; w < W; ++w) vv[w] = S::load(vj + w * L);
-      for (int r = 0; r < R; ++r) {
-        const V p = S::set1(pp[r][j]);
-        for (int w = 0; w < W; ++w) o[r][w] = S::fma(p, vv[w], o[r][w]);
+    for (int t = 0; t < nt; ++t)
+      for (int j = 0; j < n[t]; ++j) {
+        const float* vj = vt[t] + j * ldv + c0 * L;
+        V vv[W];
+        for (int w = 0; w < W; ++w) vv[w] = S::load(vj + w * L);
+        for (int r = 0; r < R; ++r) {
+          const V p = S::set1(pp[r][t * KT + j]);
+          for (int w = 0; w < W; ++w) o[r][w] = S::fma(p, vv[w], o[r][w]);
+        }
       }
-    }
     for (int r = 0; r < R; ++r)
       for (int w = 0; w < W; ++w) S::store(op[r] + (c0 + w) * L, o[r][w]);
   }
 #else
   for (int r = 0; r < R; ++r) {
-    alignas(64) float o[D];  // the row kept in registers across the tile's keys
+    alignas(64) float o[D];  // the row kept in registers across the chunk's keys
     float* ar = op[r];
     const float al = alpha[r];
 #pragma omp simd
     for (int d = 0; d < D; ++d) o[d] = ar[d] * al;
-    for (int j = 0; j < n; ++j) {
-      const float pj = pp[r][j];
-      const float* vj = v + j * ldv;
+    for (int t = 0; t < nt; ++t)
+      for (int j = 0; j < n[t]; ++j) {
+        const float pj = pp[r][t * KT + j];
+        const float* vj = vt[t] + j * ldv;
 #pragma omp simd
-      for (int d = 0; d < D; ++d) o[d] += pj * vj[d];
-    }
+        for (int d = 0; d < D; ++d) o[d] += pj * vj[d];
+      }
 #pragma omp simd
     for (int d = 0; d < D; ++d) ar[d] = o[d];
   }
@@ -380,20 +388,20 @@ void qk_block_bf16(const uint16_t* const* qh, const uint16_t* const* ql, const u
   for (int r = 0; r < R; ++r) S::store(sp[r], S::finish(g[r]));
 }
 
-// pv_block over a bf16 V tile in place. Keys go in pairs: unpacking rows j and j + 1 interleaves them into
+// pv_chunk over bf16 V tiles in place. Keys go in pairs: unpacking rows j and j + 1 interleaves them into
 // (v_j[d], v_j+1[d]) lanes, which vdpbf16ps multiplies by the pair (p_j, p_j+1); unpacklo/hi cover d in the order
 // kLoIdx/kHiIdx name, so the accumulators are permuted from and back to o's order around the tile.
 template <int D, int R>
-void pv_block_bf16(float* const* op, const float* alpha, const float* const* pp, const uint16_t* v, int64_t ldv,
-                   int n) {
+void pv_chunk_bf16(float* const* op, const float* alpha, const float* const* pp, const uint16_t* const* vt,
+                   int64_t ldv, const int* n, int nt) {
   using V = __m512;
   constexpr int C = D / 32, W = divisor_at_most(C, 8 / R);
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   const __m512i hi_idx = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   const __m512i out0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i out1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  alignas(64) uint32_t ph[R][KT / 2], pl[R][KT / 2];  // (p_j, p_j+1) as bf16 pairs, hi and lo parts
-  for (int r = 0; r < R; ++r) split_bf16(pp[r], KT, reinterpret_cast<uint16_t*>(ph[r]),
+  alignas(64) uint32_t ph[R][CH * KT / 2], pl[R][CH * KT / 2];  // (p_j, p_j+1) as bf16 pairs, hi and lo parts
+  for (int r = 0; r < R; ++r) split_bf16(pp[r], nt * KT, reinterpret_cast<uint16_t*>(ph[r]),
                                          reinterpret_cast<uint16_t*>(pl[r]));
   for (int c0 = 0; c0 < C; c0 += W) {
     V o[R][W][2];
@@ -405,21 +413,23 @@ void pv_block_bf16(float* const* op, const float* alpha, const float* const* pp,
         o[r][w][1] = _mm512_mul_ps(_mm512_permutex2var_ps(x0, hi_idx, x1), a);
       }
     }
-    for (int j = 0; j < n; j += 2) {
-      const uint16_t* v0 = v + j * ldv + (c0 * 32);
-      const uint16_t* v1 = j + 1 < n ? v0 + ldv : kZeroRow16;  // past n: p is 0, the slot may be garbage
-      __m512i u[W][2];
-      for (int w = 0; w < W; ++w) {
-        const __m512i a = load16(v0 + w * 32), b = load16(v1 + w * 32);
-        u[w][0] = _mm512_unpacklo_epi16(a, b);
-        u[w][1] = _mm512_unpackhi_epi16(a, b);
+    for (int t = 0; t < nt; ++t)
+      for (int j = 0; j < n[t]; j += 2) {
+        const uint16_t* v0 = vt[t] + j * ldv + (c0 * 32);
+        const uint16_t* v1 = j + 1 < n[t] ? v0 + ldv : kZeroRow16;  // past n: p is 0, the slot may be garbage
+        __m512i u[W][2];
+        for (int w = 0; w < W; ++w) {
+          const __m512i a = load16(v0 + w * 32), b = load16(v1 + w * 32);
+          u[w][0] = _mm512_unpacklo_epi16(a, b);
+          u[w][1] = _mm512_unpackhi_epi16(a, b);
+        }
+        const int jp = (t * KT + j) / 2;
+        for (int r = 0; r < R; ++r) {
+          const __m512i h = _mm512_set1_epi32(int(ph[r][jp])), lo = _mm512_set1_epi32(int(pl[r][jp]));
+          for (int w = 0; w < W; ++w)
+            for (int x = 0; x < 2; ++x) o[r][w][x] = dot2(dot2(o[r][w][x], h, u[w][x]), lo, u[w][x]);
+        }
       }
-      for (int r = 0; r < R; ++r) {
-        const __m512i h = _mm512_set1_epi32(int(ph[r][j / 2])), lo = _mm512_set1_epi32(int(pl[r][j / 2]));
-        for (int w = 0; w < W; ++w)
-          for (int x = 0; x < 2; ++x) o[r][w][x] = dot2(dot2(o[r][w][x], h, u[w][x]), lo, u[w][x]);
-      }
-    }
     for (int r = 0; r < R; ++r)
       for (int w = 0; w < W; ++w) {
         _mm512_storeu_ps(op[r] + (c0 + w) * 32, _mm512_permutex2var_ps(o[r][w][0], out0, o[r][w][1]));
@@ -431,57 +441,80 @@ void pv_block_bf16(float* const* op, const float* alpha, const float* const* pp,
 #define PAGEDLM_ATTN_BF16_DOT 0
 #endif
 
-// Online softmax over one row's tile scores s[0, KT): keys pos + j outside [lo, hi] are masked (lo >= pos, and
-// hi <= pos + n - 1 masks the keys past the tile); s becomes exp(s - m_new), m and l are updated; returns the
-// factor exp(m_old - m_new) for the row's accumulator.
-inline float softmax_tile(float* s, int pos, int lo, int hi, float& m, float& l) {
+// Online softmax over one row's chunk scores: tile t's keys are s[t * KT + j] for j < n[t], at positions
+// tpos[t] + j; those outside [lo, hi] and the lanes j >= n[t] are masked (at least one key is not). s becomes
+// exp(s - m_new) (0 where masked), m and l are updated; returns the factor exp(m_old - m_new) for the row's
+// accumulator.
+inline float softmax_chunk(float* s, const int* tpos, const int* n, int nt, int lo, int hi, float& m, float& l) {
 #if defined(__AVX512F__)
   static_assert(KT == 16, "one vector of 16 keys");
-  const __m512i kp = _mm512_add_epi32(_mm512_set1_epi32(pos),
-                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  const __mmask16 ok = _mm512_cmpge_epi32_mask(kp, _mm512_set1_epi32(lo)) &
-                       _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(hi));
-  __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), ok, s);
-  const float mt = std::max(m, _mm512_reduce_max_ps(x));
-  x = exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(mt)));
-  _mm512_storeu_ps(s, x);
-  const float sum = _mm512_reduce_add_ps(x);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i lov = _mm512_set1_epi32(lo), hiv = _mm512_set1_epi32(hi);
+  __m512 x[CH];
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int t = 0; t < nt; ++t) {
+    const __m512i kp = _mm512_add_epi32(_mm512_set1_epi32(tpos[t]), lane);
+    const __mmask16 ok = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(n[t]), lane) &
+                         _mm512_cmpge_epi32_mask(kp, lov) & _mm512_cmple_epi32_mask(kp, hiv);
+    x[t] = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), ok, s + t * KT);
+    mx = _mm512_max_ps(mx, x[t]);
+  }
+  const float mt = std::max(m, _mm512_reduce_max_ps(mx));
+  const __m512 mv = _mm512_set1_ps(mt);
+  __m512 sv = _mm512_setzero_ps();
+  for (int t = 0; t < nt; ++t) {
+    const __m512 e = exp_ps(_mm512_sub_ps(x[t], mv));
+    _mm512_storeu_ps(s + t * KT, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  const float sum = _mm512_reduce_add_ps(sv);
 #elif defined(__AVX2__) && defined(__FMA__)
   static_assert(KT == 16, "two vectors of 8 keys");
-  const __m256i kp0 = _mm256_add_epi32(_mm256_set1_epi32(pos), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i kp1 = _mm256_add_epi32(kp0, _mm256_set1_epi32(8));
+  const __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lane1 = _mm256_add_epi32(lane0, _mm256_set1_epi32(8));
   const __m256i lo1 = _mm256_set1_epi32(lo - 1), hi1 = _mm256_set1_epi32(hi + 1);
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  auto masked = [&](const float* x, __m256i kp) {
-    const __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(kp, lo1), _mm256_cmpgt_epi32(hi1, kp));
-    return _mm256_blendv_ps(ninf, _mm256_loadu_ps(x), _mm256_castsi256_ps(ok));
-  };
-  __m256 x0 = masked(s, kp0), x1 = masked(s + 8, kp1);
-  __m256 mx = _mm256_max_ps(x0, x1);
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-  const float mt = std::max(m, _mm_cvtss_f32(h));
+  __m256 x[CH][2];
+  __m256 mx = ninf;
+  for (int t = 0; t < nt; ++t) {
+    const __m256i nv = _mm256_set1_epi32(n[t]), pv = _mm256_set1_epi32(tpos[t]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ln = h ? lane1 : lane0, kp = _mm256_add_epi32(pv, ln);
+      const __m256i ok = _mm256_and_si256(_mm256_and_si256(_mm256_cmpgt_epi32(kp, lo1), _mm256_cmpgt_epi32(hi1, kp)),
+                                          _mm256_cmpgt_epi32(nv, ln));
+      x[t][h] = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + t * KT + 8 * h), _mm256_castsi256_ps(ok));
+      mx = _mm256_max_ps(mx, x[t][h]);
+    }
+  }
+  __m128 hm = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  hm = _mm_max_ps(hm, _mm_movehl_ps(hm, hm));
+  hm = _mm_max_ss(hm, _mm_shuffle_ps(hm, hm, 1));
+  const float mt = std::max(m, _mm_cvtss_f32(hm));
   const __m256 mv = _mm256_set1_ps(mt);
-  x0 = exp_ps(_mm256_sub_ps(x0, mv));
-  x1 = exp_ps(_mm256_sub_ps(x1, mv));
-  _mm256_storeu_ps(s, x0);
-  _mm256_storeu_ps(s + 8, x1);
-  const __m256 sv = _mm256_add_ps(x0, x1);
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-  const float sum = _mm_cvtss_f32(t);
+  __m256 sv = _mm256_setzero_ps();
+  for (int t = 0; t < nt; ++t)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 e = exp_ps(_mm256_sub_ps(x[t][h], mv));
+      _mm256_storeu_ps(s + t * KT + 8 * h, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+  __m128 hs = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
+  hs = _mm_add_ps(hs, _mm_movehl_ps(hs, hs));
+  hs = _mm_add_ss(hs, _mm_shuffle_ps(hs, hs, 1));
+  const float sum = _mm_cvtss_f32(hs);
 #else
   float mt = m;
-  for (int j = 0; j < KT; ++j) {
-    if (pos + j < lo || pos + j > hi) s[j] = -INFINITY;
-    mt = std::max(mt, s[j]);
-  }
-  for (int j = 0; j < KT; ++j) s[j] -= mt;
-  exp_inplace(s, KT);
+  for (int t = 0; t < nt; ++t)
+    for (int j = 0; j < KT; ++j) {
+      const int p = tpos[t] + j;
+      float& x = s[t * KT + j];
+      if (j >= n[t] || p < lo || p > hi) x = -INFINITY;
+      mt = std::max(mt, x);
+    }
+  for (int j = 0; j < nt * KT; ++j) s[j] -= mt;
+  exp_inplace(s, nt * KT);
   float sum = 0.f;
-  for (int j = 0; j < KT; ++j) sum += s[j];
+  for (int j = 0; j < nt * KT; ++j) sum += s[j];
 #endif
   const float alpha = std::exp(m - mt);  // m = -inf -> 0
   l = l * alpha + sum;
@@ -551,36 +584,54 @@ struct HeadTile {
   int64_t ld;
 };
 
-// One row block of a kv head over one key tile: scores, mask + online softmax, P.V.
+// The tiles of one chunk: up to CH tiles of consecutive keys, tile t at positions pos[t] .. pos[t] + n[t] - 1.
+struct Chunk {
+  int nt, pos[CH], n[CH];
+  int64_t slot[CH];
+};
+
+// One row block of a kv head over one chunk (its tiles h[0, c.nt)): scores, mask + online softmax, P.V.
 template <int D, int R>
-void block_tile(const Args& a, const int* rows, const int* qpos, float (*qf)[D], uint16_t (*q16)[2][D],
-                float (*s)[KT], float* acc, float* m, float* l, const HeadTile& h, int pos, int n) {
+void block_chunk(const Args& a, const int* rows, const int* qpos, float (*qf)[D], uint16_t (*q16)[2][D],
+                 float (*s)[CH * KT], float* acc, float* m, float* l, const HeadTile* h, const Chunk& c) {
   const float* qp[R];
   float *sp[R], *op[R];
   float alpha[R];
   for (int i = 0; i < R; ++i) { qp[i] = qf[rows[i]]; sp[i] = s[rows[i]]; op[i] = acc + rows[i] * D; }
+  for (int t = 0; t < c.nt; ++t) {
+    float* st[R];
+    for (int i = 0; i < R; ++i) st[i] = sp[i] + t * KT;
 #if PAGEDLM_ATTN_BF16_DOT
-  if constexpr (D % 32 == 0) {
-    if (h.k16) {
-      const uint16_t *qh[R], *ql[R];
-      for (int i = 0; i < R; ++i) { qh[i] = q16[rows[i]][0]; ql[i] = q16[rows[i]][1]; }
-      qk_block_bf16<D, R>(qh, ql, h.k16, h.ld, n, sp);
+    if constexpr (D % 32 == 0) {
+      if (h[t].k16) {
+        const uint16_t *qh[R], *ql[R];
+        for (int i = 0; i < R; ++i) { qh[i] = q16[rows[i]][0]; ql[i] = q16[rows[i]][1]; }
+        qk_block_bf16<D, R>(qh, ql, h[t].k16, h[t].ld, c.n[t], st);
+        continue;
+      }
     }
-  }
-  if (!h.k16)
 #endif
-  qk_block<D, R>(qp, h.k, h.ld, n, sp);
+    qk_block<D, R>(qp, h[t].k, h[t].ld, c.n[t], st);
+  }
+  const int last = c.pos[c.nt - 1] + c.n[c.nt - 1] - 1;
   for (int i = 0; i < R; ++i) {
     const int r = rows[i], p = qpos[r];
-    const int lo = a.window > 0 ? std::max(pos, p - a.window + 1) : pos;
-    alpha[i] = softmax_tile(sp[i], pos, lo, std::min(p, pos + n - 1), m[r], l[r]);
+    const int lo = a.window > 0 ? std::max(c.pos[0], p - a.window + 1) : c.pos[0];
+    alpha[i] = softmax_chunk(sp[i], c.pos, c.n, c.nt, lo, std::min(p, last), m[r], l[r]);
   }
 #if PAGEDLM_ATTN_BF16_DOT
   if constexpr (D % 32 == 0) {
-    if (h.v16) { pv_block_bf16<D, R>(op, alpha, sp, h.v16, h.ld, n); return; }
+    if (h[0].v16) {
+      const uint16_t* vt[CH];
+      for (int t = 0; t < c.nt; ++t) vt[t] = h[t].v16;
+      pv_chunk_bf16<D, R>(op, alpha, sp, vt, h[0].ld, c.n, c.nt);
+      return;
+    }
   }
 #endif
-  pv_block<D, R>(op, alpha, sp, h.v, h.ld, n);
+  const float* vt[CH];
+  for (int t = 0; t < c.nt; ++t) vt[t] = h[t].v;
+  pv_chunk<D, R>(op, alpha, sp, vt, h[0].ld, c.n, c.nt);
 }
 
 #if PAGEDLM_ATTN_ISA
@@ -634,8 +685,8 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
   const int t0 = it.tile * a.qt, nrows = std::min(a.qt, qlen - t0) * H;
   const int32_t* table = a.tables + int64_t(it.seq) * a.max_blocks;
   alignas(64) float qf[MAX_ROWS][D];
-  alignas(64) float s[MAX_ROWS][KT];
-  alignas(64) float kbuf[KT * D], vbuf[KT * D];
+  alignas(64) float s[MAX_ROWS][CH * KT];
+  alignas(64) float kbuf[CH][KT * D], vbuf[CH][KT * D];
   int qpos[MAX_ROWS];
   // bf16 caches are read in place by the vdpbf16ps loops where the build has them.
   constexpr bool kBf16Dot = PAGEDLM_ATTN_BF16_DOT && D % 32 == 0;
@@ -652,25 +703,32 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
 #endif
   }
   const bool f32 = a.kv_kind == KV_F32;
+  const int grid = CH * std::min(KT, a.BS);  // chunks end at multiples of this: each holds at most CH tiles
   for (int pos = it.lo; pos < it.hi;) {
-    const int blk = pos / a.BS, off = pos % a.BS;
-    const int n = std::min(std::min(KT, a.BS - off), it.hi - pos);
-    const int64_t slot = int64_t(table[blk]) * a.BS + off;
-    // K/V rows are scattered and cold (the weights evicted them): load the next tile's (this item's, or the next
-    // item's first) while this one runs, and prefetch the one after it.
-    if (pos == it.lo && !warm) {
-      const TileSpan t = tile_after(a, kc, vc, it, next, pos, 0);
-      touch_lines(t.k, t.v, t.bytes);
+    Chunk c{};
+    for (; c.nt == 0 || (pos < it.hi && pos % grid); ++c.nt) {
+      const int off = pos % a.BS, n = std::min(std::min(KT, a.BS - off), it.hi - pos);
+      // K/V rows are scattered and cold (the weights evicted them): load the next tile's (this item's, or the
+      // next item's first) while this chunk runs, and prefetch the one after it.
+      if (pos == it.lo && !warm) {
+        const TileSpan t = tile_after(a, kc, vc, it, next, pos, 0);
+        touch_lines(t.k, t.v, t.bytes);
+      }
+      const TileSpan t1 = tile_after(a, kc, vc, it, next, pos, 1), t2 = tile_after(a, kc, vc, it, next, pos, 2);
+      touch_lines(t1.k, t1.v, t1.bytes);
+      prefetch_lines(t2.k, t2.v, t2.bytes);
+      c.pos[c.nt] = pos;
+      c.n[c.nt] = n;
+      c.slot[c.nt] = int64_t(table[pos / a.BS]) * a.BS + off;
+      pos += n;
     }
-    const TileSpan t1 = tile_after(a, kc, vc, it, next, pos, 1), t2 = tile_after(a, kc, vc, it, next, pos, 2);
-    touch_lines(t1.k, t1.v, t1.bytes);
-    prefetch_lines(t2.k, t2.v, t2.bytes);
-    // Rows that see part of this tile: [r_lo, r_hi) (query positions grow with r).
+    // Rows that see part of this chunk: [r_lo, r_hi) (query positions grow with r).
+    const int first = c.pos[0], last = pos - 1;
     int r_lo = 0, r_hi = nrows;
-    while (r_lo < nrows && qpos[r_lo] < pos) ++r_lo;
+    while (r_lo < nrows && qpos[r_lo] < first) ++r_lo;
     if (a.window > 0)
-      while (r_hi > r_lo && pos + n - 1 <= qpos[r_hi - 1] - a.window) --r_hi;
-    if (r_lo >= r_hi) { pos += n; continue; }
+      while (r_hi > r_lo && last <= qpos[r_hi - 1] - a.window) --r_hi;
+    if (r_lo >= r_hi) continue;
     for (int kvh = 0; kvh < a.KVH; ++kvh) {
       int rows[MAX_ROWS], nr = 0;  // this kv head's rows among [r_lo, r_hi)
       for (int t = r_lo / H; t * H < r_hi; ++t)
@@ -679,32 +737,33 @@ void run_item(const Args& a, const Item& it, const T* q, const void* kc, const v
           if (r >= r_lo && r < r_hi) rows[nr++] = r;
         }
       if (nr == 0) continue;
-      // The head's K/V rows [n, D]: in place for fp32 (and bf16 with vdpbf16ps), converted once otherwise.
-      HeadTile h{};
-      if (f32) {
-        h.k = static_cast<const float*>(kc) + slot * KVD + kvh * D;
-        h.v = static_cast<const float*>(vc) + slot * KVD + kvh * D;
-        h.ld = KVD;
-      } else if (bf16_dot) {
-        h.k16 = static_cast<const uint16_t*>(kc) + slot * KVD + kvh * D;
-        h.v16 = static_cast<const uint16_t*>(vc) + slot * KVD + kvh * D;
-        h.ld = KVD;
-      } else {
-        load_head<D>(a, kc, slot, n, kvh, kbuf);
-        load_head<D>(a, vc, slot, n, kvh, vbuf);
-        h.k = kbuf; h.v = vbuf; h.ld = D;
+      // The head's K/V rows [n, D] per tile: in place for fp32 (and bf16 with vdpbf16ps), converted once otherwise.
+      HeadTile h[CH]{};
+      for (int t = 0; t < c.nt; ++t) {
+        if (f32) {
+          h[t].k = static_cast<const float*>(kc) + c.slot[t] * KVD + kvh * D;
+          h[t].v = static_cast<const float*>(vc) + c.slot[t] * KVD + kvh * D;
+          h[t].ld = KVD;
+        } else if (bf16_dot) {
+          h[t].k16 = static_cast<const uint16_t*>(kc) + c.slot[t] * KVD + kvh * D;
+          h[t].v16 = static_cast<const uint16_t*>(vc) + c.slot[t] * KVD + kvh * D;
+          h[t].ld = KVD;
+        } else {
+          load_head<D>(a, kc, c.slot[t], c.n[t], kvh, kbuf[t]);
+          load_head<D>(a, vc, c.slot[t], c.n[t], kvh, vbuf[t]);
+          h[t].k = kbuf[t]; h[t].v = vbuf[t]; h[t].ld = D;
+        }
       }
       for (int i = 0; i < nr; i += ROW_BLOCK) {
         const int* br = rows + i;
         switch (std::min(ROW_BLOCK, nr - i)) {
-          case 1: block_tile<D, 1>(a, br, qpos, qf, q16, s, acc, m, l, h, pos, n); break;
-          case 2: block_tile<D, 2>(a, br, qpos, qf, q16, s, acc, m, l, h, pos, n); break;
-          case 3: block_tile<D, 3>(a, br, qpos, qf, q16, s, acc, m, l, h, pos, n); break;
-          default: block_tile<D, ROW_BLOCK < 4 ? ROW_BLOCK : 4>(a, br, qpos, qf, q16, s, acc, m, l, h, pos, n);
+          case 1: block_chunk<D, 1>(a, br, qpos, qf, q16, s, acc, m, l, h, c); break;
+          case 2: block_chunk<D, 2>(a, br, qpos, qf, q16, s, acc, m, l, h, c); break;
+          case 3: block_chunk<D, 3>(a, br, qpos, qf, q16, s, acc, m, l, h, c); break;
+          default: block_chunk<D, ROW_BLOCK < 4 ? ROW_BLOCK : 4>(a, br, qpos, qf, q16, s, acc, m, l, h, c);
         }
       }
     }
-    pos += n;
   }
 }
 
