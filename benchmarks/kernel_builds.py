@@ -7,8 +7,8 @@ source (e.g. from `git worktree add /tmp/old <commit>`) against the working tree
         src/pagedlm/model/csrc/quant_linear.cpp
 
 `attention`: decode over `--layers` separate bf16 caches in turn (30, as SmolLM2 has: their K/V do not fit the
-caches, so each call reads them cold, as in a real step). `int4`: the x16 int4 product at 1 to 2,048 rows for
-SmolLM2's projection shapes. `gguf`: each GGUF block kind (`--kinds`) at 1 row of cold weights and 8 to 256 rows.
+caches, so each call reads them cold, as in a real step; `--march haswell`: the AVX2 builds). `int4`: the x16 int4
+product at 1 to 2,048 rows for SmolLM2's projection shapes. `gguf`: each GGUF block kind (`--kinds`) at 1 row of cold weights and 8 to 256 rows.
 Each source must sit in its own checkout (its #includes are relative).
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 from pagedlm import cbuild
 
 
-def _load(sources: list[str], configure) -> dict[str, ctypes.CDLL]:
+def _load(sources: list[str], configure, march: str = "native") -> dict[str, ctypes.CDLL]:
     libs = {}
     for i, src in enumerate(sources):
-        lib = cbuild.KernelLibrary(Path(src), f"build {i} ({src})", "nothing", configure).load()
+        lib = cbuild.KernelLibrary(Path(src), f"build {i} ({src})", "nothing", configure, march=march).load()
         if lib is None:
             raise SystemExit(f"could not build {src}")
         libs[f"#{i}"] = lib
@@ -40,7 +40,8 @@ def _line(label: str, times: dict[str, list[float]]) -> str:
     return f"{label}: " + "  ".join(f"{n} {v * 1e6:9.1f} us ({base / v:.2f}x)" for n, v in med.items())
 
 
-def attention(sources: list[str], batch: int, context: int, layers: int, reps: int, heads: str) -> None:
+def attention(sources: list[str], batch: int, context: int, layers: int, reps: int, heads: str,
+              march: str = "native") -> None:
     from pagedlm.attention import cpu_kernel
     from pagedlm.bench.kernel import decode_case
 
@@ -50,7 +51,7 @@ def attention(sources: list[str], batch: int, context: int, layers: int, reps: i
                                                 i]
         lib.pagedlm_paged_attention.restype = i
 
-    libs = _load(sources, configure)
+    libs = _load(sources, configure, march)
     h, kvh = (int(x) for x in heads.split(","))
     cases = []
     for seed in range(layers):
@@ -69,7 +70,8 @@ def attention(sources: list[str], batch: int, context: int, layers: int, reps: i
             for q, k, v, m in cases:
                 cpu_kernel.paged_attention_cpu(q, k, v, m, 0.125, lib=lib)
             times[n].append(time.perf_counter() - t)
-    print(_line(f"attention, bf16 KV, {h} / {kvh} heads, batch {batch} x context {context}, {layers} layers", times))
+    print(_line(f"attention ({march}), bf16 KV, {h} / {kvh} heads, batch {batch} x context {context}, {layers} layers",
+                times))
 
 
 def _time_layer(libs: dict[str, ctypes.CDLL], layer, x: torch.Tensor, reps: int) -> dict[str, list[float]]:
@@ -137,13 +139,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--heads", default="9,3", help="attention: query and kv heads (the 1B: 32,4)")
+    ap.add_argument("--march", default="native", help="attention: the build target (haswell: the AVX2 path)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kinds", default="Q8_0,Q5_0,Q5_K,Q6_K,Q4_K,Q4_0", help="gguf: the block kinds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernel == "attention":
-        attention(args.sources, args.batch, args.context, args.layers, args.repeats, args.heads)
+        attention(args.sources, args.batch, args.context, args.layers, args.repeats, args.heads, args.march)
     elif args.kernel == "gguf":
         gguf(args.sources, args.repeats, args.kinds.split(","))
     else:
