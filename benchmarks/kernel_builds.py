@@ -8,7 +8,8 @@ source (e.g. from `git worktree add /tmp/old <commit>`) against the working tree
 
 `attention`: decode over `--layers` separate bf16 caches in turn (30, as SmolLM2 has: their K/V do not fit the
 caches, so each call reads them cold, as in a real step; `--march haswell`: the AVX2 builds). `int4`: the x16 int4
-product at 1 to 2,048 rows for SmolLM2's projection shapes. `gguf`: each GGUF block kind (`--kinds`) at 1 row of cold weights and 8 to 256 rows.
+product at 1 to 2,048 rows for SmolLM2's projection shapes. `gguf`: each GGUF block kind (`--kinds`) at 1 row of
+cold weights and 8 to 256 rows.
 Each source must sit in its own checkout (its #includes are relative).
 """
 from __future__ import annotations
