@@ -119,12 +119,12 @@ def test_arena_carves_aligned_tensors() -> None:
     assert a.sum().item() == 22.5 and arena.bytes == 30 + (2 << 20)
 
 
-@pytest.mark.parametrize("pieces", [[1, 4096, 3 << 20, 5, 4 << 20], [2 << 20], [100]])
+@pytest.mark.parametrize("pieces", [[1, 4096, 3 << 20, 5, 4 << 20], [2 << 20], [100], [3] * 1500])
 def test_the_cache_file_is_written_in_2_mib_pieces(pieces: list[int], tmp_path: Path, monkeypatch) -> None:
     writes = []
-    real = os.pwrite
-    monkeypatch.setattr(weight_file.os, "pwrite",
-                        lambda fd, data, at: writes.append((at, len(data))) or real(fd, data, at))
+    real = os.pwritev
+    monkeypatch.setattr(weight_file.os, "pwritev", lambda fd, parts, at: writes.append(
+        (at, sum(memoryview(p).nbytes for p in parts))) or real(fd, parts, at))
     data = [os.urandom(n) for n in pieces]
     path = tmp_path / "out.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)

@@ -240,25 +240,28 @@ def write(fd: int, key: dict, entries: dict[str, list[torch.Tensor]]) -> None:
 class _ChunkedWriter:
     """Writes a stream to a file in pieces of CHUNK bytes at CHUNK boundaries (the last one shorter): the page cache
     makes a folio of each piece as large as the piece (a buffer written from a 4 KiB boundary left the start of its
-    2 MiB in small folios)."""
+    2 MiB in small folios). A piece is written from the buffers it spans (pwritev: no copy, the GIL released)."""
 
     CHUNK = huge_pages.HUGE_PAGE
+    MAX_PARTS = 512  # buffers per piece before they are joined (the OS takes at most 1,024 per call)
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.pos = 0  # bytes put so far
-        self._buf = bytearray(self.CHUNK)
-        self._held = 0  # bytes of _buf not yet written
+        self._parts: list[memoryview] = []  # the current piece, not yet written
+        self._held = 0  # its bytes
 
     def put(self, data: memoryview) -> None:
         while data.nbytes:
             if not self._held and data.nbytes >= self.CHUNK:  # whole pieces straight from `data`
                 n = data.nbytes - data.nbytes % self.CHUNK
-                self._write(self.pos, data[:n])
+                self._write(self.pos, [data[:n]])
             else:
                 n = min(self.CHUNK - self._held, data.nbytes)
-                self._buf[self._held:self._held + n] = data[:n]
+                self._parts.append(data[:n])
                 self._held += n
+                if len(self._parts) > self.MAX_PARTS:  # many small buffers: one copy of them
+                    self._parts = [memoryview(b"".join(self._parts))]
             self.pos += n
             data = data[n:]
             if self._held == self.CHUNK:
@@ -266,10 +269,17 @@ class _ChunkedWriter:
 
     def flush(self) -> None:
         if self._held:
-            self._write(self.pos - self._held, memoryview(self._buf)[:self._held])
-            self._held = 0
+            self._write(self.pos - self._held, self._parts)
+            self._parts, self._held = [], 0
 
-    def _write(self, at: int, data: memoryview) -> None:
-        done = 0
-        while done < data.nbytes:
-            done += os.pwrite(self.fd, data[done:], at + done)
+    def _write(self, at: int, parts: list[memoryview]) -> None:
+        while parts:
+            n = os.pwritev(self.fd, parts, at)
+            if n <= 0:
+                raise OSError(f"short write to the cache file at {at}")
+            at += n
+            while parts and n >= parts[0].nbytes:
+                n -= parts[0].nbytes
+                parts = parts[1:]
+            if parts and n:
+                parts = [parts[0][n:], *parts[1:]]
