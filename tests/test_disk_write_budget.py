@@ -8,7 +8,7 @@ import struct
 
 import pytest
 import torch
-from test_disk_kv_tier import engine, generate, prompts, run_files  # noqa: F401 (prompts: a fixture)
+from test_disk_kv_tier import close_to, engine, generate, prompts, run_files  # noqa: F401 (prompts: a fixture)
 
 from pagedlm.kvcache.disk_format import MAGIC, CorruptFileError, RunHeader, digest
 from pagedlm.kvcache.disk_tier import DiskTier, scan_runs
@@ -63,7 +63,7 @@ def test_engine_skips_blocks_beyond_the_budget_and_keeps_them_in_memory(tiny_mod
     assert eng.offload.tier.flush() and run_files(tmp_path) == []
     disk = eng.get_stats().disk
     assert disk.writes_skipped > 0 and disk.files_written == 0
-    assert generate(eng, prompts[:1]) == first  # a prefix hit in memory
+    assert close_to(generate(eng, prompts[:1]), first)  # a prefix hit in memory (logits of 1 row, not 85: ulps)
     assert eng.get_stats().prefix_cache_hits > 0
     clock.now += 1e6  # a quiet period refills it
     generate(eng, prompts[1:])
