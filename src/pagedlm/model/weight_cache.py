@@ -100,7 +100,6 @@ class WeightCache:
         self.stats = WeightCacheStats(cache_file(directory, source))
         self._entries: dict[str, list[list]] = {}  # the file's: entry -> [[dtype, shape, offset, nbytes, crc]]
         self._mapping: mmap.mmap | None = None
-        self._viewed = False  # lookup gave views of the mapping
         self._new: dict[str, list[torch.Tensor]] = {}  # every entry of this load, mapped or converted, in order
         self._load()
 
@@ -126,7 +125,6 @@ class WeightCache:
             return None
         tensors = [weight_file.view(self._mapping, offset, shape, DTYPES[dtype])
                    for dtype, shape, offset, _, _ in record]
-        self._viewed = True
         self._new[entry] = tensors
         self.stats.hits += 1
         return tensors
@@ -142,7 +140,7 @@ class WeightCache:
         memory.)"""
         if self._mapping is None:
             return
-        if self._viewed:
+        if self.stats.hits:  # buffers are views of it
             self.stats.huge_bytes = huge_pages.file_pmd_mapped(self._mapping) if self.huge else 0
         else:
             self._mapping.close()
