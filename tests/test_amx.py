@@ -1,6 +1,7 @@
 """The AMX (TMUL) paths of the quantized kernels (csrc/amx_x16.h): on a CPU with AMX-INT8 every x16 layout they cover
-(int4 with fp16 scales and minimums, GGUF Q4_0 / Q4_1 / Q4_K, int8, GGUF Q8_0) gives the VNNI kernel's bits at any
-number of rows and shape, so a row's result never depends on the rows batched with it. Skipped elsewhere."""
+(int4 with fp16 scales and minimums, GGUF Q4_0 / Q4_1, int8, GGUF Q8_0) gives the VNNI kernel's bits at any number
+of rows and shape, so a row's result never depends on the rows batched with it. Q4_K's products, over activations
+with one scale per 256 values, have no AMX path. Skipped elsewhere."""
 from __future__ import annotations
 
 import pytest
@@ -29,9 +30,7 @@ def _layers(n: int, k: int) -> dict[str, quant.QuantLinear]:
     layers = {"int4": quant.Int4Linear(w, 32, x16=True), "int8": quant.Int8Linear(w, x16=True)}
     if k % 64 == 0:
         layers["int4-g64"] = quant.Int4Linear(w, 64, x16=True)
-    for kind in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
-        if kind == "Q4_K" and k % 256:
-            continue
+    for kind in ("Q4_0", "Q4_1", "Q8_0"):
         raw = RawBlocks.from_gguf(random_blocks(kind, n, k, 3), kind, k)
         layers[kind] = quant.GGUFLinear(raw) if kind == "Q8_0" else quant.Int4Linear(raw, 32, x16=True)
     for layer in layers.values():
@@ -84,3 +83,13 @@ def test_the_plan_says_big_steps_run_on_amx_tiles(lib):
         plan = plan_execution(EngineConfig(quantization=method, kernel_max_rows=8), None)
         assert "AMX tiles" in plan.describe(), method
     assert "AMX" not in plan_execution(EngineConfig(kernel_max_rows=8), None).describe()  # unquantized
+
+
+def test_q4_k_runs_the_vnni_kernels(lib):
+    """Q4_K's products (one activation scale per 256 values) stay on the VNNI kernels: no AMX pass at any size."""
+    lib.pagedlm_amx_enable(2)
+    layer = quant.Int4Linear(RawBlocks.from_gguf(random_blocks("Q4_K", 48, 512, 3), "Q4_K", 512), 32, x16=True)
+    layer.kernel_max_rows = 1 << 20
+    before = lib.pagedlm_amx_products()
+    layer(torch.randn(64, 512, generator=torch.Generator().manual_seed(6)))
+    assert lib.pagedlm_amx_products() == before

@@ -66,7 +66,7 @@ def test_int4_blocks_run_in_their_own_layout(monkeypatch, kind, layout, bytes_pe
     for size in (1, 2, 3, 5, 8, 9, 13):
         assert torch.equal(layer(x[4:4 + size]), full[4:4 + size]), size
     assert "pagedlm_linear_int4" in counting.calls
-    ref = F.linear(quant.quantize_activations_q8(x).double(), want.double())
+    ref = F.linear(layer.dense_input(x).double(), want.double())  # Q4_K: one activation scale per 256 values
     torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
     # the same weight through the fp16 layout with minimums (-8 x scale, a minimum's FMA per block), where Q4_0's
@@ -255,7 +255,7 @@ def test_a_fused_weight_mixing_kinds_runs_part_by_part():
     want = torch.cat([reference(r, k, n, cols) for r, k, n in zip(raws, kinds, rows)])
     assert torch.equal(layer.dequantize(), want)
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(4))
-    ref = F.linear(quant.quantize_activations_q8(x).double(), want.double())
+    ref = torch.cat([F.linear(p.dense_input(x).double(), p.dequantize().double()) for p in layer.parts], -1)
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
     bad = RawBlocks.cat([RawBlocks.from_gguf(raws[0], "Q4_K", cols),
                          RawBlocks.from_gguf(random_blocks("Q6_K", 8, cols, 9), "Q6_K", cols)])

@@ -20,6 +20,8 @@
 //       multiplies four inputs of 16 rows with one broadcast of four quantized activations, with no horizontal
 //       sums; each of up to X16_ROWS rows of x reuses the unpacked codes. Per output: over blocks in order
 //       f = fma(float(dot_b), scale_g * d_b, f), and at the end of each group f = fma(min_g, gsum_g, f).
+//       GGUF Q4_K (INT4_X16_K) takes activations with one scale per 256 values and reduces each super-block in
+//       integers first: see q4k_rows.
 // int8 "x16" (where the CPU has AVX-512 VNNI and N % 16 == 0, K % 32 == 0): the same int8 values reordered as
 //       int4's x16 layout orders its bytes: per tile of 16 rows and 32-value block 512 bytes, chunk c (0..7) holding
 //       bytes 4c..4c+3 of each row's block. Activations are then quantized per 32-value block as for int4 (so this
@@ -206,12 +208,15 @@ void dequant_int8p_tile(const int8_t* q, const float* s, int K, int n0, float* w
 
 // Activations of the int4 product, quantized like llama.cpp's Q8 blocks: each 32-value block of a row of x
 // becomes int8 values xq with one scale d = max|x| / 127 (xq = round-half-even(x / d); d = 1 for a zero block).
+// With sblk = 8 (Q4_K's products, as llama.cpp's Q8_K) the 8 blocks of each 256 values share one scale, the max
+// over all 256, stored in each block's slot of d.
 // gsum[m * ngroups + g] = sum of the quantized values of group g, d * xq (what the group's minimum multiplies).
+// bpair (Q4_K) holds two consecutive blocks' integer sums as int16 halves, low = even block: [M, K/64].
 // Where quantize_act puts row m's block b (and its scale, block sum and group sums). By rows: xq [M, K], d and bsum
 // [M, K/32], gsum [M, K/G]. Packed for the x16 kernels (shift 3): rows in groups of 8, each block of a group's 8
-// rows contiguous (xq [M/8, K/32, 8, 32], d and bsum [M/8, K/32, 8], gsum [M/8, K/G, 8]; M rounded up to 8), so
-// that a row group's activations for one block are one 256-byte run and the kernel addresses all 8 rows from one
-// pointer; for the AMX kernels (shift 4) the same in groups of 16 rows, a block's A tile.
+// rows contiguous (xq [M/8, K/32, 8, 32], d and bsum [M/8, K/32, 8], gsum [M/8, K/G, 8], bpair [M/8, K/64, 8]; M
+// rounded up to 8), so that a row group's activations for one block are one 256-byte run and the kernel addresses
+// all 8 rows from one pointer; for the AMX kernels (shift 4) the same in groups of 16 rows, a block's A tile.
 struct ActLayout {
   int shift;  // log2 of the rows per packed group (0: by rows)
   int64_t blk(int m, int b, int nblk) const {
@@ -223,58 +228,75 @@ struct ActLayout {
 
 inline int64_t rows_allocated(int M, int group) { return (int64_t(M) + group - 1) / group * group; }
 
+// max |x| over n values (a multiple of 32).
+inline float block_amax(const float* xb, int n) {
+#ifdef PAGEDLM_AVX2
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + i), absmask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  return amax;
+#endif
+}
+
+// qb = round-half-even(xb / db) for a 32-value block; returns their sum.
+inline int quantize_block(const float* xb, float db, int8_t* qb) {
+#ifdef PAGEDLM_AVX2  // the same values as the scalar code: IEEE division, rounding half to even
+  const __m256 dv = _mm256_set1_ps(db);
+  __m256i isum = _mm256_setzero_si256(), qi[4];
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + 8 * i), dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    isum = _mm256_add_epi32(isum, qi[i]);
+  }
+  // |q| <= 127: the saturating packs are exact; they interleave 4-value groups per 128-bit lane, undone by the
+  // permutation
+  const __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  return _mm_cvtsi128_si32(s4);
+#else
+  int sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int v = int(std::nearbyint(xb[i] / db));
+    qb[i] = int8_t(v);
+    sum += v;
+  }
+  return sum;
+#endif
+}
+
 void quantize_act(const float* x, int M, int K, int G, int8_t* xq, float* d, float* gsum, int nthreads,
-                  int32_t* bsum = nullptr, ActLayout lay = {0}) {
+                  int32_t* bsum = nullptr, ActLayout lay = {0}, int sblk = 1, int32_t* bpair = nullptr) {
   const int nblk = K / 32, bpg = G / 32;
   // Packed rows in whole groups of 8 per chunk: a group's rows share cache lines.
   parallel_for(M, int64_t(M) * K >= 8192 ? nthreads : 1, std::max(8, lay.group()), [&](int64_t m0, int64_t m1) {
-  for (int m = int(m0); m < m1; ++m)
-    for (int b = 0; b < nblk; ++b) {
-      const float* xb = x + int64_t(m) * K + b * 32;
-      int8_t* qb = xq + lay.xq(m, b, nblk);
-      float amax = 0.f;
-      int sum = 0;
-#ifdef PAGEDLM_AVX2  // the same values as the scalar code: IEEE division, rounding half to even
-      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-      __m256 v[4], mx = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(xb + 8 * i);
-        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (int m = int(m0); m < m1; ++m) {
+    const float* xm = x + int64_t(m) * K;
+    int prev = 0;  // the even block's sum, for bpair
+    for (int s0 = 0; s0 < nblk; s0 += sblk) {
+      const float amax = block_amax(xm + s0 * 32, 32 * sblk);
       const float db = amax > 0.f ? amax / 127.f : 1.f;
-      const __m256 dv = _mm256_set1_ps(db);
-      __m256i isum = _mm256_setzero_si256(), qi[4];
-      for (int i = 0; i < 4; ++i) {
-        qi[i] = _mm256_cvtps_epi32(
-            _mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        isum = _mm256_add_epi32(isum, qi[i]);
+      for (int b = s0; b < s0 + sblk; ++b) {
+        const int sum = quantize_block(xm + b * 32, db, xq + lay.xq(m, b, nblk));
+        d[lay.blk(m, b, nblk)] = db;
+        if (bsum != nullptr) bsum[lay.blk(m, b, nblk)] = sum;
+        if (bpair != nullptr && b % 2 == 1)  // |sum| <= 32 x 127: exact in int16
+          bpair[lay.blk(m, b / 2, nblk / 2)] = int32_t((uint32_t(prev) & 0xffffu) | (uint32_t(sum) << 16));
+        prev = sum;
+        float& gs = gsum[lay.blk(m, b / bpg, nblk / bpg)];
+        gs = std::fma(db, float(sum), b % bpg == 0 ? 0.f : gs);  // one rounding in every build (no contraction)
       }
-      // |q| <= 127: the saturating packs are exact; they interleave 4-value groups per 128-bit lane, undone by the
-      // permutation
-      const __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
-                          _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-      sum = _mm_cvtsi128_si32(s4);
-#else
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float db = amax > 0.f ? amax / 127.f : 1.f;
-      for (int i = 0; i < 32; ++i) {
-        const int v = int(std::nearbyint(xb[i] / db));
-        qb[i] = int8_t(v);
-        sum += v;
-      }
-#endif
-      d[lay.blk(m, b, nblk)] = db;
-      if (bsum != nullptr) bsum[lay.blk(m, b, nblk)] = sum;
-      float& gs = gsum[lay.blk(m, b / bpg, nblk / bpg)];
-      gs = std::fma(db, float(sum), b % bpg == 0 ? 0.f : gs);  // one rounding in every build (no contraction)
     }
+  }
   });
 }
 
@@ -487,7 +509,8 @@ struct Q40Scales : F16Scales {
 
 // KScales (GGUF Q4_K): per super-block of 256 inputs an fp16 d and dmin (dd: [N/16, K/256, 2, 16], d then dmin),
 // per 32-value block b a 6-bit scale and minimum held as bytes (sm: [N/16, K/32, 2, 16]): scale = d * sc and
-// minimum = -(dmin * m), each one fp32 product, as llama.cpp dequantizes them.
+// minimum = -(dmin * m), each one fp32 product, as llama.cpp dequantizes them. The products (q4k_rows) use the
+// integers sc and m themselves.
 struct KScales {
   const uint16_t* dd;
   const uint8_t* sm;
@@ -603,6 +626,130 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const int
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
 }
+
+// Q4_K's products (every build) take activations with one scale a per super-block of 256 values (quantize_act's
+// sblk = 8, llama.cpp's Q8_K), so a super-block's 8 blocks reduce in integers. Per output and super-block:
+//   isum = sum_b sc_b * dot_b, msum = sum_b m_b * bsum_b            (exact in int32)
+//   t = fma(float(isum), d, float(msum) * -dmin), f = fma(t, a, f)
+// Two fp32 operations per row and super-block where per-block activation scales took four per block: the fp32 work
+// shares the pipes that run vpdpbusd. msum pairs blocks: bpair (quantize_act) holds two blocks' sums as int16.
+#ifdef PAGEDLM_AVX512_VNNI
+// acc += pairs of int16 (w) x the pair of int16 at p, broadcast (as dpbusd_bcast).
+inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t* p) {
+#ifdef PAGEDLM_EMULATED_AVX512
+  return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(*p));
+#else
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*p));
+  return acc;
+#endif
+}
+
+// A tile's super-block s: its minimums as int16 pairs (lane j of mp[k]: m of blocks 2k and 2k + 1 of output j), d
+// and -dmin.
+struct Q4KSuper {
+  __m512i mp[4];
+  __m512 d, nmin;
+  Q4KSuper(const KScales& sc, int s) {
+    const uint8_t* sm = sc.sm + int64_t(s) * 8 * 2 * X16 + X16;
+    auto mins = [&](int b) {
+      return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + b * 2 * X16)));
+    };
+    for (int k = 0; k < 4; ++k) mp[k] = _mm512_or_si512(mins(2 * k), _mm512_slli_epi32(mins(2 * k + 1), 16));
+    const uint16_t* dd = sc.dd + int64_t(s) * 2 * X16;
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
+    nmin = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + X16)))),
+        _mm512_set1_epi32(int(0x80000000u))));
+  }
+  // f + a * (isum * d - msum * dmin) for one row: bp its pairs of block sums (stride 8: packed rows), a its scale.
+  __m512 finish(__m512i isum, const int32_t* bp, float a, __m512 f) const {
+    __m512i ms = dpwssd_bcast(_mm512_setzero_si512(), mp[0], bp);
+    for (int k = 1; k < 4; ++k) ms = dpwssd_bcast(ms, mp[k], bp + 8 * k);
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), d, _mm512_mul_ps(_mm512_cvtepi32_ps(ms), nmin));
+    return _mm512_fmadd_ps(t, _mm512_set1_ps(a), f);
+  }
+};
+
+// isum += sc_b * the block's dot products for 16 outputs.
+inline __m512i q4k_block(__m512i isum, const __m512i* w, const int8_t* xb, __m512i scb) {
+  return _mm512_add_epi32(isum, _mm512_mullo_epi32(dot_block32(w, xb), scb));
+}
+
+inline void unpack_block(const uint8_t* wb, __m512i w[8]) {
+  const __m512i lo = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+    w[c] = _mm512_and_si512(v, lo);
+    w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+  }
+}
+
+inline __m512i block_scales(const KScales& sc, int b) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc.sm + int64_t(b) * 2 * X16)));
+}
+
+// Rows m0 .. m0+R of x (packed, with bpair) against Q4_K tile qt (16 outputs).
+template <int R>
+void q4k_rows(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* qt, const KScales& sc, float* y,
+              int K, int N, int n0, int m0, bool prefetch) {
+  const int nblk = K / 32;
+  const int8_t* xg = xq + int64_t(m0) * K;
+  const float* dg = d + int64_t(m0) * nblk;
+  const int32_t* pg = bpair + int64_t(m0) * (nblk / 2);
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  for (int s0 = 0; s0 < nblk; s0 += 8) {
+    __m512i is[R];
+    for (int i = 0; i < R; ++i) is[i] = _mm512_setzero_si512();
+    for (int b = s0; b < s0 + 8; ++b) {
+      const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
+      if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK);
+      __m512i w[8];
+      unpack_block(wb, w);
+      const __m512i scb = block_scales(sc, b);
+      const int8_t* xb = xg + int64_t(b) * 256;
+      __m512i a[R];
+      for (int i = 0; i < R; ++i) a[i] = dpbusd_bcast(_mm512_setzero_si512(), w[0], xb + 32 * i);
+      for (int c = 1; c < 8; ++c)
+        for (int i = 0; i < R; ++i) a[i] = dpbusd_bcast(a[i], w[c], xb + 32 * i + 4 * c);
+      for (int i = 0; i < R; ++i) is[i] = _mm512_add_epi32(is[i], _mm512_mullo_epi32(a[i], scb));
+    }
+    const Q4KSuper sup(sc, s0 / 8);
+    for (int i = 0; i < R; ++i) f[i] = sup.finish(is[i], pg + int64_t(s0 / 2) * 8 + i, dg[int64_t(s0) * 8 + i], f[i]);
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
+}
+
+// One row of x against T Q4_K tiles, their blocks interleaved (as int4x16_row_tiles): q4k_rows<1>'s operations.
+template <int T>
+void q4k_row_tiles(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* q, const KScales& scales,
+                   float* y, int K, int t) {
+  const int nblk = K / 32;
+  const uint8_t* qt[T];
+  KScales sc[T];
+  __m512 f[T];
+  for (int u = 0; u < T; ++u) {
+    qt[u] = q + int64_t(t + u) * nblk * X16_BLOCK;
+    sc[u] = scales.tile(t + u);
+    f[u] = _mm512_setzero_ps();
+  }
+  for (int s0 = 0; s0 < nblk; s0 += 8) {
+    __m512i is[T];
+    for (int u = 0; u < T; ++u) is[u] = _mm512_setzero_si512();
+    for (int b = s0; b < s0 + 8; ++b)
+      for (int u = 0; u < T; ++u) {
+        const uint8_t* wb = qt[u] + int64_t(b) * X16_BLOCK;
+        prefetch_lines(wb + PF_BYTES, X16_BLOCK);
+        __m512i w[8];
+        unpack_block(wb, w);
+        is[u] = q4k_block(is[u], w, xq + int64_t(b) * 256, block_scales(sc[u], b));
+      }
+    for (int u = 0; u < T; ++u)
+      f[u] = Q4KSuper(sc[u], s0 / 8).finish(is[u], bpair + int64_t(s0 / 2) * 8, d[int64_t(s0) * 8], f[u]);
+  }
+  for (int u = 0; u < T; ++u) _mm512_storeu_ps(y + int64_t(t + u) * X16, f[u]);
+}
+#endif
 
 // One row of x (a decode step) against T tiles at once, their blocks interleaved: T memory streams per core, where
 // int4x16_rows<1> reads one (two streams read 1.13-1.18x the bytes per second of one on a 2-core Sapphire Rapids).
@@ -767,7 +914,142 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const int
     }
   }
 }
+
+// The AVX2 form of q4k_rows: rows m0 + i0 .. m0 + i0 + R against H halves of the tile from half h0 (H = 2: all 16
+// outputs in one pass, one sequential stream; H = 1: 8 outputs), over blocks b0 .. b1 (whole super-blocks); the
+// outputs' partial sums continue from y where b0 > 0. The integers are vpdpbusd's and vpdpwssd's, so the results
+// are the AVX-512 build's bits.
+template <int R, int H>
+void q4k_rows_avx2(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* qt, const KScales& sc,
+                   float* y, int K, int N, int n0, int m0, int i0, int h0, int b0, int b1, bool prefetch) {
+  const int nblk = K / 32;
+  const int8_t* xg = xq + int64_t(m0) * K;
+  const float* dg = d + int64_t(m0) * nblk + i0;
+  const int32_t* pg = bpair + int64_t(m0) * (nblk / 2) + i0;
+  const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  float* yh = y + int64_t(m0 + i0) * N + n0 + 8 * h0;
+  __m256 f[R][H];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) f[i][h] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yh + int64_t(i) * N + 8 * h);
+  auto bytes8 = [](const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  };
+  for (int s0 = b0; s0 < b1; s0 += 8) {
+    __m256i is[R][H];
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h) is[i][h] = _mm256_setzero_si256();
+    for (int b = s0; b < s0 + 8; ++b) {
+      const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
+      if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK);
+      const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
+      __m256i acc[R][H];
+      for (int i = 0; i < R; ++i)
+        for (int h = 0; h < H; ++h) acc[i][h] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        __m256i xl[R], xh[R];
+        for (int i = 0; i < R; ++i) xl[i] = bcast4(xb + 32 * i + 4 * c), xh[i] = bcast4(xb + 32 * i + 16 + 4 * c);
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * (h0 + h)));
+          const __m256i wl = _mm256_and_si256(v, lo), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+          for (int i = 0; i < R; ++i) {
+            acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(wl, xl[i]));
+            acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(wh, xh[i]));
+          }
+        }
+      }
+      for (int h = 0; h < H; ++h) {
+        const __m256i scb = bytes8(sc.sm + int64_t(b) * 2 * X16 + 8 * (h0 + h));
+        for (int i = 0; i < R; ++i)
+          is[i][h] = _mm256_add_epi32(is[i][h], _mm256_mullo_epi32(_mm256_madd_epi16(acc[i][h], ones), scb));
+      }
+    }
+    const uint8_t* sm = sc.sm + int64_t(s0) * 2 * X16 + X16;
+    const uint16_t* dd = sc.dd + int64_t(s0 / 8) * 2 * X16;
+    for (int h = 0; h < H; ++h) {
+      const int o = 8 * (h0 + h);
+      __m256i mp[4];
+      for (int k = 0; k < 4; ++k)
+        mp[k] = _mm256_or_si256(bytes8(sm + 2 * k * 2 * X16 + o),
+                                _mm256_slli_epi32(bytes8(sm + (2 * k + 1) * 2 * X16 + o), 16));
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + o)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + X16 + o)));
+      const __m256 nmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.f));
+      for (int i = 0; i < R; ++i) {
+        const int32_t* bp = pg + int64_t(s0 / 2) * 8 + i;
+        __m256i ms = _mm256_madd_epi16(mp[0], _mm256_set1_epi32(bp[0]));
+        for (int k = 1; k < 4; ++k) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mp[k], _mm256_set1_epi32(bp[8 * k])));
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i][h]), dv, _mm256_mul_ps(_mm256_cvtepi32_ps(ms), nmin));
+        f[i][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(dg[int64_t(s0) * 8 + i]), f[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) _mm256_storeu_ps(yh + int64_t(i) * N + 8 * h, f[i][h]);
+}
+
+// Rows m0 .. m0+R (R <= 8) against Q4_K tile qt: up to two rows in one pass, more as int4x16_rows splits them.
+template <int R>
+void q4k_rows(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* qt, const KScales& sc, float* y,
+              int K, int N, int n0, int m0) {
+  if constexpr (R <= 2) {
+    q4k_rows_avx2<R, 2>(xq, d, bpair, qt, sc, y, K, N, n0, m0, 0, 0, 0, K / 32, true);
+  } else {
+    const int nblk = K / 32;
+    for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
+      const int b1 = std::min(nblk, b0 + X16_CHUNK);
+      for (int h = 0; h < 2; ++h) {
+        const bool pf = h == 0;
+        if constexpr (R > 4) {
+          q4k_rows_avx2<4, 1>(xq, d, bpair, qt, sc, y, K, N, n0, m0, 0, h, b0, b1, pf);
+          q4k_rows_avx2<R - 4, 1>(xq, d, bpair, qt, sc, y, K, N, n0, m0, 4, h, b0, b1, false);
+        } else {
+          q4k_rows_avx2<R, 1>(xq, d, bpair, qt, sc, y, K, N, n0, m0, 0, h, b0, b1, pf);
+        }
+      }
+    }
+  }
+}
 #endif
+
+// Q4_K tile qt (outputs n0 .. n0+15), every row of x (bpair: quantize_act's); see q4k_rows. Builds with neither
+// AVX-512 VNNI nor AVX2: the same integers and fp32 operations in scalar code.
+void q4k_tile(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* qt, const KScales& sc, float* y,
+              int M, int K, int N, int n0) {
+#ifdef PAGEDLM_AVX512_VNNI
+  for_row_groups(M, [&](auto r, int m0) {
+    q4k_rows<decltype(r)::value>(xq, d, bpair, qt, sc, y, K, N, n0, m0, m0 == 0);
+  });
+#elif defined(PAGEDLM_AVX2)
+  for_row_groups(M, [&](auto r, int m0) { q4k_rows<decltype(r)::value>(xq, d, bpair, qt, sc, y, K, N, n0, m0); });
+#else
+  const int nblk = K / 32;
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < X16; ++j) {
+      float f = 0.f;
+      for (int s0 = 0; s0 < nblk; s0 += 8) {
+        int32_t isum = 0, msum = 0;
+        for (int b = s0; b < s0 + 8; ++b) {
+          const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
+          const int8_t* xb = xq + kPack8.xq(m, b, nblk);
+          int dot = 0;
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t v = wb[64 * c + 4 * j + i];
+              dot += int(v & 0x0f) * xb[4 * c + i] + int(v >> 4) * xb[16 + 4 * c + i];
+            }
+          const int32_t pair = bpair[kPack8.blk(m, b / 2, nblk / 2)];
+          const int bs = b % 2 == 0 ? int16_t(pair & 0xffff) : int16_t(uint32_t(pair) >> 16);
+          isum += int(sc.sm[int64_t(b) * 2 * X16 + j]) * dot;
+          msum += int(sc.sm[int64_t(b) * 2 * X16 + X16 + j]) * bs;
+        }
+        const uint16_t* dd = sc.dd + int64_t(s0 / 8) * 2 * X16;
+        const float t = std::fma(float(isum), half_to_float(dd[j]), float(msum) * -half_to_float(dd[X16 + j]));
+        f = std::fma(t, d[kPack8.blk(m, s0, nblk)], f);
+      }
+      y[int64_t(m) * N + n0 + j] = f;
+    }
+#endif
+}
 
 // The x16 product for tile t, every row of x. Builds with neither AVX-512 VNNI nor AVX2: the same arithmetic
 // in scalar code (std::fma rounds as vfmadd does), so every build gives the same results for this layout.
@@ -777,6 +1059,10 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const int
   const int nblk = K / 32, bpg = scales.bpg, ngroups = nblk / bpg, n0 = t * X16;
   const uint8_t* qt = q + int64_t(t) * nblk * X16_BLOCK;
   const S sc = scales.tile(t);
+  if constexpr (std::is_same_v<S, KScales>) {
+    q4k_tile(xq, d, bsum, qt, sc, y, M, K, N, n0);
+    return;
+  }
 #ifdef PAGEDLM_AVX512_VNNI
   for_row_groups(M, [&](auto r, int m0) {
     int4x16_rows<decltype(r)::value>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, m0 == 0);
@@ -1372,17 +1658,20 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
   if (!int4_layout_ok(layout, K, N, G, mins)) return 1;
   thread_local std::vector<int8_t> xq;  // kept between calls (grow-only): no page faults per call
   thread_local std::vector<float> d, gsum;
-  thread_local std::vector<int32_t> bsum;  // Q4_0 (no minimums): the offset's correction, see Q40Scales
-  const bool amx = layout != INT4_ROW_LAYOUT && amx_use(M, 4);  // then every pass runs on AMX tiles
+  // Q4_0 (no minimums): the offset's correction, see Q40Scales; Q4_K: pairs of block sums (bpair, see q4k_rows)
+  thread_local std::vector<int32_t> bsum;
+  const bool q4k = layout == INT4_X16_K;  // activations with one scale per 256 values, no AMX path
+  const bool amx = layout == INT4_X16 && amx_use(M, 4);  // then every pass runs on AMX tiles
   const ActLayout lay = layout == INT4_ROW_LAYOUT ? ActLayout{0} : amx ? kPack16 : kPack8;
   const int64_t Mr = rows_allocated(M, lay.group());
   xq.resize(size_t(Mr) * K); d.resize(size_t(Mr) * (K / 32)); gsum.resize(size_t(Mr) * (K / G));
-  if (mins == nullptr) bsum.resize(size_t(Mr) * (K / 32));
+  if (mins == nullptr || q4k) bsum.resize(size_t(Mr) * (K / 32));
   // Pointers taken here: inside the loops' bodies the names would be each thread's own (empty) vectors.
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
-  int32_t* const bp = mins == nullptr ? bsum.data() : nullptr;
-  quantize_act(x, M, K, G, xqp, dp, gp, nthreads, bp, lay);
+  int32_t* const bp = mins == nullptr || q4k ? bsum.data() : nullptr;
+  if (q4k) quantize_act(x, M, K, G, xqp, dp, gp, nthreads, nullptr, lay, 8, bp);
+  else quantize_act(x, M, K, G, xqp, dp, gp, nthreads, bp, lay);
   if (layout != INT4_ROW_LAYOUT) {
     // Big products in blocks of X16_MBLOCK rows, so a block's activations stay in cache while every tile (the
     // same tiles on the same thread each time) passes over them.
@@ -1394,7 +1683,7 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
         // This pass's rows: activations, their scales and sums, outputs.
         const int8_t* xm = xqp + int64_t(m0) * K;
         const float *dm = dp + int64_t(m0) * nblk, *gm = gp + int64_t(m0) * ngroups;
-        const int32_t* bm = bp ? bp + int64_t(m0) * nblk : nullptr;
+        const int32_t* bm = bp ? bp + int64_t(m0) * (q4k ? nblk / 2 : nblk) : nullptr;
         float* ym = y + int64_t(m0) * N;
 #ifdef PAGEDLM_AVX512_VNNI
         const bool pairs = !amx && pairs_at(rows);
@@ -1408,7 +1697,12 @@ int pagedlm_linear_int4(const float* x, const uint8_t* q, const void* scales, co
           }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
-          for (; pairs && t + 2 <= t1; t += 2) int4x16_row_tiles<2>(xm, dm, gm, bm, q, sc, ym, K, N, t);
+          for (; pairs && t + 2 <= t1; t += 2) {
+            if constexpr (std::is_same_v<std::decay_t<decltype(sc)>, KScales>)
+              q4k_row_tiles<2>(xm, dm, bm, q, sc, ym, K, t);
+            else
+              int4x16_row_tiles<2>(xm, dm, gm, bm, q, sc, ym, K, N, t);
+          }
 #endif
           for (; t < t1; ++t) int4x16_tile(xm, dm, gm, bm, q, sc, ym, rows, K, N, t);
         });

@@ -75,4 +75,7 @@ class ConcatLinear(QuantLinear):
         return torch.cat([p.dequantize() for p in self.parts])
 
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parts[0].dense_input(x)
+        inputs = [p.dense_input(x) for p in self.parts]
+        if any(not torch.equal(i, inputs[0]) for i in inputs[1:]):  # e.g. Q4_K (per 256 values) beside Q6_K
+            raise ValueError("the parts quantize their activations differently: take each part's")
+        return inputs[0]

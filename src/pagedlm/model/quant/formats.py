@@ -104,10 +104,11 @@ def bf16_from_x16(w: torch.Tensor) -> torch.Tensor:
     return w.view(n // X16, k // 2, X16, 2).permute(0, 2, 1, 3).contiguous().view(n, k)
 
 
-def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
-    """x [.., K] (K a multiple of 32) with each 32-value block rounded to int8 steps of max|block| / 127: the
-    values the int4 kernel multiplies (same rounding: half to even of x / d)."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+def quantize_activations_q8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [.., K] (K a multiple of `block`) with each block of 32 values (256 for Q4_K's products, as llama.cpp's Q8_K)
+    rounded to int8 steps of max|block| / 127: the values the int4 kernel multiplies (same rounding: half to even of
+    x / d)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, block)
     d = blocks.abs().amax(-1, keepdim=True) / 127.0
     d = torch.where(d > 0, d, torch.ones_like(d))
     return (torch.round(blocks / d) * d).reshape(x.shape)

@@ -23,7 +23,8 @@ class Int4Linear(QuantLinear):
       no minimums (`mins` empty: -8 * scale, as the format defines it), so the kernel reads the file's bytes;
     - "x16_k": GGUF Q4_K's own scales, x16 codes with `scale` the super-blocks' fp16 d and dmin ([N, K/256 * 2]) and
       `mins` each block's 6-bit scale and minimum as bytes ([N, K/32 * 2], uint8): 4.6 bits a weight, and the
-      scales are d * sc and -dmin * m in fp32, as llama.cpp dequantizes them."""
+      scales are d * sc and -dmin * m in fp32, as llama.cpp dequantizes them. Its products take activations with
+      one scale per 256 values (llama.cpp's Q8_K; `dense_input`)."""
 
     LAYOUTS = {"rows": 0, "x16": 1, "x16_k": 2}  # csrc's Int4Layout
 
@@ -55,7 +56,7 @@ class Int4Linear(QuantLinear):
         return from_x16(self.qweight, self.scale, mins) if self.x16 else (self.qweight, self.scale, mins)
 
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
-        return quantize_activations_q8(x)
+        return quantize_activations_q8(x, 256 if self.layout == "x16_k" else 32)
 
     def dequantize(self) -> torch.Tensor:
         lib = kernel.load_quant_kernel()
