@@ -1011,6 +1011,17 @@ void q4k_rows(const int8_t* xq, const float* d, const int32_t* bpair, const uint
 }
 #endif
 
+// Output j's integer dot product of an int4 x16 block wb with 32 quantized activations xb (the portable builds).
+inline int x16_block_dot(const uint8_t* wb, const int8_t* xb, int j) {
+  int dot = 0;
+  for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t v = wb[64 * c + 4 * j + i];
+      dot += int(v & 0x0f) * xb[4 * c + i] + int(v >> 4) * xb[16 + 4 * c + i];
+    }
+  return dot;
+}
+
 // Q4_K tile qt (outputs n0 .. n0+15), every row of x (bpair: quantize_act's); see q4k_rows. Builds with neither
 // AVX-512 VNNI nor AVX2: the same integers and fp32 operations in scalar code.
 void q4k_tile(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* qt, const KScales& sc, float* y,
@@ -1029,14 +1040,7 @@ void q4k_tile(const int8_t* xq, const float* d, const int32_t* bpair, const uint
       for (int s0 = 0; s0 < nblk; s0 += 8) {
         int32_t isum = 0, msum = 0;
         for (int b = s0; b < s0 + 8; ++b) {
-          const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
-          const int8_t* xb = xq + kPack8.xq(m, b, nblk);
-          int dot = 0;
-          for (int c = 0; c < 4; ++c)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t v = wb[64 * c + 4 * j + i];
-              dot += int(v & 0x0f) * xb[4 * c + i] + int(v >> 4) * xb[16 + 4 * c + i];
-            }
+          const int dot = x16_block_dot(qt + int64_t(b) * X16_BLOCK, xq + kPack8.xq(m, b, nblk), j);
           const int32_t pair = bpair[kPack8.blk(m, b / 2, nblk / 2)];
           const int bs = b % 2 == 0 ? int16_t(pair & 0xffff) : int16_t(uint32_t(pair) >> 16);
           isum += int(sc.sm[int64_t(b) * 2 * X16 + j]) * dot;
@@ -1076,14 +1080,7 @@ void int4x16_tile(const int8_t* xq, const float* d, const float* gsum, const int
     for (int j = 0; j < X16; ++j) {
       float f = 0.f;
       for (int b = 0; b < nblk; ++b) {
-        const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
-        const int8_t* xb = xq + kPack8.xq(m, b, nblk);
-        int dot = 0;
-        for (int c = 0; c < 4; ++c)
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t v = wb[64 * c + 4 * j + i];
-            dot += int(v & 0x0f) * xb[4 * c + i] + int(v >> 4) * xb[16 + 4 * c + i];
-          }
+        int dot = x16_block_dot(qt + int64_t(b) * X16_BLOCK, xq + kPack8.xq(m, b, nblk), j);
         const int g = b / bpg;
         if constexpr (S::offset8) dot -= 8 * bsum[kPack8.blk(m, b, nblk)];
         const float cs = sc.scale(g, j) * d[kPack8.blk(m, b, nblk)];
