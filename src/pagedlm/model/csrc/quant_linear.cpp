@@ -588,6 +588,16 @@ inline __m512i dot_block32(const __m512i* w, const int8_t* xb) {
   return _mm512_add_epi32(a0, a1);
 }
 
+// An int4 x16 block's 256 bytes as 8 registers of codes: w[c] low nibbles of chunk c, w[4 + c] its high ones.
+inline void unpack_block(const uint8_t* wb, __m512i w[8]) {
+  const __m512i lo = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+    w[c] = _mm512_and_si512(v, lo);
+    w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+  }
+}
+
 // Rows m0 .. m0+R of x (m0 a multiple of 8; activations packed, see ActLayout) against tile t (16 outputs):
 // y[m, 16t .. 16t+15].
 template <int R, class S>
@@ -597,7 +607,6 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const int
   const int8_t* xg = xq + int64_t(m0) * K;  // this row group's blocks: [nblk, 8, 32]
   const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
   const int32_t* bg = S::offset8 ? bsum + int64_t(m0) * nblk : nullptr;
-  const __m512i lo = _mm512_set1_epi8(0x0f);
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
   __m512 s = _mm512_setzero_ps(), mn = s;
@@ -606,11 +615,7 @@ void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const int
     // every line (not every other one): 1.1-1.25x the decode rate of a 1B model on a 2-core Zen 4
     if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK);
     __m512i w[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(wb + 64 * c);
-      w[c] = _mm512_and_si512(v, lo);
-      w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-    }
+    unpack_block(wb, w);
     if (in_group == 0) sc.load16(g, s, mn);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256;
@@ -673,15 +678,6 @@ struct Q4KSuper {
 // isum += sc_b * the block's dot products for 16 outputs.
 inline __m512i q4k_block(__m512i isum, const __m512i* w, const int8_t* xb, __m512i scb) {
   return _mm512_add_epi32(isum, _mm512_mullo_epi32(dot_block32(w, xb), scb));
-}
-
-inline void unpack_block(const uint8_t* wb, __m512i w[8]) {
-  const __m512i lo = _mm512_set1_epi8(0x0f);
-  for (int c = 0; c < 4; ++c) {
-    const __m512i v = _mm512_loadu_si512(wb + 64 * c);
-    w[c] = _mm512_and_si512(v, lo);
-    w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-  }
 }
 
 inline __m512i block_scales(const KScales& sc, int b) {
@@ -758,7 +754,6 @@ template <int T, class S>
 void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* q,
                        const S& scales, float* y, int K, int N, int t) {
   const int nblk = K / 32, bpg = scales.bpg;
-  const __m512i lo = _mm512_set1_epi8(0x0f);
   const uint8_t* qt[T];
   S sc[T];
   __m512 f[T], s[T], mn[T];
@@ -775,11 +770,7 @@ void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, cons
       const uint8_t* wb = qt[u] + int64_t(b) * X16_BLOCK;
       prefetch_lines(wb + PF_BYTES, X16_BLOCK);
       __m512i w[8];
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(wb + 64 * c);
-        w[c] = _mm512_and_si512(v, lo);
-        w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-      }
+      unpack_block(wb, w);
       if (group_start) sc[u].load16(g, s[u], mn[u]);
       __m512i dot = dot_block32(w, xb);
       if constexpr (S::offset8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * bsum[int64_t(b) * 8]));
