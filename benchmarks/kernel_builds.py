@@ -9,7 +9,7 @@ source (e.g. from `git worktree add /tmp/old <commit>`) against the working tree
 `attention`: decode over `--layers` separate bf16 caches in turn (30, as SmolLM2 has: their K/V do not fit the
 caches, so each call reads them cold, as in a real step; `--march haswell`: the AVX2 builds). `int4`: the x16 int4
 product at 1 to 2,048 rows for SmolLM2's projection shapes. `gguf`: each GGUF block kind (`--kinds`) at 1 row of
-cold weights and 8 to 256 rows.
+cold weights and 8 to 256 rows (`--march haswell`: the AVX2 builds).
 Each source must sit in its own checkout (its #includes are relative). `--rounding-changed`: the builds may differ
 (a change that rounds otherwise, e.g. Q4_K's activations per 256 values): the largest relative difference is
 printed instead of asserting equal bits.
@@ -124,14 +124,14 @@ def int4(sources: list[str], reps: int) -> None:
                         f"{rows:4d} rows, {k} -> {n}", times))
 
 
-def gguf(sources: list[str], reps: int, kinds: list[str]) -> None:
+def gguf(sources: list[str], reps: int, kinds: list[str], march: str = "native") -> None:
     """GGUF block kinds as the file stores them: several rows on a 2,048 -> 5,632 projection (in cache), one row on
     8,192 -> 32,768 (cold: larger than the last-level cache, as decode reads a model's weights)."""
     from pagedlm.bench.kernel import random_gguf_blocks
     from pagedlm.hub.blocks import RawBlocks
     from pagedlm.model import quant
 
-    libs = _load(sources, _configure_products)
+    libs = _load(sources, _configure_products, march)
     g = torch.Generator().manual_seed(0)
     for kind in kinds:
         for rows, (k, n) in ((1, (8192, 32768)), (8, (2048, 5632)), (64, (2048, 5632)), (256, (2048, 5632))):
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--heads", default="9,3", help="attention: query and kv heads (the 1B: 32,4)")
-    ap.add_argument("--march", default="native", help="attention: the build target (haswell: the AVX2 path)")
+    ap.add_argument("--march", default="native", help="attention, gguf: the build target (haswell: the AVX2 path)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kinds", default="Q8_0,Q5_0,Q5_K,Q6_K,Q4_K,Q4_0", help="gguf: the block kinds")
@@ -162,7 +162,7 @@ def main() -> None:
     if args.kernel == "attention":
         attention(args.sources, args.batch, args.context, args.layers, args.repeats, args.heads, args.march)
     elif args.kernel == "gguf":
-        gguf(args.sources, args.repeats, args.kinds.split(","))
+        gguf(args.sources, args.repeats, args.kinds.split(","), args.march)
     else:
         int4(args.sources, args.repeats)
 

@@ -13,15 +13,20 @@
 // of input 4c + i, bit p of the second that of input 16 + 4c + i; Q6_K, 16 bytes: byte p % 16 holds in bits 2f..2f+1
 // the high bits of field f = (p >= 16) for input 4c + i and f = 2 + (p >= 16) for input 16 + 4c + i.
 // The activations are Q8 per 32-value block (quantize_act) and every path computes each block's exact integer dot
-// products, then the same fp32 operations: f = fma(dot, scale * d_x, f), Q6_K once per half-block (its scales are
-// per 16 inputs), Q5_K then f = fma(-dmin * m, d_x * sum_x, f). On AVX-512 VNNI machines the products run
-// gguf_x16_rows16 (16 outputs a pass, vpdpbusd: 2.6-3.6x the AVX2 code's rate at 8-256 rows on a Zen 4, 1.2-1.3x at
-// one row of cold weights), but Q8_0's single rows, which take a VNNI kernel of their own (gguf_q8_0_row_tiles).
+// products, then the same fp32 operations: f = fma(dot, scale * d_x, f), Q5_K then f = fma(-dmin * m, d_x * sum_x,
+// f). Q6_K's activations are Q8 per 256 values (llama.cpp's Q8_K), so a super-block reduces in integers: is = sum of
+// sc x dot over its 16 half-blocks, then q6k_finish. On AVX-512 VNNI machines the products run gguf_x16_rows16 and
+// q6k_rows16 (16 outputs a pass, vpdpbusd: 2.6-3.6x the AVX2 code's rate at 8-256 rows on a Zen 4, 1.2-1.3x at one
+// row of cold weights), but Q8_0's single rows, which take a VNNI kernel of their own (gguf_q8_0_row_tiles).
 #pragma once
 
 #include <atomic>
 
 enum GgufKind { GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3 };
+
+// A Q6_K output's super-block: is the sum of its 16 half-blocks' scale x dot (exact), dw its fp16 d, a the
+// activations' scale; every build's fp32 operations.
+inline float q6k_finish(int32_t is, float dw, float a, float f) { return std::fma(float(is) * dw, a, f); }
 
 struct GgufX16 {
   int kind, nblk;
@@ -36,6 +41,7 @@ struct GgufX16 {
     return kind == GK_Q5_K ? nblk / 8 * 32 : kind == GK_Q6_K ? nblk / 8 * 16 : nblk * 16;
   }
   bool split() const { return kind == GK_Q6_K; }  // two scales per block
+  int q6_scale(int b, int half, int j) const { return int8_t(aux[b * 32 + 16 * half + j]); }
   bool has_min() const { return kind == GK_Q5_K; }
 
   GgufX16 tile(int t) const {
@@ -114,15 +120,16 @@ struct GgufX16 {
     const __m256i sel = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel), _mm256_set1_epi8(0x10));
   }
-  // Block b's scales for the 8 rows of half h: of inputs 0-15 (s0) and 16-31 (s1: Q6_K only), and the minimum
-  // (Q5_K only).
-  void scales8(int b, int h, __m256& s0, __m256& s1, __m256& mn) const {
+  // Q6_K's int8 scales of block b's inputs 0-15 (half 0) or 16-31 (half 1), rows 8h .. 8h + 7, as int16 pairs.
+  __m256i scale_pairs8(int b, int half, int h) const {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(aux + b * 32 + 16 * half + 8 * h)));
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+  }
+  // Block b's scales for the 8 rows of half h (not Q6_K's), and the minimum (Q5_K only).
+  void scales8(int b, int h, __m256& s0, __m256& mn) const {
     auto f16 = [](const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
     auto u8 = [](const uint8_t* p) {
       return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-    };
-    auto s8 = [](const uint8_t* p) {
-      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     };
     switch (kind) {
       case GK_Q5_K:
@@ -130,12 +137,6 @@ struct GgufX16 {
         mn = _mm256_xor_ps(_mm256_mul_ps(f16(scales + (b / 8) * 32 + 16 + 8 * h), u8(aux + b * 32 + 16 + 8 * h)),
                            _mm256_set1_ps(-0.f));
         return;
-      case GK_Q6_K: {
-        const __m256 d = f16(scales + (b / 8) * 16 + 8 * h);
-        s0 = _mm256_mul_ps(d, s8(aux + b * 32 + 8 * h));
-        s1 = _mm256_mul_ps(d, s8(aux + b * 32 + 16 + 8 * h));
-        return;
-      }
       default: s0 = f16(scales + b * 16 + 8 * h);
     }
   }
@@ -176,25 +177,18 @@ struct GgufX16 {
   }
   // Block b's scales for the tile's 16 rows, as scales8 gives each half of them.
   template <int KIND>
-  void scales16(int b, __m512& s0, __m512& s1, __m512& mn) const {
+  void scales16(int b, __m512& s0, __m512& mn) const {
     auto f16 = [](const uint16_t* p) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
     auto u8 = [](const uint8_t* p) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     };
-    auto s8 = [](const uint8_t* p) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    };
     if constexpr (KIND == GK_Q5_K) {
       s0 = _mm512_mul_ps(f16(scales + (b / 8) * 32), u8(aux + b * 32));
       mn = _mm512_castsi512_ps(_mm512_xor_si512(
           _mm512_castps_si512(_mm512_mul_ps(f16(scales + (b / 8) * 32 + 16), u8(aux + b * 32 + 16))),
           _mm512_set1_epi32(int32_t(0x80000000u))));
-    } else if constexpr (KIND == GK_Q6_K) {
-      const __m512 d = f16(scales + (b / 8) * 16);
-      s0 = _mm512_mul_ps(d, s8(aux + b * 32));
-      s1 = _mm512_mul_ps(d, s8(aux + b * 32 + 16));
     } else {
       s0 = f16(scales + b * 16);
     }
@@ -217,9 +211,12 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
   const int8_t* xg = xq + int64_t(m0) * nblk * 32;
   const float* dg = d + int64_t(m0) * nblk;
   __m256 f[R][H];
+  __m256i is[R][H];  // Q6_K's super-block sums (b0 and b1 are whole super-blocks)
   for (int i = 0; i < R; ++i)
-    for (int h = 0; h < H; ++h)
+    for (int h = 0; h < H; ++h) {
       f[i][h] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * (h0 + h));
+      is[i][h] = _mm256_setzero_si256();
+    }
   for (int b = b0; b < b1; ++b) {
     if (i0 == 0 && h0 == 0) {  // the block PF_BLOCKS ahead, every line of its codes and high bits
       prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
@@ -253,16 +250,28 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
     }
     const float* db = dg + int64_t(b) * 8 + i0;
     for (int h = 0; h < H; ++h) {
-      __m256 s0, s1 = _mm256_setzero_ps(), mn = s1;
-      w.scales8(b, h0 + h, s0, s1, mn);
+      if (split) {  // Q6_K: the halves' pair sums times their scales, in integers over the super-block
+        const __m256i sc0 = w.scale_pairs8(b, 0, h0 + h), sc1 = w.scale_pairs8(b, 1, h0 + h);
+        for (int i = 0; i < R; ++i)
+          is[i][h] = _mm256_add_epi32(is[i][h], _mm256_add_epi32(_mm256_madd_epi16(a0[i][h], sc0),
+                                                                 _mm256_madd_epi16(a1[i][h], sc1)));
+        if (b % 8 == 7) {  // q6k_finish
+          const __m256 dw = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (b / 8) * 16 + 8 * (h0 + h))));
+          for (int i = 0; i < R; ++i) {
+            f[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is[i][h]), dw), _mm256_set1_ps(db[i]), f[i][h]);
+            is[i][h] = _mm256_setzero_si256();
+          }
+        }
+        continue;
+      }
+      __m256 s0, mn = _mm256_setzero_ps();
+      w.scales8(b, h0 + h, s0, mn);
       for (int i = 0; i < R; ++i) {
         const __m256 dv = _mm256_set1_ps(db[i]);
         __m256i dot = wide ? a0[i][h] : _mm256_madd_epi16(a0[i][h], ones);
         if (q5k) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(16 * bsum[(int64_t(m0) + 0) * nblk + int64_t(b) * 8 + i0 + i]));
         f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, dv), f[i][h]);
-        if (split)
-          f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1[i][h], ones)), _mm256_mul_ps(s1, dv),
-                                    f[i][h]);
         if (q5k)
           f[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(gsum[int64_t(m0) * nblk + int64_t(b) * 8 + i0 + i]), f[i][h]);
       }
@@ -287,11 +296,11 @@ inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
 
 // Rows m0 .. m0 + R of x (R <= 8, one packed group) against the 16 rows of tile n0 / 16 in one pass over its blocks,
 // with AVX-512 VNNI: per block the exact integer dots the AVX2 code forms (vpdpbusd on load16's codes, less the
-// offset times the activations' sum; Q6_K's halves apart, their chains starting from hoff's offsets), then its fp32
-// operations in its order, so the results are gguf_x16_tile's in every build.
+// offset times the activations' sum), then its fp32 operations in its order, so the results are gguf_x16_tile's in
+// every build. Q8_0, Q5_0 and Q5_K (Q6_K: q6k_rows16).
 template <int KIND, int R>
-void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
-                     const float* gsum, float* y, int N, int n0, int m0) {
+void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const float* gsum,
+                     float* y, int N, int n0, int m0) {
   const int nblk = w.nblk;
   const int64_t g0 = int64_t(m0) * nblk;  // this row group's blocks: xq [nblk, 8, 32], d / bsum / gsum [nblk, 8]
   __m512 f[R];
@@ -304,26 +313,59 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
     }
     __m512i q[8];
     w.load16<KIND>(b, q);
-    __m512 s0, s1, mn;
-    w.scales16<KIND>(b, s0, s1, mn);
+    __m512 s0, mn;
+    w.scales16<KIND>(b, s0, mn);
     const int8_t* xb = xq + (g0 + int64_t(b) * 8) * 32;
     const int64_t mb = g0 + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
       const int8_t* xi = xb + 32 * i;
       const __m512 dv = _mm512_set1_ps(d[mb + i]);
-      if constexpr (KIND == GK_Q6_K) {
+      const __m512i init = _mm512_set1_epi32(-kKindOffset<KIND> * bsum[mb + i]);
+      const __m512i dot =
+          _mm512_add_epi32(dot_chunks4(init, q, xi), dot_chunks4(_mm512_setzero_si512(), q + 4, xi + 16));
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, dv), f[i]);
+      if constexpr (KIND == GK_Q5_K) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[mb + i]), f[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
+}
+
+// Q6_K: rows m0 .. m0 + R (activations per 256 values) against tile n0 / 16, each super-block reduced in integers:
+// per block the two halves' exact dots (vpdpbusd on q, chains starting from hoff's -32 x the halves' sums) times
+// their int8 scales, summed over the super-block; then its fp32 operations (q6k_finish's), as every build does.
+template <int R>
+void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* hoff, float* y, int N, int n0,
+                int m0) {
+  const int nblk = w.nblk;
+  const int64_t g0 = int64_t(m0) * nblk;
+  auto sc = [&](int b, int h) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.aux + b * 32 + 16 * h)));
+  };
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  for (int s0 = 0; s0 < nblk; s0 += 8) {
+    __m512i is[R];
+    for (int i = 0; i < R; ++i) is[i] = _mm512_setzero_si512();
+    for (int b = s0; b < s0 + 8; ++b) {
+      if (m0 == 0) {
+        prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 256, 256);
+        prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * 128, 128);
+      }
+      __m512i q[8];
+      w.load16<GK_Q6_K>(b, q);
+      const __m512i sc0 = sc(b, 0), sc1 = sc(b, 1);
+      const int64_t mb = g0 + int64_t(b) * 8;
+      for (int i = 0; i < R; ++i) {
+        const int8_t* xi = xq + (mb + i) * 32;
         const __m512i d0 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i)]), q, xi);
         const __m512i d1 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i) + 1]), q + 4, xi + 16);
-        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, dv), f[i]);
-        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, dv), f[i]);
-      } else {
-        const __m512i init = _mm512_set1_epi32(-kKindOffset<KIND> * bsum[mb + i]);
-        const __m512i dot =
-            _mm512_add_epi32(dot_chunks4(init, q, xi), dot_chunks4(_mm512_setzero_si512(), q + 4, xi + 16));
-        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, dv), f[i]);
-        if constexpr (KIND == GK_Q5_K) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[mb + i]), f[i]);
+        is[i] = _mm512_add_epi32(is[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
       }
     }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + (s0 / 8) * 16)));
+    for (int i = 0; i < R; ++i)  // q6k_finish
+      f[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(is[i]), dw), _mm512_set1_ps(d[g0 + int64_t(s0) * 8 + i]),
+                             f[i]);
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
 }
@@ -332,7 +374,8 @@ template <int KIND>
 void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
                      const float* gsum, float* y, int M, int N, int n0) {
   for_row_groups(M, [&](auto r, int m0) {
-    gguf_x16_rows16<KIND, decltype(r)::value>(w, xq, d, bsum, hoff, gsum, y, N, n0, m0);
+    if constexpr (KIND == GK_Q6_K) q6k_rows16<decltype(r)::value>(w, xq, d, hoff, y, N, n0, m0);
+    else gguf_x16_rows16<KIND, decltype(r)::value>(w, xq, d, bsum, gsum, y, N, n0, m0);
   });
 }
 #endif
@@ -375,14 +418,15 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < X16; ++j) {
       float f = 0.f;
+      int32_t is = 0;  // Q6_K's super-block sum
       for (int b = 0; b < nblk; ++b) {
         const int8_t* xb = xq + kPack8.xq(m, b, nblk);
         const int64_t mb = kPack8.blk(m, b, nblk);
         int dot[2] = {0, 0};
         for (int v = 0; v < 32; ++v) dot[v >= 16] += w.code(b, j, v) * xb[v];
         if (w.split()) {
-          f = std::fma(float(dot[0]), w.scale(b, 0, j) * d[mb], f);
-          f = std::fma(float(dot[1]), w.scale(b, 1, j) * d[mb], f);
+          is += w.q6_scale(b, 0, j) * dot[0] + w.q6_scale(b, 1, j) * dot[1];
+          if (b % 8 == 7) f = q6k_finish(is, half_to_float(w.scales[(b / 8) * 16 + j]), d[mb], f), is = 0;
         } else {
           f = std::fma(float(dot[0] + dot[1]), w.scale(b, 0, j) * d[mb], f);
           if (w.has_min()) f = std::fma(w.min(b, j), gsum[mb], f);

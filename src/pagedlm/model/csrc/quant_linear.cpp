@@ -208,7 +208,7 @@ void dequant_int8p_tile(const int8_t* q, const float* s, int K, int n0, float* w
 
 // Activations of the int4 product, quantized like llama.cpp's Q8 blocks: each 32-value block of a row of x
 // becomes int8 values xq with one scale d = max|x| / 127 (xq = round-half-even(x / d); d = 1 for a zero block).
-// With sblk = 8 (Q4_K's products, as llama.cpp's Q8_K) the 8 blocks of each 256 values share one scale, the max
+// With sblk = 8 (Q4_K and Q6_K, as llama.cpp's Q8_K) the 8 blocks of each 256 values share one scale, the max
 // over all 256, stored in each block's slot of d.
 // gsum[m * ngroups + g] = sum of the quantized values of group g, d * xq (what the group's minimum multiplies).
 // bpair (Q4_K) holds two consecutive blocks' integer sums as int16 halves, low = even block: [M, K/64].
@@ -1997,7 +1997,7 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
   int32_t* const bp = bsum.data();
-  quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay);
+  quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay, kind == GK_Q6_K ? 8 : 1);
   int32_t* hp = nullptr;
 #ifdef PAGEDLM_AVX512_VNNI
   thread_local std::vector<int32_t> hoff;
