@@ -227,7 +227,7 @@ def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
     for size in (1, 2, 3, 5, 8, 9, 13):
         assert torch.equal(layer(x[4:4 + size]), full[4:4 + size]), size
     assert counting.calls.count("pagedlm_linear_gguf") == 8
-    ref = F.linear(layer.dense_input(x).double(), want.double())  # Q6_K: one activation scale per 256 values
+    ref = F.linear(layer.dense_input(x).double(), want.double())  # K-quants: one activation scale per 256 values
     torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -262,12 +262,11 @@ def test_a_fused_weight_mixing_kinds_runs_part_by_part():
     assert quant.ConcatLinear.from_blocks(bad) is None  # 8 rows of Q6_K: no whole tile, no native layer
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_take_activations_per_256_values_and_rows_stay_independent(kind):
-    """Q4_K's and Q6_K's products quantize the activations with one scale per 256 values (llama.cpp's Q8_K) and
-    reduce each super-block in integers: within fp32 rounding of that reference, far from the per-32 one (the per-256
-    path ran), and every row's bits are its own, alone or with 1-18 other rows (row groups of 8 and their
-    remainders)."""
+    """The K-quants' products quantize the activations with one scale per 256 values (llama.cpp's Q8_K) and reduce
+    each super-block in integers: within fp32 rounding of that reference, far from the per-32 one (the per-256 path
+    ran), and every row's bits are its own, alone or with 1-18 other rows (row groups of 8 and their remainders)."""
     _kernel_or_skip()
     g = torch.Generator().manual_seed(8)
     raw = RawBlocks.from_gguf(random_blocks(kind, 32, 512, 8), kind, 512)

@@ -12,12 +12,14 @@
 // codes' 32 bytes of that chunk and half are ordered): Q5, 8 bytes: bit p of the first 32-bit word is the 5th bit
 // of input 4c + i, bit p of the second that of input 16 + 4c + i; Q6_K, 16 bytes: byte p % 16 holds in bits 2f..2f+1
 // the high bits of field f = (p >= 16) for input 4c + i and f = 2 + (p >= 16) for input 16 + 4c + i.
-// The activations are Q8 per 32-value block (quantize_act) and every path computes each block's exact integer dot
-// products, then the same fp32 operations: f = fma(dot, scale * d_x, f), Q5_K then f = fma(-dmin * m, d_x * sum_x,
-// f). Q6_K's activations are Q8 per 256 values (llama.cpp's Q8_K), so a super-block reduces in integers: is = sum of
-// sc x dot over its 16 half-blocks, then q6k_finish. On AVX-512 VNNI machines the products run gguf_x16_rows16 and
-// q6k_rows16 (16 outputs a pass, vpdpbusd: 2.6-3.6x the AVX2 code's rate at 8-256 rows on a Zen 4, 1.2-1.3x at one
-// row of cold weights), but Q8_0's single rows, which take a VNNI kernel of their own (gguf_q8_0_row_tiles).
+// Q8_0's and Q5_0's activations are Q8 per 32-value block (quantize_act) and every path computes each block's exact
+// integer dot products, then the same fp32 operations: f = fma(dot, scale * d_x, f). The K-quants' activations are
+// Q8 per 256 values (llama.cpp's Q8_K), so a super-block reduces in integers: Q5_K as Q4_K (q4k_rows: sums of sc x
+// dot and of m x the activations' block sums, then Q4KSuper's finish), Q6_K the sum of sc x dot over its 16
+// half-blocks, then q6k_finish. On AVX-512 VNNI machines the products run gguf_x16_rows16, q5k_rows16 and q6k_rows16
+// (16 outputs a pass, vpdpbusd: 2.6-3.6x the AVX2 code's rate at 8-256 rows on a Zen 4, 1.2-1.3x at one row of cold
+// weights), but Q8_0's single rows, which take a VNNI kernel of their own (gguf_q8_0_row_tiles); elsewhere AVX2's
+// gguf_x16_rows, compiled per kind.
 #pragma once
 
 #include <atomic>
@@ -42,7 +44,7 @@ struct GgufX16 {
   }
   bool split() const { return kind == GK_Q6_K; }  // two scales per block
   int q6_scale(int b, int half, int j) const { return int8_t(aux[b * 32 + 16 * half + j]); }
-  bool has_min() const { return kind == GK_Q5_K; }
+  KScales kscales() const { return {scales, aux, nblk}; }  // Q5_K's: Q4_K's layout (q4k_rows)
 
   GgufX16 tile(int t) const {
     return {kind, nblk, codes + int64_t(t) * nblk * code_bytes(),
@@ -83,10 +85,11 @@ struct GgufX16 {
   }
 
 #ifdef PAGEDLM_AVX2
-  // Chunk c, half h of block b as signed int8 multipliers of inputs 4c + i (lo) and 16 + 4c + i (hi): the codes as
-  // code() gives them, but Q5_K's q - 16 (its dot gets 16 * sum_x back).
+  // Chunk c, half h of block b as int8 multipliers of inputs 4c + i (lo) and 16 + 4c + i (hi): the codes as code()
+  // gives them (Q5_K's unsigned, 0..31).
+  template <int KIND>
   void load8(int b, int c, int h, __m256i& lo, __m256i& hi) const {
-    if (kind == GK_Q8_0) {
+    if constexpr (KIND == GK_Q8_0) {
       const uint8_t* p = codes + int64_t(b) * 512 + 32 * h;
       lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
       hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (c + 4)));
@@ -96,7 +99,7 @@ struct GgufX16 {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
     lo = _mm256_and_si256(v, m4);
     hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    if (kind == GK_Q6_K) {
+    if constexpr (KIND == GK_Q6_K) {
       const __m256i pb = _mm256_broadcastsi128_si256(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + int64_t(b) * 128 + (2 * c + h) * 16)));
       const __m256i t = _mm256_srlv_epi32(pb, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
@@ -106,9 +109,12 @@ struct GgufX16 {
       return;
     }
     const uint8_t* pl = planes + int64_t(b) * 64 + (2 * c + h) * 8;
-    const __m256i off = _mm256_set1_epi8(16);
-    lo = _mm256_sub_epi8(_mm256_or_si256(lo, bit4(pl)), off);
-    hi = _mm256_sub_epi8(_mm256_or_si256(hi, bit4(pl + 4)), off);
+    lo = _mm256_or_si256(lo, bit4(pl));
+    hi = _mm256_or_si256(hi, bit4(pl + 4));
+    if constexpr (KIND == GK_Q5_0) {
+      lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(16));
+      hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(16));
+    }
   }
   // 0x10 in byte p where bit p of the 32-bit word at p is set.
   static __m256i bit4(const uint8_t* p) {
@@ -125,20 +131,14 @@ struct GgufX16 {
     const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(aux + b * 32 + 16 * half + 8 * h)));
     return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
   }
-  // Block b's scales for the 8 rows of half h (not Q6_K's), and the minimum (Q5_K only).
-  void scales8(int b, int h, __m256& s0, __m256& mn) const {
-    auto f16 = [](const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
-    auto u8 = [](const uint8_t* p) {
-      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-    };
-    switch (kind) {
-      case GK_Q5_K:
-        s0 = _mm256_mul_ps(f16(scales + (b / 8) * 32 + 8 * h), u8(aux + b * 32 + 8 * h));
-        mn = _mm256_xor_ps(_mm256_mul_ps(f16(scales + (b / 8) * 32 + 16 + 8 * h), u8(aux + b * 32 + 16 + 8 * h)),
-                           _mm256_set1_ps(-0.f));
-        return;
-      default: s0 = f16(scales + b * 16 + 8 * h);
-    }
+  // Q8_0's and Q5_0's scales of block b for the 8 rows of half h.
+  __m256 scales8(int b, int h) const {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16 + 8 * h)));
+  }
+  // Q5_K's 6-bit scales of block b, rows 8h .. 8h + 7, as int16 pairs.
+  __m256i q5k_scale_pairs8(int b, int h) const {
+    const __m256i v = bytes8(aux + b * 32 + 8 * h);
+    return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
   }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
@@ -175,23 +175,9 @@ struct GgufX16 {
       }
     }
   }
-  // Block b's scales for the tile's 16 rows, as scales8 gives each half of them.
-  template <int KIND>
-  void scales16(int b, __m512& s0, __m512& mn) const {
-    auto f16 = [](const uint16_t* p) {
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    };
-    auto u8 = [](const uint8_t* p) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    };
-    if constexpr (KIND == GK_Q5_K) {
-      s0 = _mm512_mul_ps(f16(scales + (b / 8) * 32), u8(aux + b * 32));
-      mn = _mm512_castsi512_ps(_mm512_xor_si512(
-          _mm512_castps_si512(_mm512_mul_ps(f16(scales + (b / 8) * 32 + 16), u8(aux + b * 32 + 16))),
-          _mm512_set1_epi32(int32_t(0x80000000u))));
-    } else {
-      s0 = f16(scales + b * 16);
-    }
+  // Q8_0's and Q5_0's scales of block b for the tile's 16 rows.
+  __m512 scales16(int b) const {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * 16)));
   }
 #endif
 };
@@ -199,19 +185,32 @@ struct GgufX16 {
 #ifdef PAGEDLM_AVX2
 constexpr int PF_BLOCKS = 8;  // blocks ahead that gguf_x16_rows prefetches (2 KB of 4-bit codes)
 
-// Rows m0 + i0 .. m0 + i0 + R of x against H halves of tile n0 / 16 from half h0, over blocks b0 .. b1, the
-// outputs' partial sums continuing from y (b0 > 0). vpmaddubsw over |w| and x with w's sign (pair sums in 16 bits:
-// |w| <= 16 for the Q5 formats, 32 for Q6_K, whose halves accumulate apart; Q8_0's go to 32 bits at once).
-template <int R, int H>
-void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const float* gsum,
-                   float* y, int N, int n0, int m0, int i0, int h0, int b0, int b1) {
+// f(std::integral_constant<int, kind>): the AVX2 kernels take the kind at compile time.
+template <class F>
+void with_kind(int kind, F&& f) {
+  switch (kind) {
+    case GK_Q8_0: return f(std::integral_constant<int, GK_Q8_0>{});
+    case GK_Q5_0: return f(std::integral_constant<int, GK_Q5_0>{});
+    case GK_Q5_K: return f(std::integral_constant<int, GK_Q5_K>{});
+    default: return f(std::integral_constant<int, GK_Q6_K>{});
+  }
+}
+
+// Rows m0 + i0 .. m0 + i0 + R of x against H halves of tile n0 / 16 from half h0, over blocks b0 .. b1 (K-quants:
+// whole super-blocks), the outputs' partial sums continuing from y (b0 > 0). vpmaddubsw over |w| and x with w's sign
+// (pair sums in 16 bits: |w| <= 16 for Q5_0, 32 for Q6_K, 31 for Q5_K's unsigned codes, the K-quants' halves
+// accumulating apart; Q8_0's go to 32 bits at once; Q5_K's codes, unsigned, need no sign). bpair: Q5_K's
+// (quantize_act's), else unused.
+template <int KIND, int R, int H>
+void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bpair, float* y, int N, int n0,
+                   int m0, int i0, int h0, int b0, int b1) {
   const int nblk = w.nblk;
-  const bool split = w.split(), wide = w.kind == GK_Q8_0, q5k = w.kind == GK_Q5_K;
+  constexpr bool wide = KIND == GK_Q8_0, q5k = KIND == GK_Q5_K, split = KIND == GK_Q6_K || q5k;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xg = xq + int64_t(m0) * nblk * 32;
   const float* dg = d + int64_t(m0) * nblk;
   __m256 f[R][H];
-  __m256i is[R][H];  // Q6_K's super-block sums (b0 and b1 are whole super-blocks)
+  __m256i is[R][H];  // the K-quants' super-block sums
   for (int i = 0; i < R; ++i)
     for (int h = 0; h < H; ++h) {
       f[i][h] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * (h0 + h));
@@ -223,7 +222,7 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
       if (w.planes) prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
     }
     const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
-    __m256i a0[R][H], a1[R][H];  // 16-bit pair sums (a1: Q6_K's second half), or Q8_0's 32-bit sums in a0
+    __m256i a0[R][H], a1[R][H];  // 16-bit pair sums (a1: the K-quants' second half), or Q8_0's 32-bit sums in a0
     for (int i = 0; i < R; ++i)
       for (int h = 0; h < H; ++h) a0[i][h] = a1[i][h] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
@@ -231,15 +230,15 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
       for (int i = 0; i < R; ++i) xl[i] = bcast4(xb + 32 * i + 4 * c), xh[i] = bcast4(xb + 32 * i + 16 + 4 * c);
       for (int h = 0; h < H; ++h) {
         __m256i lo, hi;
-        w.load8(b, c, h0 + h, lo, hi);
-        const __m256i al = _mm256_abs_epi8(lo), ah = _mm256_abs_epi8(hi);
+        w.load8<KIND>(b, c, h0 + h, lo, hi);
+        const __m256i al = q5k ? lo : _mm256_abs_epi8(lo), ah = q5k ? hi : _mm256_abs_epi8(hi);
         for (int i = 0; i < R; ++i) {
-          const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(xl[i], lo));
-          const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xh[i], hi));
-          if (wide) {
+          const __m256i pl = _mm256_maddubs_epi16(al, q5k ? xl[i] : _mm256_sign_epi8(xl[i], lo));
+          const __m256i ph = _mm256_maddubs_epi16(ah, q5k ? xh[i] : _mm256_sign_epi8(xh[i], hi));
+          if constexpr (wide) {
             a0[i][h] = _mm256_add_epi32(a0[i][h], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
                                                                    _mm256_madd_epi16(ph, ones)));
-          } else if (split) {
+          } else if constexpr (split) {
             a0[i][h] = _mm256_add_epi16(a0[i][h], pl);
             a1[i][h] = _mm256_add_epi16(a1[i][h], ph);
           } else {
@@ -250,7 +249,20 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
     }
     const float* db = dg + int64_t(b) * 8 + i0;
     for (int h = 0; h < H; ++h) {
-      if (split) {  // Q6_K: the halves' pair sums times their scales, in integers over the super-block
+      if constexpr (q5k) {  // as q4k_rows_avx2: sc x the block's dot in integers, Q4KSuper8 at the super-block's end
+        const __m256i sc = w.q5k_scale_pairs8(b, h0 + h);
+        for (int i = 0; i < R; ++i)
+          is[i][h] = _mm256_add_epi32(is[i][h], _mm256_add_epi32(_mm256_madd_epi16(a0[i][h], sc),
+                                                                 _mm256_madd_epi16(a1[i][h], sc)));
+        if (b % 8 == 7) {
+          const Q4KSuper8 sup(w.kscales(), b / 8, 8 * (h0 + h));
+          const int32_t* pg = bpair + int64_t(m0) * (nblk / 2) + int64_t(b / 8) * 32 + i0;
+          for (int i = 0; i < R; ++i) {
+            f[i][h] = sup.finish(is[i][h], pg + i, db[i], f[i][h]);
+            is[i][h] = _mm256_setzero_si256();
+          }
+        }
+      } else if constexpr (split) {  // Q6_K: the halves' pair sums times their scales, in integers
         const __m256i sc0 = w.scale_pairs8(b, 0, h0 + h), sc1 = w.scale_pairs8(b, 1, h0 + h);
         for (int i = 0; i < R; ++i)
           is[i][h] = _mm256_add_epi32(is[i][h], _mm256_add_epi32(_mm256_madd_epi16(a0[i][h], sc0),
@@ -263,17 +275,12 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
             is[i][h] = _mm256_setzero_si256();
           }
         }
-        continue;
-      }
-      __m256 s0, mn = _mm256_setzero_ps();
-      w.scales8(b, h0 + h, s0, mn);
-      for (int i = 0; i < R; ++i) {
-        const __m256 dv = _mm256_set1_ps(db[i]);
-        __m256i dot = wide ? a0[i][h] : _mm256_madd_epi16(a0[i][h], ones);
-        if (q5k) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(16 * bsum[(int64_t(m0) + 0) * nblk + int64_t(b) * 8 + i0 + i]));
-        f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, dv), f[i][h]);
-        if (q5k)
-          f[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(gsum[int64_t(m0) * nblk + int64_t(b) * 8 + i0 + i]), f[i][h]);
+      } else {
+        const __m256 s0 = w.scales8(b, h0 + h);
+        for (int i = 0; i < R; ++i) {
+          const __m256i dot = wide ? a0[i][h] : _mm256_madd_epi16(a0[i][h], ones);
+          f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, _mm256_set1_ps(db[i])), f[i][h]);
+        }
       }
     }
   }
@@ -286,7 +293,7 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
 std::atomic<int64_t> gguf_vnni_products{0};  // products that ran gguf_x16_rows16 (tests see the path)
 
 template <int KIND>
-constexpr int kKindOffset = KIND == GK_Q8_0 ? 128 : KIND == GK_Q5_0 ? 16 : KIND == GK_Q6_K ? 32 : 0;
+constexpr int kKindOffset = KIND == GK_Q8_0 ? 128 : 16;
 
 // The sum of four vpdpbusd of codes q[c0..c0+3] with the activations at xb + 4 * c0, from `init`.
 inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
@@ -297,12 +304,12 @@ inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
 // Rows m0 .. m0 + R of x (R <= 8, one packed group) against the 16 rows of tile n0 / 16 in one pass over its blocks,
 // with AVX-512 VNNI: per block the exact integer dots the AVX2 code forms (vpdpbusd on load16's codes, less the
 // offset times the activations' sum), then its fp32 operations in its order, so the results are gguf_x16_tile's in
-// every build. Q8_0, Q5_0 and Q5_K (Q6_K: q6k_rows16).
+// every build. Q8_0 and Q5_0 (the K-quants: q5k_rows16, q6k_rows16).
 template <int KIND, int R>
-void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const float* gsum,
-                     float* y, int N, int n0, int m0) {
+void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, float* y, int N, int n0,
+                     int m0) {
   const int nblk = w.nblk;
-  const int64_t g0 = int64_t(m0) * nblk;  // this row group's blocks: xq [nblk, 8, 32], d / bsum / gsum [nblk, 8]
+  const int64_t g0 = int64_t(m0) * nblk;  // this row group's blocks: xq [nblk, 8, 32], d / bsum [nblk, 8]
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
   for (int b = 0; b < nblk; ++b) {
@@ -313,8 +320,7 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
     }
     __m512i q[8];
     w.load16<KIND>(b, q);
-    __m512 s0, mn;
-    w.scales16<KIND>(b, s0, mn);
+    const __m512 s0 = w.scales16(b);
     const int8_t* xb = xq + (g0 + int64_t(b) * 8) * 32;
     const int64_t mb = g0 + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
@@ -324,8 +330,37 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
       const __m512i dot =
           _mm512_add_epi32(dot_chunks4(init, q, xi), dot_chunks4(_mm512_setzero_si512(), q + 4, xi + 16));
       f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, dv), f[i]);
-      if constexpr (KIND == GK_Q5_K) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gsum[mb + i]), f[i]);
     }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
+}
+
+// Q5_K: q4k_rows with load16's 5-bit codes (the same scale layout, activations per 256 values and their bpair).
+template <int R>
+void q5k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bpair, float* y, int N, int n0,
+                int m0) {
+  const int nblk = w.nblk;
+  const KScales ks = w.kscales();
+  const int64_t g0 = int64_t(m0) * nblk;
+  const int32_t* pg = bpair + int64_t(m0) * (nblk / 2);
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  for (int s0 = 0; s0 < nblk; s0 += 8) {
+    __m512i is[R];
+    for (int i = 0; i < R; ++i) is[i] = _mm512_setzero_si512();
+    for (int b = s0; b < s0 + 8; ++b) {
+      if (m0 == 0) {
+        prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 256, 256);
+        prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * 64, 64);
+      }
+      __m512i q[8];
+      w.load16<GK_Q5_K>(b, q);
+      const __m512i scb = block_scales(ks, b);
+      const int8_t* xb = xq + (g0 + int64_t(b) * 8) * 32;
+      for (int i = 0; i < R; ++i) is[i] = q4k_block(is[i], q, xb + 32 * i, scb);
+    }
+    const Q4KSuper sup(ks, s0 / 8);
+    for (int i = 0; i < R; ++i) f[i] = sup.finish(is[i], pg + int64_t(s0 / 2) * 8 + i, d[g0 + int64_t(s0) * 8 + i], f[i]);
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
 }
@@ -372,69 +407,80 @@ void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
 
 template <int KIND>
 void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
-                     const float* gsum, float* y, int M, int N, int n0) {
+                     float* y, int M, int N, int n0) {
   for_row_groups(M, [&](auto r, int m0) {
-    if constexpr (KIND == GK_Q6_K) q6k_rows16<decltype(r)::value>(w, xq, d, hoff, y, N, n0, m0);
-    else gguf_x16_rows16<KIND, decltype(r)::value>(w, xq, d, bsum, gsum, y, N, n0, m0);
+    constexpr int R = decltype(r)::value;
+    if constexpr (KIND == GK_Q6_K) q6k_rows16<R>(w, xq, d, hoff, y, N, n0, m0);
+    else if constexpr (KIND == GK_Q5_K) q5k_rows16<R>(w, xq, d, bsum, y, N, n0, m0);
+    else gguf_x16_rows16<KIND, R>(w, xq, d, bsum, y, N, n0, m0);
   });
 }
 #endif
 
-// Tile t of a GGUF x16 weight against every row of x (packed activations, blocks of 32, bsum / gsum per block;
-// hoff, for Q6_K on AVX-512 VNNI: per block [nblk, 8, 2] -32 x the sum of its first and of its last 16 activations,
-// read by the dot products' first instruction as a broadcast from memory, with no integer work per row).
+// Tile t of a GGUF x16 weight against every row of x (packed activations, blocks of 32; the K-quants' per 256
+// values): bsum their block sums (Q5_K: quantize_act's bpair); hoff, for Q6_K on AVX-512 VNNI: per block [nblk, 8, 2]
+// -32 x the sum of its first and of its last 16 activations, read by the dot products' first instruction as a
+// broadcast from memory, with no integer work per row.
 void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
-                   const float* gsum, float* y, int M, int N, int t) {
+                   float* y, int M, int N, int t) {
   const GgufX16 w = weights.tile(t);
   const int nblk = w.nblk, n0 = t * X16;
 #ifdef PAGEDLM_AVX512_VNNI
   (void)nblk;
   switch (w.kind) {
-    case GK_Q8_0: return gguf_x16_tile16<GK_Q8_0>(w, xq, d, bsum, hoff, gsum, y, M, N, n0);
-    case GK_Q5_0: return gguf_x16_tile16<GK_Q5_0>(w, xq, d, bsum, hoff, gsum, y, M, N, n0);
-    case GK_Q5_K: return gguf_x16_tile16<GK_Q5_K>(w, xq, d, bsum, hoff, gsum, y, M, N, n0);
-    default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hoff, gsum, y, M, N, n0);
+    case GK_Q8_0: return gguf_x16_tile16<GK_Q8_0>(w, xq, d, bsum, hoff, y, M, N, n0);
+    case GK_Q5_0: return gguf_x16_tile16<GK_Q5_0>(w, xq, d, bsum, hoff, y, M, N, n0);
+    case GK_Q5_K: return gguf_x16_tile16<GK_Q5_K>(w, xq, d, bsum, hoff, y, M, N, n0);
+    default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hoff, y, M, N, n0);
   }
 #elif defined(PAGEDLM_AVX2)
-  for_row_groups(M, [&](auto r, int m0) {
-    constexpr int R = decltype(r)::value;
-    if constexpr (R == 1) {
-      gguf_x16_rows<1, 2>(w, xq, d, bsum, gsum, y, N, n0, m0, 0, 0, 0, nblk);  // one pass over the tile
-    } else {
-      for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
-        const int b1 = std::min(nblk, b0 + X16_CHUNK);
-        for (int h = 0; h < 2; ++h) {
-          if constexpr (R > 4) {
-            gguf_x16_rows<4, 1>(w, xq, d, bsum, gsum, y, N, n0, m0, 0, h, b0, b1);
-            gguf_x16_rows<R - 4, 1>(w, xq, d, bsum, gsum, y, N, n0, m0, 4, h, b0, b1);
-          } else {
-            gguf_x16_rows<R, 1>(w, xq, d, bsum, gsum, y, N, n0, m0, 0, h, b0, b1);
+  with_kind(w.kind, [&](auto k) {
+    constexpr int KIND = decltype(k)::value;
+    for_row_groups(M, [&](auto r, int m0) {
+      constexpr int R = decltype(r)::value;
+      if constexpr (R == 1) {
+        gguf_x16_rows<KIND, 1, 2>(w, xq, d, bsum, y, N, n0, m0, 0, 0, 0, nblk);  // one pass over the tile
+      } else {
+        for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
+          const int b1 = std::min(nblk, b0 + X16_CHUNK);
+          for (int h = 0; h < 2; ++h) {
+            if constexpr (R > 4) {
+              gguf_x16_rows<KIND, 4, 1>(w, xq, d, bsum, y, N, n0, m0, 0, h, b0, b1);
+              gguf_x16_rows<KIND, R - 4, 1>(w, xq, d, bsum, y, N, n0, m0, 4, h, b0, b1);
+            } else {
+              gguf_x16_rows<KIND, R, 1>(w, xq, d, bsum, y, N, n0, m0, 0, h, b0, b1);
+            }
           }
         }
       }
-    }
+    });
   });
 #else
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < X16; ++j) {
       float f = 0.f;
-      int32_t is = 0;  // Q6_K's super-block sum
+      int32_t is = 0, ms = 0;  // the K-quants' super-block sums
       for (int b = 0; b < nblk; ++b) {
         const int8_t* xb = xq + kPack8.xq(m, b, nblk);
         const int64_t mb = kPack8.blk(m, b, nblk);
         int dot[2] = {0, 0};
         for (int v = 0; v < 32; ++v) dot[v >= 16] += w.code(b, j, v) * xb[v];
-        if (w.split()) {
+        if (w.kind == GK_Q5_K) {  // as q4k_tile
+          is += int(w.aux[b * 32 + j]) * (dot[0] + dot[1]);
+          ms += int(w.aux[b * 32 + 16 + j]) * bpair_sum(bsum[kPack8.blk(m, b / 2, nblk / 2)], b);
+          if (b % 8 == 7) {
+            const uint16_t* dd = w.scales + (b / 8) * 32;
+            f = q4k_finish(is, ms, half_to_float(dd[j]), half_to_float(dd[16 + j]), d[mb], f), is = ms = 0;
+          }
+        } else if (w.split()) {
           is += w.q6_scale(b, 0, j) * dot[0] + w.q6_scale(b, 1, j) * dot[1];
           if (b % 8 == 7) f = q6k_finish(is, half_to_float(w.scales[(b / 8) * 16 + j]), d[mb], f), is = 0;
         } else {
           f = std::fma(float(dot[0] + dot[1]), w.scale(b, 0, j) * d[mb], f);
-          if (w.has_min()) f = std::fma(w.min(b, j), gsum[mb], f);
         }
       }
       y[int64_t(m) * N + n0 + j] = f;
     }
-  (void)bsum;
 #endif
   (void)hoff;
 }
@@ -442,13 +488,15 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
 #ifdef PAGEDLM_AVX2
 // One row of x against tiles t and t + 1, X16_CHUNK blocks of each in turn: two memory streams per core, as
 // int4x16_row_tiles reads. Each tile's sums continue through y, so the results are gguf_x16_tile's.
-void gguf_x16_row_pair(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum,
-                       const float* gsum, float* y, int N, int t) {
+void gguf_x16_row_pair(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, float* y, int N,
+                       int t) {
   const GgufX16 w[2] = {weights.tile(t), weights.tile(t + 1)};
-  for (int b0 = 0; b0 < weights.nblk; b0 += X16_CHUNK)
-    for (int u = 0; u < 2; ++u)
-      gguf_x16_rows<1, 2>(w[u], xq, d, bsum, gsum, y, N, (t + u) * X16, 0, 0, 0, b0,
-                          std::min(weights.nblk, b0 + X16_CHUNK));
+  with_kind(weights.kind, [&](auto k) {
+    for (int b0 = 0; b0 < weights.nblk; b0 += X16_CHUNK)
+      for (int u = 0; u < 2; ++u)
+        gguf_x16_rows<decltype(k)::value, 1, 2>(w[u], xq, d, bsum, y, N, (t + u) * X16, 0, 0, 0, b0,
+                                                std::min(weights.nblk, b0 + X16_CHUNK));
+  });
 }
 #endif
 

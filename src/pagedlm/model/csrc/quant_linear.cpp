@@ -560,6 +560,31 @@ inline __m256i bcast4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
+
+inline __m256i bytes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Q4KSuper for outputs o .. o + 7 of a tile's super-block s (AVX2): the same integers and fp32 operations.
+struct Q4KSuper8 {
+  __m256i mp[4];
+  __m256 d, nmin;
+  Q4KSuper8(const KScales& sc, int s, int o) {
+    const uint8_t* sm = sc.sm + int64_t(s) * 8 * 2 * X16 + X16 + o;
+    for (int k = 0; k < 4; ++k)
+      mp[k] = _mm256_or_si256(bytes8(sm + 2 * k * 2 * X16), _mm256_slli_epi32(bytes8(sm + (2 * k + 1) * 2 * X16), 16));
+    const uint16_t* dd = sc.dd + int64_t(s) * 2 * X16 + o;
+    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd)));
+    nmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + X16))),
+                         _mm256_set1_ps(-0.f));
+  }
+  __m256 finish(__m256i isum, const int32_t* bp, float a, __m256 f) const {
+    __m256i ms = _mm256_madd_epi16(mp[0], _mm256_set1_epi32(bp[0]));
+    for (int k = 1; k < 4; ++k) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mp[k], _mm256_set1_epi32(bp[8 * k])));
+    const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, _mm256_mul_ps(_mm256_cvtepi32_ps(ms), nmin));
+    return _mm256_fmadd_ps(t, _mm256_set1_ps(a), f);
+  }
+};
 #endif
 
 #ifdef PAGEDLM_AVX512_VNNI
@@ -922,9 +947,6 @@ void q4k_rows_avx2(const int8_t* xq, const float* d, const int32_t* bpair, const
   __m256 f[R][H];
   for (int i = 0; i < R; ++i)
     for (int h = 0; h < H; ++h) f[i][h] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yh + int64_t(i) * N + 8 * h);
-  auto bytes8 = [](const uint8_t* p) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  };
   for (int s0 = b0; s0 < b1; s0 += 8) {
     __m256i is[R][H];
     for (int i = 0; i < R; ++i)
@@ -954,24 +976,10 @@ void q4k_rows_avx2(const int8_t* xq, const float* d, const int32_t* bpair, const
           is[i][h] = _mm256_add_epi32(is[i][h], _mm256_mullo_epi32(_mm256_madd_epi16(acc[i][h], ones), scb));
       }
     }
-    const uint8_t* sm = sc.sm + int64_t(s0) * 2 * X16 + X16;
-    const uint16_t* dd = sc.dd + int64_t(s0 / 8) * 2 * X16;
     for (int h = 0; h < H; ++h) {
-      const int o = 8 * (h0 + h);
-      __m256i mp[4];
-      for (int k = 0; k < 4; ++k)
-        mp[k] = _mm256_or_si256(bytes8(sm + 2 * k * 2 * X16 + o),
-                                _mm256_slli_epi32(bytes8(sm + (2 * k + 1) * 2 * X16 + o), 16));
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + o)));
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + X16 + o)));
-      const __m256 nmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.f));
-      for (int i = 0; i < R; ++i) {
-        const int32_t* bp = pg + int64_t(s0 / 2) * 8 + i;
-        __m256i ms = _mm256_madd_epi16(mp[0], _mm256_set1_epi32(bp[0]));
-        for (int k = 1; k < 4; ++k) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mp[k], _mm256_set1_epi32(bp[8 * k])));
-        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i][h]), dv, _mm256_mul_ps(_mm256_cvtepi32_ps(ms), nmin));
-        f[i][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(dg[int64_t(s0) * 8 + i]), f[i][h]);
-      }
+      const Q4KSuper8 sup(sc, s0 / 8, 8 * (h0 + h));
+      for (int i = 0; i < R; ++i)
+        f[i][h] = sup.finish(is[i][h], pg + int64_t(s0 / 2) * 8 + i, dg[int64_t(s0) * 8 + i], f[i][h]);
     }
   }
   for (int i = 0; i < R; ++i)
@@ -1013,6 +1021,16 @@ inline int x16_block_dot(const uint8_t* wb, const int8_t* xb, int j) {
   return dot;
 }
 
+// Block b's integer sum from quantize_act's bpair word of its pair of blocks.
+inline int bpair_sum(int32_t pair, int b) {
+  return b % 2 == 0 ? int16_t(pair & 0xffff) : int16_t(uint32_t(pair) >> 16);
+}
+
+// Q4KSuper::finish for one output (the portable builds): d, dmin the super-block's, a the activations' scale.
+inline float q4k_finish(int32_t isum, int32_t msum, float d, float dmin, float a, float f) {
+  return std::fma(std::fma(float(isum), d, float(msum) * -dmin), a, f);
+}
+
 // Q4_K tile qt (outputs n0 .. n0+15), every row of x (bpair: quantize_act's); see q4k_rows. Builds with neither
 // AVX-512 VNNI nor AVX2: the same integers and fp32 operations in scalar code.
 void q4k_tile(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* qt, const KScales& sc, float* y,
@@ -1032,14 +1050,11 @@ void q4k_tile(const int8_t* xq, const float* d, const int32_t* bpair, const uint
         int32_t isum = 0, msum = 0;
         for (int b = s0; b < s0 + 8; ++b) {
           const int dot = x16_block_dot(qt + int64_t(b) * X16_BLOCK, xq + kPack8.xq(m, b, nblk), j);
-          const int32_t pair = bpair[kPack8.blk(m, b / 2, nblk / 2)];
-          const int bs = b % 2 == 0 ? int16_t(pair & 0xffff) : int16_t(uint32_t(pair) >> 16);
           isum += int(sc.sm[int64_t(b) * 2 * X16 + j]) * dot;
-          msum += int(sc.sm[int64_t(b) * 2 * X16 + X16 + j]) * bs;
+          msum += int(sc.sm[int64_t(b) * 2 * X16 + X16 + j]) * bpair_sum(bpair[kPack8.blk(m, b / 2, nblk / 2)], b);
         }
         const uint16_t* dd = sc.dd + int64_t(s0 / 8) * 2 * X16;
-        const float t = std::fma(float(isum), half_to_float(dd[j]), float(msum) * -half_to_float(dd[X16 + j]));
-        f = std::fma(t, d[kPack8.blk(m, s0, nblk)], f);
+        f = q4k_finish(isum, msum, half_to_float(dd[j]), half_to_float(dd[X16 + j]), d[kPack8.blk(m, s0, nblk)], f);
       }
       y[int64_t(m) * N + n0 + j] = f;
     }
@@ -1997,11 +2012,13 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
   int32_t* const bp = bsum.data();
-  quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay, kind == GK_Q6_K ? 8 : 1);
+  const bool q5k = kind == GK_Q5_K, ksuper = q5k || kind == GK_Q6_K;  // activations per 256 values
+  if (q5k) quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, nullptr, lay, 8, bp);  // bp: pairs of block sums
+  else quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay, ksuper ? 8 : 1);
   int32_t* hp = nullptr;
 #ifdef PAGEDLM_AVX512_VNNI
   thread_local std::vector<int32_t> hoff;
-  if (kind == GK_Q6_K) {  // Q6_K's offsets of each block's halves (gguf_x16_rows16 corrects them apart)
+  if (kind == GK_Q6_K) {  // Q6_K's offsets of each block's halves (q6k_rows16 corrects them apart)
     hoff.resize(size_t(Mr) * nblk * 2);
     int32_t* const hop = hp = hoff.data();
     parallel_for(M, int64_t(M) * K >= 65536 ? nthreads : 1, 8, [&](int64_t m0, int64_t m1) {
@@ -2024,8 +2041,8 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
     amx_products.fetch_add(amx, std::memory_order_relaxed);
     // This pass's rows: activations, their scales and sums, outputs.
     const int8_t* xm = xqp + int64_t(m0) * K;
-    const float *dm = dp + int64_t(m0) * nblk, *gm = gp + int64_t(m0) * nblk;
-    const int32_t *bm = bp + int64_t(m0) * nblk, *hm = hp ? hp + int64_t(m0) * nblk * 2 : nullptr;
+    const float* dm = dp + int64_t(m0) * nblk;
+    const int32_t *bm = bp + int64_t(m0) * (q5k ? nblk / 2 : nblk), *hm = hp ? hp + int64_t(m0) * nblk * 2 : nullptr;
     float* ym = y + int64_t(m0) * N;
 #if defined(PAGEDLM_AVX512_VNNI)
     const bool pairs = !amx && kind == GK_Q8_0 && pairs_at(rows);
@@ -2045,9 +2062,9 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
       for (; pairs && t + 2 <= t1; t += 2) gguf_q8_0_row_tiles<2>(g, xm, dm, bm, ym, t);
 #endif
 #if defined(PAGEDLM_AVX2) && !defined(PAGEDLM_AVX512_VNNI)
-      for (; pairs && t + 2 <= t1; t += 2) gguf_x16_row_pair(g, xm, dm, bm, gm, ym, N, t);
+      for (; pairs && t + 2 <= t1; t += 2) gguf_x16_row_pair(g, xm, dm, bm, ym, N, t);
 #endif
-      for (; t < t1; ++t) gguf_x16_tile(g, xm, dm, bm, hm, gm, ym, rows, N, t);
+      for (; t < t1; ++t) gguf_x16_tile(g, xm, dm, bm, hm, ym, rows, N, t);
     });
   }
   return 0;

@@ -105,7 +105,7 @@ def bf16_from_x16(w: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activations_q8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """x [.., K] (K a multiple of `block`) with each block of 32 values (256 for Q4_K and Q6_K, as llama.cpp's Q8_K)
+    """x [.., K] (K a multiple of `block`) with each block of 32 values (256 for the K-quants, as llama.cpp's Q8_K)
     rounded to int8 steps of max|block| / 127: the values the int4 kernel multiplies (same rounding: half to even of
     x / d)."""
     blocks = x.float().reshape(*x.shape[:-1], -1, block)

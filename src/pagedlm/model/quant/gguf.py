@@ -76,7 +76,7 @@ class GGUFLinear(QuantLinear):
         return tuple(t.data_ptr() if t.numel() else None for t in (self.qweight, self.planes, self.scale, self.aux))
 
     def dense_input(self, x: torch.Tensor) -> torch.Tensor:
-        return quantize_activations_q8(x, 256 if self.kind == "Q6_K" else 32)
+        return quantize_activations_q8(x, 256 if self.kind in _SUPER else 32)  # the K-quants: as llama.cpp's Q8_K
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized to fp32 (the table of a `TableEmbedding`)."""
