@@ -339,30 +339,14 @@ void gguf_x16_rows16(const GgufX16& w, const int8_t* xq, const float* d, const i
 template <int R>
 void q5k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bpair, float* y, int N, int n0,
                 int m0) {
-  const int nblk = w.nblk;
-  const KScales ks = w.kscales();
-  const int64_t g0 = int64_t(m0) * nblk;
-  const int32_t* pg = bpair + int64_t(m0) * (nblk / 2);
-  __m512 f[R];
-  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
-  for (int s0 = 0; s0 < nblk; s0 += 8) {
-    __m512i is[R];
-    for (int i = 0; i < R; ++i) is[i] = _mm512_setzero_si512();
-    for (int b = s0; b < s0 + 8; ++b) {
-      if (m0 == 0) {
-        prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 256, 256);
-        prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * 64, 64);
-      }
-      __m512i q[8];
-      w.load16<GK_Q5_K>(b, q);
-      const __m512i scb = block_scales(ks, b);
-      const int8_t* xb = xq + (g0 + int64_t(b) * 8) * 32;
-      for (int i = 0; i < R; ++i) is[i] = q4k_block(is[i], q, xb + 32 * i, scb);
+  auto codes = [&](int b, __m512i* q) {
+    if (m0 == 0) {
+      prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 256, 256);
+      prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * 64, 64);
     }
-    const Q4KSuper sup(ks, s0 / 8);
-    for (int i = 0; i < R; ++i) f[i] = sup.finish(is[i], pg + int64_t(s0 / 2) * 8 + i, d[g0 + int64_t(s0) * 8 + i], f[i]);
-  }
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
+    w.load16<GK_Q5_K>(b, q);
+  };
+  q4k_rows_of<R>(xq, d, bpair, codes, w.kscales(), y, w.nblk * 32, N, n0, m0);
 }
 
 // Q6_K: rows m0 .. m0 + R (activations per 256 values) against tile n0 / 16, each super-block reduced in integers:
@@ -371,38 +355,33 @@ void q5k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
 template <int R>
 void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* hoff, float* y, int N, int n0,
                 int m0) {
-  const int nblk = w.nblk;
-  const int64_t g0 = int64_t(m0) * nblk;
+  const int64_t g0 = int64_t(m0) * w.nblk;
   auto sc = [&](int b, int h) {
     return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.aux + b * 32 + 16 * h)));
   };
-  __m512 f[R];
-  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
-  for (int s0 = 0; s0 < nblk; s0 += 8) {
-    __m512i is[R];
-    for (int i = 0; i < R; ++i) is[i] = _mm512_setzero_si512();
-    for (int b = s0; b < s0 + 8; ++b) {
-      if (m0 == 0) {
-        prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 256, 256);
-        prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * 128, 128);
-      }
-      __m512i q[8];
-      w.load16<GK_Q6_K>(b, q);
-      const __m512i sc0 = sc(b, 0), sc1 = sc(b, 1);
-      const int64_t mb = g0 + int64_t(b) * 8;
-      for (int i = 0; i < R; ++i) {
-        const int8_t* xi = xq + (mb + i) * 32;
-        const __m512i d0 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i)]), q, xi);
-        const __m512i d1 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i) + 1]), q + 4, xi + 16);
-        is[i] = _mm512_add_epi32(is[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
-      }
+  auto add = [&](int b, __m512i* is) {
+    if (m0 == 0) {
+      prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 256, 256);
+      prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * 128, 128);
     }
+    __m512i q[8];
+    w.load16<GK_Q6_K>(b, q);
+    const __m512i sc0 = sc(b, 0), sc1 = sc(b, 1);
+    const int64_t mb = g0 + int64_t(b) * 8;
+    for (int i = 0; i < R; ++i) {
+      const int8_t* xi = xq + (mb + i) * 32;
+      const __m512i d0 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i)]), q, xi);
+      const __m512i d1 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i) + 1]), q + 4, xi + 16);
+      is[i] = _mm512_add_epi32(is[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
+    }
+  };
+  auto finish = [&](int s0, const __m512i* is, __m512* f) {  // q6k_finish
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + (s0 / 8) * 16)));
-    for (int i = 0; i < R; ++i)  // q6k_finish
+    for (int i = 0; i < R; ++i)
       f[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(is[i]), dw), _mm512_set1_ps(d[g0 + int64_t(s0) * 8 + i]),
                              f[i]);
-  }
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
+  };
+  ksuper_rows<R>(w.nblk, add, finish, y, N, n0, m0);
 }
 
 template <int KIND>

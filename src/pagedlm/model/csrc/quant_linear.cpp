@@ -709,36 +709,58 @@ inline __m512i block_scales(const KScales& sc, int b) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc.sm + int64_t(b) * 2 * X16)));
 }
 
-// Rows m0 .. m0+R of x (packed, with bpair) against Q4_K tile qt (16 outputs).
-template <int R>
-void q4k_rows(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* qt, const KScales& sc, float* y,
-              int K, int N, int n0, int m0, bool prefetch) {
-  const int nblk = K / 32;
-  const int8_t* xg = xq + int64_t(m0) * K;
-  const float* dg = d + int64_t(m0) * nblk;
-  const int32_t* pg = bpair + int64_t(m0) * (nblk / 2);
+// The K-quants' row kernels (AVX-512 VNNI): rows m0 .. m0 + R against one tile (16 outputs), super-block by
+// super-block. add(b, is) adds block b's integer sums to is[0 .. R); finish(s0, is, f) folds the super-block from
+// block s0 into f[0 .. R).
+template <int R, class Add, class Finish>
+inline void ksuper_rows(int nblk, Add&& add, Finish&& finish, float* y, int N, int n0, int m0) {
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
   for (int s0 = 0; s0 < nblk; s0 += 8) {
     __m512i is[R];
     for (int i = 0; i < R; ++i) is[i] = _mm512_setzero_si512();
-    for (int b = s0; b < s0 + 8; ++b) {
-      const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
-      if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK);
-      __m512i w[8];
-      unpack_block(wb, w);
-      const __m512i scb = block_scales(sc, b);
-      const int8_t* xb = xg + int64_t(b) * 256;
-      __m512i a[R];
-      for (int i = 0; i < R; ++i) a[i] = dpbusd_bcast(_mm512_setzero_si512(), w[0], xb + 32 * i);
-      for (int c = 1; c < 8; ++c)
-        for (int i = 0; i < R; ++i) a[i] = dpbusd_bcast(a[i], w[c], xb + 32 * i + 4 * c);
-      for (int i = 0; i < R; ++i) is[i] = _mm512_add_epi32(is[i], _mm512_mullo_epi32(a[i], scb));
-    }
-    const Q4KSuper sup(sc, s0 / 8);
-    for (int i = 0; i < R; ++i) f[i] = sup.finish(is[i], pg + int64_t(s0 / 2) * 8 + i, dg[int64_t(s0) * 8 + i], f[i]);
+    for (int b = s0; b < s0 + 8; ++b) add(b, is);
+    finish(s0, is, f);
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + int64_t(m0 + i) * N + n0, f[i]);
+}
+
+// Rows m0 .. m0+R of x (packed, with bpair) against a tile in Q4_K's scale layout (16 outputs): codes(b, w) puts
+// block b's codes in w[0 .. 8) (Q4_K's nibbles; Q5_K's 5-bit codes, q5k_rows16).
+template <int R, class Codes>
+void q4k_rows_of(const int8_t* xq, const float* d, const int32_t* bpair, Codes&& codes, const KScales& sc, float* y,
+                 int K, int N, int n0, int m0) {
+  const int nblk = K / 32;
+  const int8_t* xg = xq + int64_t(m0) * K;
+  const float* dg = d + int64_t(m0) * nblk;
+  const int32_t* pg = bpair + int64_t(m0) * (nblk / 2);
+  auto add = [&](int b, __m512i* is) {
+    __m512i w[8];
+    codes(b, w);
+    const __m512i scb = block_scales(sc, b);
+    const int8_t* xb = xg + int64_t(b) * 256;
+    __m512i a[R];
+    for (int i = 0; i < R; ++i) a[i] = dpbusd_bcast(_mm512_setzero_si512(), w[0], xb + 32 * i);
+    for (int c = 1; c < 8; ++c)
+      for (int i = 0; i < R; ++i) a[i] = dpbusd_bcast(a[i], w[c], xb + 32 * i + 4 * c);
+    for (int i = 0; i < R; ++i) is[i] = _mm512_add_epi32(is[i], _mm512_mullo_epi32(a[i], scb));
+  };
+  auto finish = [&](int s0, const __m512i* is, __m512* f) {
+    const Q4KSuper sup(sc, s0 / 8);
+    for (int i = 0; i < R; ++i) f[i] = sup.finish(is[i], pg + int64_t(s0 / 2) * 8 + i, dg[int64_t(s0) * 8 + i], f[i]);
+  };
+  ksuper_rows<R>(nblk, add, finish, y, N, n0, m0);
+}
+
+template <int R>
+void q4k_rows(const int8_t* xq, const float* d, const int32_t* bpair, const uint8_t* qt, const KScales& sc, float* y,
+              int K, int N, int n0, int m0, bool prefetch) {
+  auto codes = [&](int b, __m512i* w) {
+    const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
+    if (prefetch) prefetch_lines(wb + PF_BYTES, X16_BLOCK);
+    unpack_block(wb, w);
+  };
+  q4k_rows_of<R>(xq, d, bpair, codes, sc, y, K, N, n0, m0);
 }
 
 // One row of x against T Q4_K tiles, their blocks interleaved (as int4x16_row_tiles): q4k_rows<1>'s operations.
