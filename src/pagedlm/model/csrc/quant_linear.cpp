@@ -2036,7 +2036,8 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   int32_t* const bp = bsum.data();
   const bool q5k = kind == GK_Q5_K, ksuper = q5k || kind == GK_Q6_K;  // activations per 256 values
   if (q5k) quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, nullptr, lay, 8, bp);  // bp: pairs of block sums
-  else quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay, ksuper ? 8 : 1);
+  else if (ksuper) quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay, 8);
+  else quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay);  // sblk a constant at each call
   int32_t* hp = nullptr;
 #ifdef PAGEDLM_AVX512_VNNI
   thread_local std::vector<int32_t> hoff;
