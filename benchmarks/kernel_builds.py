@@ -1,4 +1,5 @@
-"""Time two or more builds of a kernel source against each other, alternately in one process (medians): an older
+"""Time two or more builds of a kernel source against each other, alternately in one process (medians; the order
+reversed every other repetition): an older
 source (e.g. from `git worktree add /tmp/old <commit>`) against the working tree's. The builds must agree.
 
     .venv/bin/python benchmarks/kernel_builds.py attention /tmp/old/src/pagedlm/attention/csrc/paged_attention.cpp \
@@ -37,6 +38,13 @@ def _load(sources: list[str], configure, march: str = "native") -> dict[str, cty
     return libs
 
 
+def _in_turn(libs: dict[str, ctypes.CDLL], rep: int) -> list[tuple[str, ctypes.CDLL]]:
+    """The builds in turn, their order reversed every other repetition: on these hosts the position in the turn
+    alone moved a build's median by up to a quarter."""
+    order = list(libs.items())
+    return order if rep % 2 == 0 else order[::-1]
+
+
 def _line(label: str, times: dict[str, list[float]]) -> str:
     med = {n: statistics.median(t) for n, t in times.items()}
     base = next(iter(med.values()))
@@ -67,8 +75,8 @@ def attention(sources: list[str], batch: int, context: int, layers: int, reps: i
         for a, b in zip(out, first):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     times: dict[str, list[float]] = {n: [] for n in libs}
-    for _ in range(reps):
-        for n, lib in libs.items():
+    for r in range(reps):
+        for n, lib in _in_turn(libs, r):
             t = time.perf_counter()
             for q, k, v, m in cases:
                 cpu_kernel.paged_attention_cpu(q, k, v, m, 0.125, lib=lib)
@@ -93,8 +101,8 @@ def _time_layer(libs: dict[str, ctypes.CDLL], layer, x: torch.Tensor, reps: int)
         rel = max(((y - first).abs().max() / first.abs().max()).item() for y in ys.values())
         print(f"  (largest difference between the builds: {rel:.1e} of the largest output)")
     times: dict[str, list[float]] = {name: [] for name in libs}
-    for _ in range(reps):
-        for name, lib in libs.items():
+    for r in range(reps):
+        for name, lib in _in_turn(libs, r):
             t = time.perf_counter()
             layer._kernel(lib, x, ys[name])
             times[name].append(time.perf_counter() - t)
