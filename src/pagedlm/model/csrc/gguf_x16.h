@@ -128,7 +128,8 @@ struct GgufX16 {
   }
   // Q6_K's int8 scales of block b's inputs 0-15 (half 0) or 16-31 (half 1), rows 8h .. 8h + 7, as int16 pairs.
   __m256i scale_pairs8(int b, int half, int h) const {
-    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(aux + b * 32 + 16 * half + 8 * h)));
+    const uint8_t* p = aux + b * 32 + 16 * half + 8 * h;
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
   }
   // Q8_0's and Q5_0's scales of block b for the 8 rows of half h.
