@@ -126,21 +126,21 @@ struct GgufX16 {
     const __m256i sel = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel), _mm256_set1_epi8(0x10));
   }
+  // 8 int32 lanes as int16 pairs (both halves the lane's value, which fits 16 bits): vpmaddwd's multipliers.
+  static __m256i pairs16(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+  }
   // Q6_K's int8 scales of block b's inputs 0-15 (half 0) or 16-31 (half 1), rows 8h .. 8h + 7, as int16 pairs.
   __m256i scale_pairs8(int b, int half, int h) const {
     const uint8_t* p = aux + b * 32 + 16 * half + 8 * h;
-    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+    return pairs16(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   // Q8_0's and Q5_0's scales of block b for the 8 rows of half h.
   __m256 scales8(int b, int h) const {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16 + 8 * h)));
   }
   // Q5_K's 6-bit scales of block b, rows 8h .. 8h + 7, as int16 pairs.
-  __m256i q5k_scale_pairs8(int b, int h) const {
-    const __m256i v = bytes8(aux + b * 32 + 8 * h);
-    return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
-  }
+  __m256i q5k_scale_pairs8(int b, int h) const { return pairs16(bytes8(aux + b * 32 + 8 * h)); }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
   // Block b's codes for the tile's 16 rows as vpdpbusd's unsigned multipliers, q[c] of inputs 4c..4c+3 (c = 0..7):

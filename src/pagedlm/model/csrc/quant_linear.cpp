@@ -211,7 +211,7 @@ void dequant_int8p_tile(const int8_t* q, const float* s, int K, int n0, float* w
 // With sblk = 8 (Q4_K and Q6_K, as llama.cpp's Q8_K) the 8 blocks of each 256 values share one scale, the max
 // over all 256, stored in each block's slot of d.
 // gsum[m * ngroups + g] = sum of the quantized values of group g, d * xq (what the group's minimum multiplies).
-// bpair (Q4_K) holds two consecutive blocks' integer sums as int16 halves, low = even block: [M, K/64].
+// bpair (Q4_K, Q5_K) holds two consecutive blocks' integer sums as int16 halves, low = even block: [M, K/64].
 // Where quantize_act puts row m's block b (and its scale, block sum and group sums). By rows: xq [M, K], d and bsum
 // [M, K/32], gsum [M, K/G]. Packed for the x16 kernels (shift 3): rows in groups of 8, each block of a group's 8
 // rows contiguous (xq [M/8, K/32, 8, 32], d and bsum [M/8, K/32, 8], gsum [M/8, K/G, 8], bpair [M/8, K/64, 8]; M
