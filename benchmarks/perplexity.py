@@ -1,8 +1,10 @@
 """Perplexity of a GGUF on `tests/data/perplexity.txt` for pagedlm's fp32 path (the file's exact weights), its
 default path and llama.cpp (llama-cpp-python, the `llamacpp` extra), on the same token ids in the same 512-token
 windows; and each path's drift: the mean |change| of the tokens' log-probabilities against the fp32 path.
+`pagedlm-avx2` is the default path as an AVX2-only CPU runs it (PAGEDLM_ISA=avx2, see pagedlm/cpu.py).
 
     .venv/bin/python benchmarks/perplexity.py smollm2-135m gemma3-270m
+    .venv/bin/python benchmarks/perplexity.py gemma3-270m --engines pagedlm-fp32,pagedlm,pagedlm-avx2
 
 Each engine runs in a fresh process (`--child`).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +68,9 @@ def main() -> None:
     for model in a.models:
         runs = {}
         for engine in a.engines.split(","):
-            out = subprocess.run([sys.executable, __file__, "--child", engine, model], capture_output=True, text=True)
+            env = {**os.environ, "PAGEDLM_ISA": "avx2" if engine == "pagedlm-avx2" else "native"}
+            out = subprocess.run([sys.executable, __file__, "--child", engine, model], capture_output=True, text=True,
+                                 env=env)
             if out.returncode:
                 raise SystemExit(f"{engine} on {model} failed:\n{out.stderr[-3000:]}")
             runs[engine] = json.loads(out.stdout.strip().splitlines()[-1])

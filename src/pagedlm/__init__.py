@@ -8,6 +8,10 @@ import os as _os
 # explicit GOMP_SPINCOUNT or OMP_WAIT_POLICY is left as it is.
 if "GOMP_SPINCOUNT" not in _os.environ and "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "20000"
+# PAGEDLM_ISA=avx2 (cpu.py): torch's kernels and oneDNN's at AVX2 as well, read when torch loads.
+if _os.environ.get("PAGEDLM_ISA", "").strip().lower() == "avx2":
+    _os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    _os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.sampling.params import SamplingParams
 

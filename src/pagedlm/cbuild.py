@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from pagedlm import paths
-from pagedlm.cpu import cpu_features
+from pagedlm.cpu import cpu_flags, kernel_march
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,9 @@ def trusted(path: Path) -> bool:
 
 
 def _cpu_key() -> str:
-    """Kernels are built with -march=native: key the cache on the CPU's flags too."""
-    return platform.machine() + " ".join(sorted(cpu_features().flags))
+    """Kernels are built with -march=native: key the cache on the CPU's own flags too (not PAGEDLM_ISA's view of
+    them: a -march=haswell build is the same library either way)."""
+    return platform.machine() + " ".join(sorted(cpu_flags()))
 
 
 def _source_bytes(source: Path, seen: set[Path] | None = None) -> bytes:
@@ -120,10 +121,13 @@ EMULATED_AVX512 = "avx512-emulated"  # a target name for flags(): see emulation_
 
 
 def flags(march: str = "native") -> list[str]:
-    """FLAGS, with `-march=<march>` (e.g. "haswell" for an AVX2-only build, "x86-64" for the portable one).
+    """FLAGS, with `-march=<march>` (e.g. "haswell" for an AVX2-only build, "x86-64" for the portable one; "native"
+    is PAGEDLM_ISA's level, see cpu.py).
     EMULATED_AVX512 is an AVX2 build whose AVX-512 paths run on SIMDe's portable intrinsics (csrc/simd.h)."""
     if march == EMULATED_AVX512:
         return [*flags("haswell"), "-DPAGEDLM_EMULATE_AVX512", "-Wno-psabi"]
+    if march == "native":
+        march = kernel_march()  # "haswell" under PAGEDLM_ISA=avx2
     return [f"-march={march}" if f.startswith("-march=") else f for f in FLAGS]
 
 
