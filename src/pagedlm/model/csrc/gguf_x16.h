@@ -245,6 +245,8 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
           } else {
             a0[i][h] = _mm256_add_epi16(a0[i][h], _mm256_add_epi16(pl, ph));
           }
+          keep_chain(a0[i][h]);
+          if constexpr (split) keep_chain(a1[i][h]);
         }
       }
     }

@@ -552,9 +552,14 @@ struct KScales {
 #endif
 };
 
-constexpr int X16_CHUNK = 16;  // blocks (4 KB of codes) per pass of the half kernels: read once from memory
+constexpr int X16_CHUNK = 16;  // blocks (4 KB of codes) per pass of the chunked kernels: read once from memory
 
 #ifdef PAGEDLM_AVX2
+// Keeps an accumulator in a register here. Integer sums reassociate, and GCC 12 turns a block's chain of adds into
+// a tree over all of its products: more live values than AVX2's 16 registers, spilled to the stack (the kernels
+// ran 1.2-1.25x slower on a Zen 4).
+inline void keep_chain(__m256i& v) { asm("" : "+x"(v)); }
+
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -834,22 +839,23 @@ void int4x16_row_tiles(const int8_t* xq, const float* d, const float* gsum, cons
 // a whole 32-value block's partial sums exactly (codes 0..15, |activations| <= 127: at most 8 x 2 x 15 x 127 =
 // 30,480), then vpmaddwd sums them into the block's integer dot products: the same integers as vpdpbusd, in the
 // same fp32 operations, so the results are bit-identical to the AVX-512 build.
-// Rows m0 .. m0+R (R <= 2) against all 16 outputs of the tile in one pass over its blocks, both halves of each
-// 64-byte chunk as they arrive: one sequential stream per tile (1.5x the rate of two half passes at one row).
+// Rows m0 + i0 .. m0 + i0 + R (R <= 2) against all 16 outputs of the tile in one pass over its blocks, both halves
+// of each 64-byte chunk as they arrive: one sequential stream per tile (1.5x the rate of two half passes at one
+// row). The first pair of a group (i0 = 0) prefetches the tile.
 template <int R, class S>
 void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* qt,
-                       const S& sc, float* y, int K, int N, int n0, int m0) {
+                       const S& sc, float* y, int K, int N, int n0, int m0, int i0 = 0) {
   const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
-  const int8_t* xg = xq + int64_t(m0) * K;
-  const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
-  const int32_t* bg = S::offset8 ? bsum + int64_t(m0) * nblk : nullptr;
+  const int8_t* xg = xq + int64_t(m0) * K + 32 * i0;
+  const float *dg = d + int64_t(m0) * nblk + i0, *gg = gsum + int64_t(m0) * ngroups + i0;
+  const int32_t* bg = S::offset8 ? bsum + int64_t(m0) * nblk + i0 : nullptr;
   const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 f[R][2];
   for (int i = 0; i < R; ++i) f[i][0] = f[i][1] = _mm256_setzero_ps();
   __m256 s[2], mn[2];
   for (int b = 0, g = 0, in_group = 0; b < nblk; ++b) {
     const uint8_t* wb = qt + int64_t(b) * X16_BLOCK;
-    prefetch_lines(wb + PF_BYTES, X16_BLOCK);  // every line: 2x the single-core stream rate of every other one
+    if (i0 == 0) prefetch_lines(wb + PF_BYTES, X16_BLOCK);  // every line: 2x the single-core stream rate of every other one
     if (in_group == 0) sc.load8(g, 0, s[0], mn[0]), sc.load8(g, 1, s[1], mn[1]);
     const bool group_end = ++in_group == bpg;
     const int8_t* xb = xg + int64_t(b) * 256;
@@ -864,6 +870,7 @@ void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, cons
         for (int i = 0; i < R; ++i) {
           acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(wl, xl[i]));
           acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(wh, xh[i]));
+          keep_chain(acc[i][h]);
         }
       }
     }
@@ -882,75 +889,17 @@ void int4x16_full_rows(const int8_t* xq, const float* d, const float* gsum, cons
     if (group_end) in_group = 0, ++g;
   }
   for (int i = 0; i < R; ++i)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + int64_t(m0 + i) * N + n0 + 8 * h, f[i][h]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * h, f[i][h]);
 }
 
-// Rows m0 + i0 .. m0 + i0 + R of x (R <= 4) against half h of the tile (outputs n0 + 8h .. n0 + 8h + 7, one per
-// 32-bit lane), over blocks b0 .. b1: the outputs' partial sums continue from y (b0 > 0) and are stored back.
-template <int R, class S>
-void int4x16_half_rows(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* qt,
-                       const S& sc, float* y, int K, int N, int n0, int m0, int i0, int h, int b0, int b1) {
-  const int nblk = K / 32, bpg = sc.bpg, ngroups = nblk / bpg;
-  const int8_t* xg = xq + int64_t(m0) * K;
-  const float *dg = d + int64_t(m0) * nblk, *gg = gsum + int64_t(m0) * ngroups;
-  const int32_t* bg = S::offset8 ? bsum + int64_t(m0) * nblk + i0 : nullptr;
-  const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  float* yh = y + int64_t(m0 + i0) * N + n0 + 8 * h;
-  __m256 f[R];
-  for (int i = 0; i < R; ++i) f[i] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yh + int64_t(i) * N);
-  __m256 s = _mm256_setzero_ps(), mn = s;
-  int g = b0 / bpg, in_group = b0 % bpg;
-  if (in_group != 0) sc.load8(g, h, s, mn);  // a chunk that starts inside a group
-  for (int b = b0; b < b1; ++b) {
-    const uint8_t* wb = qt + int64_t(b) * X16_BLOCK + 32 * h;
-    if (h == 0 && i0 == 0) prefetch_lines(qt + int64_t(b) * X16_BLOCK + PF_BYTES, X16_BLOCK);
-    if (in_group == 0) sc.load8(g, h, s, mn);
-    const bool group_end = ++in_group == bpg;
-    const int8_t* xb = xg + int64_t(b) * 256 + 32 * i0;
-    __m256i acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
-      const __m256i wl = _mm256_and_si256(v, lo), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
-      for (int i = 0; i < R; ++i) {
-        acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wl, bcast4(xb + 32 * i + 4 * c)));
-        acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(wh, bcast4(xb + 32 * i + 16 + 4 * c)));
-      }
-    }
-    const float* db = dg + int64_t(b) * 8 + i0;
-    for (int i = 0; i < R; ++i) {
-      const __m256 cs = _mm256_mul_ps(s, _mm256_set1_ps(db[i]));
-      __m256i dot = _mm256_madd_epi16(acc[i], ones);
-      if constexpr (S::offset8) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * bg[int64_t(b) * 8 + i]));
-      f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), cs, f[i]);
-      if (!S::offset8 && group_end) f[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(gg[int64_t(g) * 8 + i0 + i]), f[i]);
-    }
-    if (group_end) in_group = 0, ++g;
-  }
-  for (int i = 0; i < R; ++i) _mm256_storeu_ps(yh + int64_t(i) * N, f[i]);
-}
-
-// Rows m0 .. m0+R of x (R <= 8, one packed group) against tile n0 / 16. Up to two rows in one pass; more as two
-// halves of 8 outputs, rows 4 at a time, over chunks of X16_CHUNK blocks that stay in L1 between the passes.
+// Rows m0 .. m0+R of x (R <= 8, one packed group) against tile n0 / 16: two rows a pass over all 16 outputs (the
+// tile read once per pair, from L1 after the first; 1.12-1.35x the former four rows over one half of the outputs,
+// whose accumulators and activations did not fit AVX2's 16 registers).
 template <int R, class S>
 void int4x16_rows(const int8_t* xq, const float* d, const float* gsum, const int32_t* bsum, const uint8_t* qt,
                   const S& sc, float* y, int K, int N, int n0, int m0) {
-  if constexpr (R <= 2) {
-    int4x16_full_rows<R>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0);
-  } else {
-    const int nblk = K / 32;
-    for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
-      const int b1 = std::min(nblk, b0 + X16_CHUNK);
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (R > 4) {
-          int4x16_half_rows<4>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
-          int4x16_half_rows<R - 4>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, 4, h, b0, b1);
-        } else {
-          int4x16_half_rows<R>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, 0, h, b0, b1);
-        }
-      }
-    }
-  }
+  for (int i = 0; i + 2 <= R; i += 2) int4x16_full_rows<2>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, i);
+  if constexpr (R % 2 == 1) int4x16_full_rows<1>(xq, d, gsum, bsum, qt, sc, y, K, N, n0, m0, R - 1);
 }
 
 // The AVX2 form of q4k_rows: rows m0 + i0 .. m0 + i0 + R against H halves of the tile from half h0 (H = 2: all 16
@@ -989,6 +938,7 @@ void q4k_rows_avx2(const int8_t* xq, const float* d, const int32_t* bpair, const
           for (int i = 0; i < R; ++i) {
             acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(wl, xl[i]));
             acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(wh, xh[i]));
+            keep_chain(acc[i][h]);
           }
         }
       }
@@ -1018,15 +968,9 @@ void q4k_rows(const int8_t* xq, const float* d, const int32_t* bpair, const uint
     const int nblk = K / 32;
     for (int b0 = 0; b0 < nblk; b0 += X16_CHUNK) {
       const int b1 = std::min(nblk, b0 + X16_CHUNK);
-      for (int h = 0; h < 2; ++h) {
-        const bool pf = h == 0;
-        if constexpr (R > 4) {
-          q4k_rows_avx2<4, 1>(xq, d, bpair, qt, sc, y, K, N, n0, m0, 0, h, b0, b1, pf);
-          q4k_rows_avx2<R - 4, 1>(xq, d, bpair, qt, sc, y, K, N, n0, m0, 4, h, b0, b1, false);
-        } else {
-          q4k_rows_avx2<R, 1>(xq, d, bpair, qt, sc, y, K, N, n0, m0, 0, h, b0, b1, pf);
-        }
-      }
+      for (int i = 0; i + 2 <= R; i += 2)
+        q4k_rows_avx2<2, 2>(xq, d, bpair, qt, sc, y, K, N, n0, m0, i, 0, b0, b1, i == 0);
+      if constexpr (R % 2 == 1) q4k_rows_avx2<1, 2>(xq, d, bpair, qt, sc, y, K, N, n0, m0, R - 1, 0, b0, b1, false);
     }
   }
 }
@@ -1201,6 +1145,7 @@ void int8x16_half_rows(const int8_t* xq, const float* d, const int8_t* qt, const
         for (int i = 0; i < R; ++i) {
           const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xb + 32 * i + 4 * c), v));
           acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(p, ones));
+          keep_chain(acc[i][h]);
         }
       }
     }
