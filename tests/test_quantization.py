@@ -323,6 +323,9 @@ def test_perplexity_bounds_on_smollm2(smollm2_path, smollm2_hf, tmp_path):
     text = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
     from safetensors.torch import save_file
 
+    from pagedlm.hub.tokenizer import load_tokenizer
+
+    load_tokenizer(smollm2_path)  # writes the converted tokenizer beside the GGUF when no earlier test has
     hf_dir = tmp_path / "smollm2-bf16"  # the GGUF's weights as transformers loads them, saved in bf16
     shutil.copytree(smollm2_path.with_name(smollm2_path.name + ".tokenizer"), hf_dir)
     config = smollm2_hf.config.to_dict()
