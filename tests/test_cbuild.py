@@ -103,6 +103,34 @@ def test_trusted_cached_library_is_reused(tmp_path, cache):
     assert cbuild.build(src) == out and os.stat(out).st_mtime_ns == mtime
 
 
+def test_concurrent_builders_compile_once(tmp_path, cache, monkeypatch):
+    """Builders of one library, in threads and in another process at once, wait for the first one's build and
+    return its file: the compiler runs once (a fake g++ that logs each compile and takes a second over it)."""
+    import subprocess
+    import sys
+    import threading
+
+    log, fake = tmp_path / "compiles", tmp_path / "bin" / "g++"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "fake-g++ 1"; exit 0; fi\n'
+                    f'echo x >> {log}; sleep 1; exec {shutil.which("g++")} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    src = tiny_source(tmp_path, 1)
+    other = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from pagedlm import cbuild; "
+                              "print(cbuild.build(Path(sys.argv[1])))", str(src)], stdout=subprocess.PIPE, text=True)
+    outs: list[Path] = []
+    threads = [threading.Thread(target=lambda: outs.append(cbuild.build(src))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert other.wait(60) == 0 and Path(other.stdout.read().strip()) == outs[0]
+    assert len(outs) == 3 and len(set(outs)) == 1 and cbuild.trusted(outs[0])
+    assert log.read_text().count("x") == 1
+    assert cbuild.load(src).marker() == 1
+
+
 def test_cache_key_changes_with_compiler_identity(tmp_path, cache, monkeypatch):
     """Same compiler path, another `--version` first line: another key, hence another library. The identity is
     asked once per process."""

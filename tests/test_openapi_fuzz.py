@@ -21,7 +21,7 @@ from pagedlm.server.api import build_app
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install pagedlm[test])")
 from schemathesis import GenerationMode  # noqa: E402
 
-CASES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 10}  # per operation (at most)
+CASES = {GenerationMode.POSITIVE: 15, GenerationMode.NEGATIVE: 6}  # per operation (at most)
 POSTS = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/api/chat", "/api/generate",
          "/api/show", "/api/embed", "/api/embeddings", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
          "/v1/embeddings"}

@@ -311,11 +311,12 @@ def test_quantized_engine_is_batch_invariant(tiny_model_dir, setting):
 
 @pytest.mark.slow
 def test_perplexity_bounds_on_smollm2(smollm2_path, smollm2_hf, tmp_path):
-    """Perplexity of SmolLM2 (fp32) on a fixed 2,100-token text: the default path of this CPU (whatever the plan
-    picks, in big steps and in steps of 16 tokens, which take the quantized kernels where the plan has them) within
-    1.5%, that of the same weights saved as a bf16 HF checkpoint (bf16 weights with fp32 activations where the CPU
-    has AVX512-BF16) within 1%, int8 KV within 1% of the unquantized cache, fp8 KV within 2%, int8/int4 weights
-    within 5% (the checkpoint itself is Q4_1/Q8_0)."""
+    """Perplexity of SmolLM2 (fp32) on the first 1,536 tokens of a fixed text (three windows of 512): the default
+    path of this CPU (whatever the plan picks, in big steps and in steps of 16 tokens, which take the quantized
+    kernels where the plan has them) within 1.5%, that of the same weights saved as a bf16 HF checkpoint (bf16
+    weights with fp32 activations where the CPU has AVX512-BF16) within 1%, int8 KV within 1% of the unquantized
+    cache, fp8 KV within 2%, int8/int4 weights within 5% (the checkpoint itself is Q4_1/Q8_0). On a Zen 3 the ratios
+    to the fp32 path move by under 0.05% between these tokens and the whole text (2,120 tokens)."""
     import json
     import shutil
 
@@ -344,13 +345,14 @@ def test_perplexity_bounds_on_smollm2(smollm2_path, smollm2_hf, tmp_path):
             assert llm.engine.plan.quantization == ("bf16" if quant.bf16_x16_native() else None)
         ids = llm.get_tokenizer().encode(text)
         assert len(ids) > 2000
-        ppl[name] = perplexity(llm, ids)
+        ppl[name] = perplexity(llm, ids[:1536])
         del llm
     assert 5 < ppl["base"] < 60, ppl
     assert ppl["kv-int8"] <= ppl["base"] * 1.01, ppl
     # The default path stacks two roundings: the bf16 KV cache and, where the probe gives every step to the
     # kernels (Zen 4: kernel_max_rows unlimited), the file's Q4_1 blocks against int8-quantized activations, as
-    # llama.cpp runs them. Measured on a Zen 4: 22.85 in big steps, 22.91 in steps of 16 (bf16 KV alone 22.74).
+    # llama.cpp runs them. Measured on a Zen 4, whole text: 22.85 in big steps, 22.91 in steps of 16 (bf16 KV
+    # alone 22.74; the fp32 path 22.64 on a Zen 3).
     assert ppl["default"] <= ppl["base"] * 1.015 and ppl["default-small-steps"] <= ppl["base"] * 1.015, ppl
     assert ppl["default-hf-bf16"] <= ppl["base"] * 1.01, ppl
     assert ppl["kv-fp8"] <= ppl["base"] * 1.02, ppl

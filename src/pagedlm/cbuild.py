@@ -10,6 +10,7 @@ loading, its `pagedlm_abi_version()` must equal ABI_VERSION.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -23,7 +24,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from pagedlm import paths
 from pagedlm.cpu import cpu_flags, kernel_march
@@ -123,9 +124,11 @@ EMULATED_AVX512 = "avx512-emulated"  # a target name for flags(): see emulation_
 def flags(march: str = "native") -> list[str]:
     """FLAGS, with `-march=<march>` (e.g. "haswell" for an AVX2-only build, "x86-64" for the portable one; "native"
     is PAGEDLM_ISA's level, see cpu.py).
-    EMULATED_AVX512 is an AVX2 build whose AVX-512 paths run on SIMDe's portable intrinsics (csrc/simd.h)."""
+    EMULATED_AVX512 is an AVX2 build whose AVX-512 paths run on SIMDe's portable intrinsics (csrc/simd.h), for tests
+    only: at -O1, a third of -O3's compile time (23 s against 72 for attention and the quantized kernels), the same
+    bits, and the tests' small products run in seconds either way."""
     if march == EMULATED_AVX512:
-        return [*flags("haswell"), "-DPAGEDLM_EMULATE_AVX512", "-Wno-psabi"]
+        return [*(f.replace("-O3", "-O1") for f in flags("haswell")), "-DPAGEDLM_EMULATE_AVX512", "-Wno-psabi"]
     if march == "native":
         march = kernel_march()  # "haswell" under PAGEDLM_ISA=avx2
     return [f"-march={march}" if f.startswith("-march=") else f for f in FLAGS]
@@ -153,22 +156,39 @@ def cache_key(source: Path, cxx: str, march: str = "native") -> str:
 
 def build(source: Path, march: str = "native") -> Path:
     """Compile `source` with flags(march) (unless a trusted build is cached) and return the shared library's path.
-    Raises on failure."""
+    One build per library at a time: a process or thread that finds another building it waits for that build and
+    takes its result. Raises on failure."""
     cxx = compiler()
     out = _private_cache_dir() / f"{source.stem}_{cache_key(source, cxx, march)}.so"
     if trusted(out):
         return out
-    if os.path.lexists(out):
-        logger.warning("Rebuilding %s: it is not a file owned by this user that only this user can write.", out)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        res = subprocess.run([cxx, *flags(march), str(source), "-o", str(tmp_out)], capture_output=True, text=True,
-                             timeout=600 if march == EMULATED_AVX512 else 120)
-        if res.returncode != 0:
-            raise RuntimeError(f"compiling {source.name} failed:\n{res.stderr[-2000:]}")
-        os.chmod(tmp_out, 0o755)  # whatever the umask: a group-writable build would count as tampered
-        os.replace(tmp_out, out)  # atomic: concurrent builders and loaders never see a half-written library
+    with _building(out):
+        if trusted(out):  # built while this one waited
+            return out
+        if os.path.lexists(out):
+            logger.warning("Rebuilding %s: it is not a file owned by this user that only this user can write.", out)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            res = subprocess.run([cxx, *flags(march), str(source), "-o", str(tmp_out)], capture_output=True,
+                                 text=True, timeout=600 if march == EMULATED_AVX512 else 120)
+            if res.returncode != 0:
+                raise RuntimeError(f"compiling {source.name} failed:\n{res.stderr[-2000:]}")
+            os.chmod(tmp_out, 0o755)  # whatever the umask: a group-writable build would count as tampered
+            os.replace(tmp_out, out)  # atomic: loaders never see a half-written library
     return out
+
+
+@contextlib.contextmanager
+def _building(out: Path) -> Iterator[None]:
+    """An exclusive lock on `<out>.lock` (flock: between processes, and between threads that open it apart)."""
+    import fcntl  # POSIX only, as the builds are
+
+    fd = os.open(out.with_name(out.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def load(source: Path, march: str = "native") -> ctypes.CDLL:
