@@ -14,14 +14,15 @@ from pagedlm.cpu import cpu_flags
 
 
 def builds() -> list[tuple[Path, str]]:
-    """(source, march) in the order the suite first needs them."""
+    """(source, march): the native builds first (the suite's first engine needs all four: the longest compile,
+    the fused decoder's, starts at once beside attention's), then the variants."""
     from pagedlm.attention import cpu_kernel
     from pagedlm.model import llama_decode
     from pagedlm.model.quant import kernel as quant_kernel
     from pagedlm.sampling import logits_kernel
 
     attention, quant, logits = cpu_kernel.SOURCE, quant_kernel.SOURCE, logits_kernel.SOURCE
-    out = [(attention, "native"), (logits, "native"), (quant, "native"), (llama_decode.SOURCE, "native"),
+    out = [(llama_decode.SOURCE, "native"), (attention, "native"), (quant, "native"), (logits, "native"),
            (Path(__file__).parent / "csrc" / "pool_probe.cpp", "native")]
     if platform.machine() != "x86_64":
         return out
