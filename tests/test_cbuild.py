@@ -104,21 +104,26 @@ def test_trusted_cached_library_is_reused(tmp_path, cache):
 
 
 def test_concurrent_builders_compile_once(tmp_path, cache, monkeypatch):
-    """Builders of one library, in threads and in another process at once, wait for the first one's build and
-    return its file: the compiler runs once (a fake g++ that logs each compile and takes a second over it)."""
+    """While another process compiles a library (a fake g++ that logs each compile and takes two seconds over it),
+    three threads of this one build it too: they wait for that build and return its file; the compiler ran once."""
     import subprocess
     import sys
     import threading
+    import time
 
     log, fake = tmp_path / "compiles", tmp_path / "bin" / "g++"
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "fake-g++ 1"; exit 0; fi\n'
-                    f'echo x >> {log}; sleep 1; exec {shutil.which("g++")} "$@"\n')
+                    f'echo x >> {log}; sleep 2; exec {shutil.which("g++")} "$@"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
     src = tiny_source(tmp_path, 1)
     other = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from pagedlm import cbuild; "
                               "print(cbuild.build(Path(sys.argv[1])))", str(src)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not log.exists() and other.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert log.exists(), "the other process never started compiling"
     outs: list[Path] = []
     threads = [threading.Thread(target=lambda: outs.append(cbuild.build(src))) for _ in range(3)]
     for t in threads:
