@@ -43,8 +43,7 @@ def main() -> None:
     except RuntimeError:  # no g++: the kernels' tests skip or take their fallbacks
         return
     with ThreadPoolExecutor(2) as pool:
-        for _ in pool.map(lambda b: _try(*b), builds()):
-            pass
+        list(pool.map(lambda b: _try(*b), builds()))
 
 
 def _try(source: Path, march: str) -> None:
