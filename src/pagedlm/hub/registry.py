@@ -14,12 +14,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pagedlm.config import DEFAULT_MODEL
 from pagedlm.hub.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from pagedlm.paths import cache_dir
 
 __all__ = [
-    "DEFAULT_MODEL",
     "MODELS",
     "ModelLoadError",
     "ModelNotFoundError",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pagedlm.hub.fast_tokenizer import FastTokenizer, load_snapshot, save_snapshot, store_snapshot
 from pagedlm.hub.gguf_vocab import GGUFVocab
 from pagedlm.hub.gguf_vocab import build as build_vocab
-from pagedlm.hub.loader import load_hf_config
+from pagedlm.hub.hf_config import load_hf_config
 from pagedlm.hub.registry import open_gguf
 
 if TYPE_CHECKING:  # transformers is imported when a tokenizer is loaded (a second of start-up), not with pagedlm
