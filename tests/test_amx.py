@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gguf_formats import random_blocks
 
 from pagedlm.hub.blocks import RawBlocks
 from pagedlm.model import quant
-from test_gguf_formats import random_blocks
 
 ROWS = (1, 2, 3, 4, 15, 16, 17, 33, 64, 100)
 

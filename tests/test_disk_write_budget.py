@@ -54,7 +54,7 @@ def test_share_of_one_means_no_limit():
     assert budget.take(1 << 40) == 0.0
 
 
-def test_engine_skips_blocks_beyond_the_budget_and_keeps_them_in_memory(tiny_model_dir, prompts, tmp_path):
+def test_engine_skips_blocks_beyond_the_budget_and_keeps_them_in_memory(tiny_model_dir, prompts, tmp_path):  # noqa: F811 (the fixture)
     eng = engine(tiny_model_dir, tmp_path, kv_disk_write_share=0.01)
     budget = eng.offload.tier.write_budget
     clock = Clock()

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from pagedlm import cbuild
-from pagedlm.cpu import cpu_features
 from pagedlm.bench.kernel import random_gguf_blocks as random_blocks
+from pagedlm.cpu import cpu_features
 from pagedlm.hub.blocks import RawBlocks
 from pagedlm.model import quant
 

@@ -19,8 +19,8 @@ from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 from pagedlm.server import MAX_PROMPT_LOGPROB_ENTRIES
-from pagedlm.server.endpoints import logprobs as logprob_format
 from pagedlm.server.api import UNKNOWN_FIELDS_HEADER, build_app
+from pagedlm.server.endpoints import logprobs as logprob_format
 
 SCHEMA = {
     "type": "object",

@@ -118,12 +118,13 @@ def test_no_snapshot_where_the_class_differs(converted: Path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_second_load_without_transformers(smollm2_path: Path) -> None:
-    """A GGUF's second load reads the snapshot and imports neither transformers nor torch; a damaged snapshot is replaced by the
-    next load (through transformers), and the one after reads it again."""
+    """A GGUF's second load reads the snapshot and imports neither transformers nor torch; a damaged snapshot is
+    replaced by the next load (through transformers), and the one after reads it again."""
     cached = smollm2_path.with_name(smollm2_path.name + ".tokenizer")
     load_tokenizer(smollm2_path)
     code = ("import sys; from pagedlm.hub.tokenizer import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
-            "print(t._fast is not None, 'transformers' in sys.modules, 'torch' in sys.modules, t.encode('Hello world'))")
+            "print(t._fast is not None, 'transformers' in sys.modules, 'torch' in sys.modules, "
+            "t.encode('Hello world'))")
 
     def load() -> str:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

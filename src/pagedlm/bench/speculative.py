@@ -33,8 +33,8 @@ from pagedlm.bench.common import format_table, median, write_json
 from pagedlm.config import SpeculativeConfig
 from pagedlm.engine.spec_decode import SpecDecoder
 from pagedlm.llm import LLM
-from pagedlm.spec.draft_model import DraftModel
 from pagedlm.sampling.params import SamplingParams
+from pagedlm.spec.draft_model import DraftModel
 
 CODE = '''def add(a, b):
     """Return the sum of a and b."""

@@ -23,7 +23,6 @@ from pagedlm.engine.errors import EngineError
 from pagedlm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedlm.sampling.params import SamplingParams
 
-
 POOLING_TYPES = ("last", "mean")
 
 

@@ -34,9 +34,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     weights live in 2 MiB pages (huge_pages.py): converted ones in an arena, cached ones mapped so."""
     from pagedlm.hub.loader import iter_weights, load_hf_config, open_gguf
     from pagedlm.model import weight_cache
+    from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.huge_pages import HugePageArena
     from pagedlm.model.huge_pages import available as huge_pages_available
-    from pagedlm.model.gemma3 import Gemma3ForCausalLM
     from pagedlm.model.layers import Linear, deferred_weights
     from pagedlm.model.llama import LlamaForCausalLM
     from pagedlm.model.plan import NATIVE_INT4_TYPES, NATIVE_TYPES

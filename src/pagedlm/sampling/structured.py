@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import llguidance
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 

@@ -50,9 +50,9 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
     from pagedlm.engine.client import EngineClient
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
+    from pagedlm.server.dispatch import Dispatcher
     from pagedlm.server.http import ensure_open_files, uvicorn_config
     from pagedlm.server.limits import RequestLimits
-    from pagedlm.server.dispatch import Dispatcher
     from pagedlm.server.shutdown import GracefulServer
 
     srv, loop, parallel = cfg.server, cfg.loop, cfg.parallel

@@ -137,8 +137,8 @@ class ServerConfig:
     ui: bool | None = option(None, "serve the memory views, read-only: the web view at /ui and GET /debug/state (for "
                              "`pagedlm top`), behind --api-key like the API (default: on when bound to a loopback "
                              "address, off otherwise)", group=UI)
-    ui_show_text: bool = option(False, "the memory views show the sequences' and blocks' text (every API key sees every "
-                                "tenant's, except tenants salted by --prefix-cache-per-key)", group=UI)
+    ui_show_text: bool = option(False, "the memory views show the sequences' and blocks' text (every API key sees "
+                                "every tenant's, except tenants salted by --prefix-cache-per-key)", group=UI)
     config: str | None = option(None, "YAML file of these options (keys: option names without --); command-line "
                                 "flags win", group=ROUTING)
 

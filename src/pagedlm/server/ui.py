@@ -81,7 +81,8 @@ class MemoryState:
         self.models = {}
         for name, engine in engines.items():
             parts = dict(engine.replicas) or {"0": engine}
-            self.models[name] = (LoadTracker(engine, LATENCY_WINDOW), {r: SnapshotCache(e, show_text) for r, e in parts.items()})
+            self.models[name] = (LoadTracker(engine, LATENCY_WINDOW),
+                                 {r: SnapshotCache(e, show_text) for r, e in parts.items()})
 
     async def state(self) -> dict:
         models = {}
