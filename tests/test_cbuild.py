@@ -136,6 +136,39 @@ def test_concurrent_builders_compile_once(tmp_path, cache, monkeypatch):
     assert cbuild.load(src).marker() == 1
 
 
+def test_a_builder_killed_mid_compile_leaves_nothing_behind_the_next_build(tmp_path, cache, monkeypatch):
+    """A process killed while it compiles leaves its temporary directory in the cache; the next build of that library
+    (holding the lock, so no other builder of it runs) removes it, compiles, and leaves no directory of its own."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    log, fake, stall = tmp_path / "compiles", tmp_path / "bin" / "g++", tmp_path / "stall"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "fake-g++ 1"; exit 0; fi\n'
+                    f'echo x >> {log}; if [ -e {stall} ]; then sleep 60; fi; exec {shutil.which("g++")} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    src = tiny_source(tmp_path, 1)
+    stall.touch()
+    killed = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from pagedlm import cbuild; "
+                               "cbuild.build(Path(sys.argv[1]))", str(src)], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not log.exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    def directories() -> list[Path]:
+        return [p for p in cache.iterdir() if p.is_dir()]
+
+    assert len(directories()) == 1, "the killed builder left its directory"
+    stall.unlink()
+    cbuild.build(src)
+    assert cbuild.load(src).marker() == 1 and log.read_text().count("x") == 2
+    assert directories() == []
+
+
 def test_cache_key_changes_with_compiler_identity(tmp_path, cache, monkeypatch):
     """Same compiler path, another `--version` first line: another key, hence another library. The identity is
     asked once per process."""

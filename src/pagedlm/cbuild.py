@@ -167,7 +167,9 @@ def build(source: Path, march: str = "native") -> Path:
             return out
         if os.path.lexists(out):
             logger.warning("Rebuilding %s: it is not a file owned by this user that only this user can write.", out)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        for stale in out.parent.glob(f"{out.stem}.build-*"):  # a builder killed mid-compile (none runs now)
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f"{out.stem}.build-") as tmp:
             tmp_out = Path(tmp) / out.name
             res = subprocess.run([cxx, *flags(march), str(source), "-o", str(tmp_out)], capture_output=True,
                                  text=True, timeout=600 if march == EMULATED_AVX512 else 120)
