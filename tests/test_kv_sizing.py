@@ -178,7 +178,12 @@ def kv_allocations(monkeypatch):
     return calls
 
 
-def test_engine_refuses_before_allocating(tiny_model_dir, monkeypatch, kv_allocations):
+def test_engine_refuses_before_loading_the_weights_or_allocating(tiny_model_dir, monkeypatch, kv_allocations):
+    """What cannot fit is refused from the weights' estimated size, before they load (and again from their loaded
+    size, before the KV cache is allocated, where the estimate let it through)."""
+    loads = []
+    real_load = model_runner.load_model
+    monkeypatch.setattr(model_runner, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     monkeypatch.setattr(llm_engine, "available_memory", lambda: AvailableMemory(64 * 1024, "test"))
     with pytest.raises(ValueError, match=r"the weights \(.*\) need .*, but only 64.0 KiB of memory is available "
                                          r"\(test\)"):
@@ -186,7 +191,12 @@ def test_engine_refuses_before_allocating(tiny_model_dir, monkeypatch, kv_alloca
     monkeypatch.setattr(llm_engine, "available_memory", lambda: AvailableMemory(16 * MiB, "test"))
     with pytest.raises(ValueError, match="lower --kv-cache-memory"):
         LLMEngine.from_args(str(tiny_model_dir), dtype="float32", kv_cache_memory="1GiB")
-    assert kv_allocations == []
+    assert loads == [] and kv_allocations == []
+    monkeypatch.setattr(llm_engine, "estimate_weight_bytes", lambda *a: 0)  # an estimate that lets anything through
+    monkeypatch.setattr(llm_engine, "available_memory", lambda: AvailableMemory(MiB + 1, "test"))
+    with pytest.raises(ValueError, match=r"the weights \(.*\) need .*, but only 1.0 MiB of memory is available"):
+        LLMEngine.from_args(str(tiny_model_dir), dtype="float32", kv_cache_memory="1MiB")
+    assert len(loads) == 1 and kv_allocations == []
 
 
 def test_engine_default_budget_and_report(tiny_model_dir, monkeypatch, kv_allocations):

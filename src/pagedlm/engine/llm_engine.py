@@ -10,10 +10,11 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 import torch
 
-from pagedlm.config import DEFAULT_MODEL, EngineConfig
+from pagedlm.config import DEFAULT_MODEL, EngineConfig, ModelConfig
 from pagedlm.engine.draft_loader import load_draft_weights
 from pagedlm.engine.errors import InvalidRequestError
 from pagedlm.engine.input_processor import EngineInfo, InputProcessor
@@ -28,13 +29,15 @@ from pagedlm.engine.sequence import Request, Sequence
 from pagedlm.engine.snapshot import BlockMoves
 from pagedlm.engine.spec_decode import SpecDecoder, SpecStats
 from pagedlm.engine.step import StepContext, build_batch
+from pagedlm.hub.hf_config import load_hf_config
 from pagedlm.hub.registry import resolve_model
 from pagedlm.hub.tokenizer import load_tokenizer
 from pagedlm.kvcache.block_manager import BlockManager
 from pagedlm.kvcache.disk_tier import DiskTierStats
-from pagedlm.kvcache.plan import plan_kv_cache
+from pagedlm.kvcache.kv_cache import KVCacheSpec
+from pagedlm.kvcache.plan import check_fits, plan_kv_cache
 from pagedlm.kvcache.sizing import AvailableMemory, available_memory
-from pagedlm.model.plan import plan_execution
+from pagedlm.model.plan import ExecutionPlan, estimate_weight_bytes, plan_execution
 from pagedlm.model.step_rows import draft_rows
 from pagedlm.sampling.beam_search import BeamSearch
 from pagedlm.sampling.params import SamplingParams
@@ -43,6 +46,10 @@ from pagedlm.sampling.structured import MaskPrefetcher, StructuredOutputManager
 from pagedlm.sampling.thinking import ThinkingScan
 
 logger = logging.getLogger(__name__)
+
+# Before the weights load, a configuration is refused only where weights of this share of their estimated size
+# would leave it no room: the estimate (model/plan.py) may be a little over what the load holds.
+EARLY_REFUSAL_WEIGHT_SHARE = 0.9
 
 
 @dataclass
@@ -75,6 +82,8 @@ class LLMEngine:
         logger.info("%s", self.plan.describe())
         self.tokenizer = load_tokenizer(path)
         host_memory = available_memory()  # before the weights load: the KV budget is sized against what they leave
+        if torch.device(config.device).type == "cpu":
+            _refuse_early(config, path, self.plan, host_memory)
         self.runner = ModelRunner(config, path, self.plan)
         self.model_config = self.runner.model_config
         spec, device = self.runner.kv_spec, self.runner.device
@@ -276,3 +285,16 @@ class LLMEngine:
             moe_expert_tokens={i: m.expert_tokens.tolist() for i, m in self.runner.moe_blocks},
             disk=replace(self.offload.tier.stats) if self.offload is not None else None,
             spec_decode=replace(self.spec.stats, accepted_per_pos=list(self.spec.stats.accepted_per_pos)))
+
+
+def _refuse_early(config: EngineConfig, path: Path, plan: ExecutionPlan, memory: AvailableMemory) -> None:
+    """A KV cache this machine cannot hold next to the weights, refused before they load (kvcache/plan.py
+    `check_fits`), with the estimate's figures in the message."""
+    model = ModelConfig.from_hf(load_hf_config(path))
+    spec = KVCacheSpec.for_model(model, config.block_size, plan.dtype, plan.kv_cache_dtype)
+    estimate = estimate_weight_bytes(path, plan)
+    try:
+        check_fits(config, model, spec, int(EARLY_REFUSAL_WEIGHT_SHARE * estimate), memory)
+    except ValueError:
+        check_fits(config, model, spec, estimate, memory)  # refused too (more weights leave less room): its figures
+        raise

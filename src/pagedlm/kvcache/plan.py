@@ -41,8 +41,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, spec: KVCacheSpec, w
     sizing = KVSizing.for_config(config, spec, context, weight_bytes, device_type, draft)
     refusal = ""
     try:
-        if config.max_model_len is not None and config.max_model_len > context:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}.")
+        _check_context(config, context)
         budget = plan_kv_budget(sizing, memory)
         if budget.num_blocks < 1:
             raise ValueError("The KV cache budget holds no block; raise kv_cache_memory or num_kv_blocks.")
@@ -63,3 +62,18 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, spec: KVCacheSpec, w
     report = MemoryReport.build(model, spec, budget.num_blocks, num_cpu_blocks, max_len, weight_bytes=weight_bytes,
                                 budget=budget, refusal=refusal, draft=draft)
     return KVCachePlan(budget.num_blocks, num_cpu_blocks, max_len, budget, report, refusal)
+
+
+def check_fits(config: EngineConfig, model: ModelConfig, spec: KVCacheSpec, weight_bytes: int,
+               memory: AvailableMemory) -> None:
+    """Raise `plan_kv_cache`'s refusal (without its report or warnings) where the KV cache `config` asks for cannot
+    fit beside `weight_bytes` of weights on a CPU with `memory` available. The engine calls it before the weights
+    load, with their size estimated from the checkpoint, so that what this machine cannot hold is refused in a
+    moment rather than after the load; `plan_kv_cache` decides again with the loaded weights' own size."""
+    _check_context(config, model.context_length)
+    plan_kv_budget(KVSizing.for_config(config, spec, model.context_length, weight_bytes), memory)
+
+
+def _check_context(config: EngineConfig, context: int) -> None:
+    if config.max_model_len is not None and config.max_model_len > context:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}.")
