@@ -9,7 +9,12 @@ import logging
 import os
 import re
 import shutil
+import signal
 import stat
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -103,27 +108,35 @@ def test_trusted_cached_library_is_reused(tmp_path, cache):
     assert cbuild.build(src) == out and os.stat(out).st_mtime_ns == mtime
 
 
-def test_concurrent_builders_compile_once(tmp_path, cache, monkeypatch):
-    """While another process compiles a library (a fake g++ that logs each compile and takes two seconds over it),
-    three threads of this one build it too: they wait for that build and return its file; the compiler ran once."""
-    import subprocess
-    import sys
-    import threading
-    import time
-
+def logging_compiler(tmp_path: Path, monkeypatch, before: str) -> Path:
+    """$CXX set to a g++ that appends a line to the returned log file at each compile and runs the shell `before`
+    ahead of it."""
     log, fake = tmp_path / "compiles", tmp_path / "bin" / "g++"
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "fake-g++ 1"; exit 0; fi\n'
-                    f'echo x >> {log}; sleep 2; exec {shutil.which("g++")} "$@"\n')
+                    f'echo x >> {log}; {before}; exec {shutil.which("g++")} "$@"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
-    src = tiny_source(tmp_path, 1)
+    return log
+
+
+def compiling_builder(src: Path, log: Path, **popen) -> subprocess.Popen:
+    """Another process building `src`, returned once its compiler started (its output: the library's path)."""
     other = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from pagedlm import cbuild; "
-                              "print(cbuild.build(Path(sys.argv[1])))", str(src)], stdout=subprocess.PIPE, text=True)
+                              "print(cbuild.build(Path(sys.argv[1])))", str(src)], **popen)
     deadline = time.monotonic() + 60
     while not log.exists() and other.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.01)
     assert log.exists(), "the other process never started compiling"
+    return other
+
+
+def test_concurrent_builders_compile_once(tmp_path, cache, monkeypatch):
+    """While another process compiles a library (a fake g++ that logs each compile and takes two seconds over it),
+    three threads of this one build it too: they wait for that build and return its file; the compiler ran once."""
+    log = logging_compiler(tmp_path, monkeypatch, "sleep 2")
+    src = tiny_source(tmp_path, 1)
+    other = compiling_builder(src, log, stdout=subprocess.PIPE, text=True)
     outs: list[Path] = []
     threads = [threading.Thread(target=lambda: outs.append(cbuild.build(src))) for _ in range(3)]
     for t in threads:
@@ -139,26 +152,14 @@ def test_concurrent_builders_compile_once(tmp_path, cache, monkeypatch):
 def test_a_builder_killed_mid_compile_leaves_nothing_behind_the_next_build(tmp_path, cache, monkeypatch):
     """A process killed while it compiles leaves its temporary directory in the cache; the next build of that library
     (holding the lock, so no other builder of it runs) removes it, compiles, and leaves no directory of its own."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    log, fake, stall = tmp_path / "compiles", tmp_path / "bin" / "g++", tmp_path / "stall"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "fake-g++ 1"; exit 0; fi\n'
-                    f'echo x >> {log}; if [ -e {stall} ]; then sleep 60; fi; exec {shutil.which("g++")} "$@"\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("CXX", str(fake))
+    stall = tmp_path / "stall"
+    log = logging_compiler(tmp_path, monkeypatch, f"if [ -e {stall} ]; then sleep 60; fi")
     src = tiny_source(tmp_path, 1)
     stall.touch()
-    killed = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from pagedlm import cbuild; "
-                               "cbuild.build(Path(sys.argv[1]))", str(src)], start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not log.exists() and killed.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    killed = compiling_builder(src, log, start_new_session=True)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
+
     def directories() -> list[Path]:
         return [p for p in cache.iterdir() if p.is_dir()]
 
