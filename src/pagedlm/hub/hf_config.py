@@ -19,6 +19,7 @@ __all__ = ["gguf_config", "load_hf_config", "meta"]
 _GGUF_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen2moe": "qwen2_moe",
                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 
+
 def meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 

@@ -1,4 +1,5 @@
-"""Model config and weights, in Hugging Face naming and layout, from a GGUF file or an HF safetensors dir.
+"""Model weights, in Hugging Face naming and layout, from a GGUF file or an HF safetensors dir (their config:
+hf_config.py).
 
 A path is an HF model directory if it is a directory, else a GGUF file (see `registry.resolve_model`).
 """
