@@ -155,7 +155,8 @@ def main() -> None:
     ap.add_argument("models", nargs="*")
     ap.add_argument("--engines", default="pagedlm-fp32,pagedlm,llama.cpp")
     ap.add_argument("--against", default="llama.cpp", help="the engine the last column compares with")
-    ap.add_argument("--draws", type=int, default=0, help="runs of each engine with jittered input embeddings, beyond the first")
+    ap.add_argument("--draws", type=int, default=0,
+                    help="runs of each engine with jittered input embeddings, beyond the first")
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "MODEL"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:

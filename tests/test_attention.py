@@ -168,16 +168,17 @@ def test_cpu_kernel_matches_reference(seq_lens, query_lens, dtype, heads, kv_hea
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seq_lens,query_lens", LONG_CASES[:2])
-def test_cpu_kernel_fp32_queries_on_a_bf16_cache(seq_lens, query_lens, monkeypatch):
-    """The default plan of a Q4 GGUF: fp32 activations, bf16 KV. The kernel (not the sdpa fallback) must take it
-    and agree with the oracle reading the same bf16 entries."""
+def test_cpu_kernel_fp32_queries_on_a_16_bit_cache(seq_lens, query_lens, kv_dtype, monkeypatch):
+    """The default plans of a Q4 GGUF: fp32 activations, a bf16 KV cache (AVX512-BF16) or an fp16 one (other CPUs).
+    The kernel (not the sdpa fallback) must take it and agree with the oracle reading the same entries."""
     from pagedlm.attention import cpu_kernel, torch_sdpa
 
     if cpu_kernel.load_kernel() is None:
         pytest.skip("CPU kernel unavailable")
     q, _, _, kc, vc, meta = build_case(seq_lens, query_lens, 9, 3, 64, 16, torch.float32, seed=11)
-    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
     monkeypatch.setattr(torch_sdpa, "paged_attention_sdpa", None)  # a fallback would now fail
     out = BACKENDS["cpu"].forward(q, kc, vc, meta, 0.125)
     assert out.dtype == torch.float32
@@ -231,7 +232,7 @@ def test_fused_rope_write_kv_equals_torch_path():
 
 # ---- range checks of the compiled kernels --------------------------------------------------------------------
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("length,block_size", [(200, 16), (530, 16), (530, 8)])
 def test_cpu_kernel_rows_do_not_depend_on_the_batch(kv_dtype, window, length, block_size):
@@ -253,7 +254,7 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(kv_dtype, window, length, bl
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 32])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_blocks_smaller_and_larger_than_a_tile(block_size, kv_dtype):
     """Blocks of fewer keys than a tile (a tile per block, chunks of several blocks) and of more (several tiles per
     block): decode, prefill rows and a sliding window against the oracle."""
@@ -373,6 +374,9 @@ ISA_CASES = [
     ([161, 50], [1, 7], 6, 2, 16, 8, torch.float8_e4m3fn),
     ([700, 40], [1, 40], 4, 1, 256, 512, torch.float32),  # Gemma 3's heads (256 wide) and sliding window
     ([700, 40], [1, 40], 4, 1, 256, None, torch.bfloat16),
+    ([161, 50], [1, 7], 9, 3, 64, None, torch.float16),  # fp16: the default cache without AVX512-BF16
+    ([300, 41, 17], [60, 1, 17], 8, 2, 128, 24, torch.float16),
+    ([700, 40], [1, 40], 4, 1, 256, 512, torch.float16),
 ]
 
 
@@ -433,7 +437,7 @@ def _guarded(like: torch.Tensor) -> tuple[torch.Tensor, object]:
     return t, buf
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cpu_kernel_reads_nothing_past_the_cache(dtype):
     """The kernel loads the next tile's K/V lines ahead of use (csrc/touch.h): whole aligned lines, never past the
     last row of the cache. Rows of 32 or 64 bytes (head_dim 16), one token per block, the cache ending at an

@@ -298,7 +298,7 @@ def test_kv_format_constants_agree_with_the_kernels():
     kinds = {name: int(v) for name, v in re.findall(r"(KV_\w+) = (\d+)", re.search(r"enum KVKind \{([^}]*)\}",
                                                                                       text).group(1))}
     assert kinds == {"KV_F32": format.KV_F32, "KV_BF16": format.KV_BF16, "KV_INT8": format.KV_INT8,
-                     "KV_FP8": format.KV_FP8}
+                     "KV_FP8": format.KV_FP8, "KV_F16": format.KV_F16}
     assert set(format.KV_KINDS.values()) == set(kinds.values())
     assert int(re.search(r"constexpr int KV_SCALE_BYTES = (\d+);", text).group(1)) == format.SCALE_BYTES
 

@@ -55,7 +55,7 @@ def prompts(tiny_model_dir) -> list[list[int]]:
 def computed(tiny_model_dir, prompts) -> dict[str, list]:
     """Outputs with every KV computed (no disk tier), per KV dtype."""
     return {dt: [generate(engine(tiny_model_dir, None, dt), [p])[0] for p in prompts]
-            for dt in ("float32", "int8", "bfloat16")}
+            for dt in ("float32", "int8", "bfloat16", "float16")}
 
 
 def close_to(a: list[tuple[list[int], float]], b: list[tuple[list[int], float]]) -> bool:
@@ -74,7 +74,7 @@ def run_files(cache_dir: Path) -> list[Path]:
     return sorted(files.values(), key=lambda p: -p.stat().st_size)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "bfloat16", "float16"])
 def test_restart_round_trip(tiny_model_dir, prompts, computed, tmp_path, kv_dtype):
     first = engine(tiny_model_dir, tmp_path, kv_dtype)
     assert close_to(generate(first, prompts[:1]), computed[kv_dtype][:1])

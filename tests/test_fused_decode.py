@@ -1,6 +1,8 @@
 """The fused decoder stack (model/llama_decode.py) against the layer-by-layer torch path it replaces."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -46,12 +48,13 @@ def tiny_gemma_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("int8", "auto"), ("int4", "auto"),
                                                          (None, "int8"), ("int4", "int8"), (None, "bfloat16"),
-                                                         ("int4", "bfloat16"), ("bf16", "auto")])
+                                                         ("int4", "bfloat16"), (None, "float16"), ("int4", "float16"),
+                                                         ("bf16", "auto")])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir, quantization, kv_cache_dtype,
                                           count_runs):
     """Greedy tokens are identical (up to a near-tie, where one sequence at most may part) and logprobs agree to
-    float32 rounding (a bf16 cache: to the odd K/V entry that rounds the other way from a last-bit fp32
+    float32 rounding (a bf16 or fp16 cache: to the odd K/V entry that rounds the other way from a last-bit fp32
     difference, and so for Q8 activations). The fused run's steps hold
     up to 16 tokens (prefill chunks mixed with decode tokens), and so do the torch run's, so both multiply with the
     same quantized kernels. Gemma 3: QK-norm, sandwich norms, GELU, its two RoPE tables and the sliding-window
@@ -64,7 +67,7 @@ def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir
     # Q8 activations (int4, and the int8 x16 layout the LM head takes on AVX-512 VNNI) turn a last-bit difference
     # of the two paths' RMSNorm into the odd activation rounded to the other int8 step, as a bf16 cache does K/V.
     quantized_acts = quantization in ("int4", "bf16") or (quantization == "int8" and quant.x16_native(8))
-    tol = 1e-2 if kv_cache_dtype == "bfloat16" or quantized_acts else 1e-4
+    tol = 1e-2 if kv_cache_dtype in ("bfloat16", "float16") or quantized_acts else 1e-4
     if family == "gemma3" and quantized_acts:
         tol = 3e-2  # its random norms after every block amplify an activation rounded to the other Q8 step
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
@@ -179,6 +182,40 @@ def test_fused_decode_forward_matches_on_mixed_batch(tiny_model_dir, count_runs)
     for kf, kp in zip(after_fused, caches.layer_caches()):
         for a, b in zip(kf, kp):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fp16_cache_saturates_in_the_fused_stack_as_in_torch(tiny_model_dir, count_runs):
+    """K/V beyond fp16's range are stored as +-65504, its largest finite value, not as infinities (which would
+    turn attention into NaN), by the fused stack's writer and by the torch path's (kvcache/quant.py `to_cache`)
+    alike: with the k and v projections scaled up so that many entries overflow, both runs keep saturated caches
+    and give the same finite tokens and logprobs."""
+    from pagedlm.kvcache.quant import FP16_MAX
+
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(3)]
+    kw = dict(dtype="float32", num_kv_blocks=64, block_size=8, kv_cache_dtype="float16", kernel_max_rows=MAX_TOKENS,
+              max_num_batched_tokens=MAX_TOKENS, enable_prefix_caching=False)
+    runs = []
+    for fused in (True, False):
+        llm = LLM(str(tiny_model_dir), **kw)
+        model = llm.engine.runner.model
+        if not fused:
+            model._decode_kernel = None  # layer by layer
+        for layer in model.layers:
+            attn = layer.self_attn
+            w = attn.qkv_proj.weight.data
+            (w[:, attn.q_size:] if attn.qkv_proj.transposed else w[attn.q_size:]).mul_(3e5)  # k and v
+        count_runs.clear()
+        runs.append(_generate(llm, prompts))
+        assert bool(count_runs) == fused
+        caches = [c for kv in llm.engine.runner.layer_caches for c in kv]
+        assert all(c.dtype == torch.float16 and torch.isfinite(c).all() for c in caches)
+        assert max(c.abs().max().item() for c in caches) == FP16_MAX
+    for f, p in zip(*runs):
+        assert f.token_ids == p.token_ids
+        for lf, lp in zip(f.logprobs, p.logprobs):
+            for tok in set(lf) & set(lp):
+                assert math.isfinite(lf[tok].logprob)
+                assert lf[tok].logprob == pytest.approx(lp[tok].logprob, abs=1e-2)
 
 
 def test_fused_decode_steps_aside(tiny_model_dir, count_runs):

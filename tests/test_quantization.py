@@ -469,7 +469,8 @@ def test_plan_per_cpu_and_setting(tiny_model_dir, tiny_q4_gguf, monkeypatch):
     assert "avx512_bf16" in p.describe() and "as stored" in p.describe() and "KV cache bfloat16" in p.describe()
     p = plan(avx2, tiny_q4_gguf)
     assert (p.quantization, p.dtype, p.dense_dtype, p.kv_cache_dtype) == ("int4", torch.float32, torch.float32,
-                                                                          "bfloat16")
+                                                                          "float16")  # no in-place bf16 reads
+    assert "KV cache float16" in p.describe() and "fp16 KV cache" in p.describe()
     assert plan(avx2, tiny_q4_gguf, kv_cache_dtype="int8").kv_cache_dtype == "int8"  # an explicit KV dtype stays
     p = plan(zen4, tiny_q4_gguf, dtype="float32")  # explicit fp32: the full-precision path
     assert (p.quantization, p.dtype, p.kv_cache_dtype) == (None, torch.float32, "auto")

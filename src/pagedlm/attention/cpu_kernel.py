@@ -71,7 +71,7 @@ def load_kernel() -> ctypes.CDLL | None:
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel handles this call (else callers use the sdpa path)."""
     heads, kv_heads, dim = q.shape[1], k_cache.shape[2], q.shape[2]
-    cache_ok = ((k_cache.dtype in (q.dtype, torch.bfloat16) or is_quantized(k_cache.dtype))
+    cache_ok = ((k_cache.dtype in (q.dtype, torch.bfloat16, torch.float16) or is_quantized(k_cache.dtype))
                 and k_cache.shape[3] == entry_dim(dim, k_cache.dtype))
     return (q.device.type == "cpu" and q.dtype in _DTYPES and cache_ok and dim in HEAD_DIMS
             and heads % kv_heads == 0 and heads <= 64)

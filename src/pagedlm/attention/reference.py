@@ -6,7 +6,7 @@ import torch
 from pagedlm.attention.backend import AttentionBackend
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.kvcache.format import is_quantized
-from pagedlm.kvcache.quant import dequantize_kv, quantize_kv
+from pagedlm.kvcache.quant import dequantize_kv, quantize_kv, to_cache
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -18,8 +18,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k = quantize_kv(k, k_cache.dtype).view(torch.uint8)
         v = quantize_kv(v, v_cache.dtype).view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, to_cache(k, k_cache.dtype))
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, to_cache(v, v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pagedlm.config.flags import check_choices, option
 from pagedlm.config.speculative import SpeculativeConfig, parse_speculative_config
 from pagedlm.config.units import DTYPE_NAMES, byte_size, parse_bytes
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see model/quant/
 DEFAULT_MODEL = "smollm2-135m"  # what `pagedlm serve` and LLM() run without a model (a hub/registry.py name)
 KERNEL_MAX_ROWS = 1 << 16  # kernel_max_rows at this value: every step runs the quantized kernels (no dense copy)

@@ -9,8 +9,9 @@ import torch
 SCALE_BYTES = 4
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
-KV_F32, KV_BF16, KV_INT8, KV_FP8 = 0, 1, 2, 3  # the kernels' KVKind
-KV_KINDS = {torch.float32: KV_F32, torch.bfloat16: KV_BF16, torch.int8: KV_INT8, torch.float8_e4m3fn: KV_FP8}
+KV_F32, KV_BF16, KV_INT8, KV_FP8, KV_F16 = 0, 1, 2, 3, 4  # the kernels' KVKind
+KV_KINDS = {torch.float32: KV_F32, torch.bfloat16: KV_BF16, torch.int8: KV_INT8, torch.float8_e4m3fn: KV_FP8,
+            torch.float16: KV_F16}
 
 
 def is_quantized(dtype: torch.dtype) -> bool:

@@ -12,15 +12,24 @@ import torch
 
 from pagedlm.kvcache.format import SCALE_BYTES, entry_dim, is_quantized
 
-# "float32" / "bfloat16": plain entries of that dtype, whatever the activations' dtype.
-KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
-                   "fp8_e4m3": torch.float8_e4m3fn}
+# "float32" / "bfloat16" / "float16": plain entries of that dtype, whatever the activations' dtype (fp16 saturating
+# at +-65504, its largest finite value, rather than overflowing to infinity: `to_cache`).
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+FP16_MAX = 65504.0
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element dtype of the cache tensors for an EngineConfig.kv_cache_dtype."""
     return model_dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V values as entries of a plain (not quantized) cache of `dtype`; fp16 saturates at +-FP16_MAX."""
+    if dtype == torch.float16 and x.dtype != torch.float16:
+        x = x.clamp(-FP16_MAX, FP16_MAX)
+    return x.to(dtype)
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -43,5 +52,5 @@ def dequantize_kv(packed: torch.Tensor) -> torch.Tensor:
     return values * scale
 
 
-__all__ = ["KV_CACHE_DTYPES", "SCALE_BYTES", "cache_dtype", "dequantize_kv", "entry_dim", "is_quantized",
-           "quantize_kv"]  # entry_dim, is_quantized: kvcache/format.py's
+__all__ = ["FP16_MAX", "KV_CACHE_DTYPES", "SCALE_BYTES", "cache_dtype", "dequantize_kv", "entry_dim", "is_quantized",
+           "quantize_kv", "to_cache"]  # entry_dim, is_quantized: kvcache/format.py's

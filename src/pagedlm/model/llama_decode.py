@@ -20,7 +20,7 @@ from torch import nn
 from pagedlm import cbuild
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import KERNEL_MAX_ROWS
-from pagedlm.kvcache.format import KV_BF16, KV_F32, KV_INT8, kv_kind
+from pagedlm.kvcache.format import KV_BF16, KV_F16, KV_F32, KV_INT8, kv_kind
 from pagedlm.model.layers import Linear
 from pagedlm.model.quant import GGUF_KINDS, Bf16Linear, ConcatLinear, GGUFLinear, Int4Linear, Int8Linear, QuantLinear
 from pagedlm.model.step_rows import path_rows
@@ -29,7 +29,7 @@ SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
 (LIN_F32T, LIN_INT8, LIN_INT4, LIN_INT8_PACKED, LIN_INT4_X16, LIN_INT8_X16, LIN_BF16_X16, LIN_INT4_X16_K,
  LIN_GGUF_X16, LIN_CONCAT) = range(10)
 INT4_KINDS = {"rows": LIN_INT4, "x16": LIN_INT4_X16, "x16_k": LIN_INT4_X16_K}  # by Int4Linear.layout
-FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_INT8)  # the caches the stack writes (not fp8)
+FUSED_KV_KINDS = (KV_F32, KV_BF16, KV_F16, KV_INT8)  # the caches the stack writes (not fp8)
 # Steps with more tokens over fp32 weights run layer by layer: torch's sgemm beats the stack's simple fp32 product
 # there (Gemma 3 prefill 445 against 290 tok/s at 1,024 tokens).
 F32_MAX_TOKENS = 64

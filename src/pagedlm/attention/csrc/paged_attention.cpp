@@ -70,8 +70,54 @@ inline void from_f(float x, uint16_t* out) {
 struct Item { int seq, tile, lo, hi; };  // query tokens [tile*qt, +qt) of seq, keys [lo, hi)
 
 // The cache dtypes and the quantized entry's scale size, as kvcache/format.py numbers them.
-enum KVKind { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+enum KVKind { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3, KV_F16 = 4 };
 constexpr int KV_SCALE_BYTES = 4;
+
+// IEEE half <-> float, as torch converts them (round to nearest even), except that values beyond the half range
+// saturate to +-65504 instead of becoming infinities (kvcache/quant.py clamps the same way before converting).
+inline float half_to_f(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t u;
+  if (e == 0x1f) u = sign | 0x7f800000u | (mant << 13);  // inf, NaN
+  else if (e) u = sign | ((e + 112) << 23) | (mant << 13);
+  else if (mant == 0) u = sign;
+  else {  // subnormal: mant x 2^-24
+    const float f = float(mant) * 5.9604644775390625e-8f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f_to_half(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7bffu);  // rounds past 65504: saturate
+  if (a < 0x38800000u) {  // below the smallest normal half: a multiple of 2^-24, rounded to nearest even
+    float f;
+    const uint32_t mag = a;
+    std::memcpy(&f, &mag, 4);
+    return uint16_t(sign | uint16_t(std::nearbyint(f * 16777216.0f)));
+  }
+  const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);  // round the 13 dropped bits to nearest even
+  return uint16_t(sign | ((r - (112u << 23)) >> 13));
+}
+// x[0, n) as halves (f_to_half's values).
+inline void store_half(const float* x, uint16_t* out, int n) {
+  int i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256 hi = _mm256_set1_ps(65504.f), lo = _mm256_set1_ps(-65504.f);
+  for (; i + 8 <= n; i += 8) {  // min/max return their second operand for a NaN: NaN stays NaN
+    const __m256 v = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(x + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  for (; i < n; ++i) out[i] = f_to_half(x[i]);
+}
 
 // fp8 e4m3 (finite, no infinities; 0x7f/0xff are NaN) to float, by table.
 struct Fp8Table {
@@ -522,10 +568,26 @@ inline float softmax_chunk(float* s, const int* tpos, const int* n, int nt, int 
   return alpha;
 }
 
-// Tokens [slot, slot + n) of kv head kvh of a bf16 or quantized cache as fp32 rows [n, D] in `buf`.
+// Tokens [slot, slot + n) of kv head kvh of a bf16, fp16 or quantized cache as fp32 rows [n, D] in `buf`.
 template <int D>
 void load_head(const Args& a, const void* cache, int64_t slot, int n, int kvh, float* buf) {
   const int KVD = a.KVH * D;
+  if (a.kv_kind == KV_F16) {
+    for (int t = 0; t < n; ++t) {
+      const uint16_t* src = static_cast<const uint16_t*>(cache) + (slot + t) * KVD + kvh * D;
+      float* dst = buf + t * D;
+#if defined(__AVX512F__)
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      for (int d = 0; d < D; d += 8)
+        _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+#else
+      for (int d = 0; d < D; ++d) dst[d] = half_to_f(src[d]);
+#endif
+    }
+    return;
+  }
   if (a.kv_kind == KV_BF16) {
     for (int t = 0; t < n; ++t) {
       const uint16_t* src = static_cast<const uint16_t*>(cache) + (slot + t) * KVD + kvh * D;
@@ -643,8 +705,9 @@ constexpr int ROW_BLOCK = 4;
 // The bytes of one cached token's K (or V) row for all kv heads.
 inline int64_t kv_row_bytes(const Args& a) {
   const int KVD = a.KVH * a.D;
-  return a.kv_kind == KV_F32 ? int64_t(KVD) * 4 : a.kv_kind == KV_BF16 ? int64_t(KVD) * 2
-                                                                        : int64_t(a.KVH) * (a.D + KV_SCALE_BYTES);
+  return a.kv_kind == KV_F32 ? int64_t(KVD) * 4
+         : a.kv_kind == KV_BF16 || a.kv_kind == KV_F16 ? int64_t(KVD) * 2
+                                                       : int64_t(a.KVH) * (a.D + KV_SCALE_BYTES);
 }
 
 inline void prefetch_lines(const char* k, const char* v, int64_t bytes) {
@@ -879,7 +942,7 @@ extern "C" {
 
 // q, out: [num_tokens, H, D]; k_cache, v_cache: [num_blocks, BS, KVH, D]; block_tables: [num_seqs, max_blocks]
 // int32; seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32. dtype (of q and out): 0 = fp32,
-// 1 = bf16; kv_dtype: a KVKind (int8/fp8 caches are [num_blocks, BS, KVH, D + 4] bytes). window <= 0: no sliding
+// 1 = bf16; kv_dtype: a KVKind (fp16 caches as bf16 ones; int8/fp8 caches are [num_blocks, BS, KVH, D + 4] bytes). window <= 0: no sliding
 // window. Needs H <= 64 and H % KVH == 0. Returns PAGEDLM_OK, or a PagedlmStatus (having read nothing out of range
 // and written nothing): an unsupported head_dim or dtype, a bad batch layout or block id (check_batch).
 int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
@@ -887,7 +950,7 @@ int pagedlm_paged_attention(int dtype, int kv_dtype, const void* q, const void* 
                             const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                             const int32_t* query_start_loc, int num_seqs, int num_tokens, int H, int KVH, int D,
                             int BS, int num_blocks, float scale, int window, int nthreads) {
-  if (kv_dtype < KV_F32 || kv_dtype > KV_FP8 || (kv_dtype == KV_F32 && dtype != 0)) return PAGEDLM_UNSUPPORTED;
+  if (kv_dtype < KV_F32 || kv_dtype > KV_F16 || (kv_dtype == KV_F32 && dtype != 0)) return PAGEDLM_UNSUPPORTED;
   Args a{H, KVH, D, BS, max_blocks, window, 1, kv_dtype, scale, block_tables, seq_lens, query_start_loc};
   if (const int rc = check_batch(a, num_seqs, num_tokens, num_blocks)) return rc;
   if (nthreads < 1) nthreads = default_threads();

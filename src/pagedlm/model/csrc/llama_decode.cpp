@@ -30,7 +30,7 @@ struct Linear {
 struct Layer {
   const float *input_norm, *post_norm;  // [hidden]: before attention, before the MLP
   Linear qkv, o, gate_up, down;
-  void *k_cache, *v_cache;  // [blocks, BS, KVH, D] fp32 or bf16, or [blocks, BS, KVH, D + 4] int8 entries (kv_kind)
+  void *k_cache, *v_cache;  // [blocks, BS, KVH, D] fp32, bf16 or fp16, or [blocks, BS, KVH, D + 4] int8 entries (kv_kind)
   const float *q_norm, *k_norm;  // [D]: RMSNorm of each q / k head before RoPE, or null
   const float *attn_out_norm, *mlp_out_norm;  // [hidden]: RMSNorm of the attention / MLP output, or null
   int window;  // sliding window (<= 0: none)
@@ -248,7 +248,7 @@ int decode_layers(const Model& md, float* x, int M, const float* const* cos, con
         rms_norm(row, L.q_norm, row, md.H, D, md.eps);
         rms_norm(row + qd, L.k_norm, row + qd, md.KVH, D, md.eps);
       }
-      // An fp32 cache takes the rotated K/V as they are; bf16 and int8 ones are written here.
+      // An fp32 cache takes the rotated K/V as they are; bf16, fp16 and int8 ones are written here.
       const bool f32 = md.kv_kind == KV_F32;
       rope_write_kv(row, cs + int64_t(m) * (D / 2), sn + int64_t(m) * (D / 2), 1, md.H, md.KVH, D, slots + m,
                     f32 ? static_cast<float*>(L.k_cache) : nullptr, f32 ? static_cast<float*>(L.v_cache) : nullptr,
@@ -257,6 +257,9 @@ int decode_layers(const Model& md, float* x, int M, const float* const* cos, con
         uint16_t* kd = static_cast<uint16_t*>(L.k_cache) + slots[m] * kvd;
         uint16_t* vd = static_cast<uint16_t*>(L.v_cache) + slots[m] * kvd;
         for (int i = 0; i < kvd; ++i) { from_f(row[qd + i], kd + i); from_f(row[qd + kvd + i], vd + i); }
+      } else if (md.kv_kind == KV_F16) {
+        store_half(row + qd, static_cast<uint16_t*>(L.k_cache) + slots[m] * kvd, kvd);
+        store_half(row + qd + kvd, static_cast<uint16_t*>(L.v_cache) + slots[m] * kvd, kvd);
       } else if (md.kv_kind == KV_INT8) {
         const int64_t entry_row = int64_t(md.KVH) * (D + KV_SCALE_BYTES);
         write_int8_entries(row + qd, md.KVH, D, static_cast<int8_t*>(L.k_cache) + slots[m] * entry_row);
@@ -290,7 +293,8 @@ int decode_layers(const Model& md, float* x, int M, const float* const* cos, con
 extern "C" {
 
 // x: [M, hidden] fp32, the residual stream, run in place through all layers and the final norm. K/V are written
-// to (and attention reads) fp32, bf16 (rounded to nearest even, as torch's .to(bfloat16)) or int8 caches
+// to (and attention reads) fp32, bf16 or fp16 (rounded to nearest even, as torch's .to(); fp16 saturating at
+// +-65504, as kvcache/quant.py clamps) or int8 caches
 // (quantized per token and head as kvcache/quant.py does).
 // cos[r], sin[r]: rotary table r, [M, D/2]; groups[g]: KV cache group g's batch layout (slots [M] int64, block
 // tables etc. as in pagedlm_paged_attention). Every group's batch and slots are validated before anything is
@@ -299,7 +303,8 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const
                          const Group* groups, int num_groups, int num_seqs, int nthreads) {
   const Model& md = *model;
   const int D = md.D;
-  if (md.kv_kind != KV_F32 && md.kv_kind != KV_BF16 && md.kv_kind != KV_INT8) return PAGEDLM_UNSUPPORTED;
+  if (md.kv_kind != KV_F32 && md.kv_kind != KV_BF16 && md.kv_kind != KV_F16 && md.kv_kind != KV_INT8)
+    return PAGEDLM_UNSUPPORTED;
   for (int li = 0; li < md.num_layers; ++li)
     if (md.layers[li].group < 0 || md.layers[li].group >= num_groups) return PAGEDLM_UNSUPPORTED;
   thread_local std::vector<Args> args;  // kept between calls, as the scratch below
