@@ -131,7 +131,7 @@ def test_default_plan_runs_the_files_blocks_and_stays_near_fp32(gemma3_path, llm
     gguf-py's values where the x16 layouts run), a q/k/v mixing Q5_0 and Q8_0 part by part, fp32 activations through the
     fused stack (decode steps, on every CPU), and on the fixed text each token's log-probability near the fp32 path's
     (perplexity alone moves either way by about 1% with how the rounding errors fall: 28.47 here against 28.27 for
-    fp32 and 28.56 for llama.cpp on the same file)."""
+    fp32 and 28.56 for llama.cpp on the same file, on a Zen 4)."""
     from pathlib import Path
 
     import gguf
@@ -168,7 +168,9 @@ def test_default_plan_runs_the_files_blocks_and_stays_near_fp32(gemma3_path, llm
     assert any(runs), "the fused stack took the default path's decode steps"
     lp_default, lp_fp32 = token_logprobs(default, ids), token_logprobs(llm, ids)
     ppl_default, ppl_fp32 = (math.exp(-sum(lp) / len(lp)) for lp in (lp_default, lp_fp32))
-    assert 5 < ppl_fp32 < 60 and ppl_default <= ppl_fp32 * 1.03, (ppl_default, ppl_fp32)
+    # One run is one draw: over 16 runs with the input embeddings jittered by 1e-6 (benchmarks/perplexity.py
+    # --draws) the default read 28.76 +- 0.22 (1.017x fp32 +- 0.8%); a CPU's own rounding is another draw.
+    assert 5 < ppl_fp32 < 60 and ppl_default <= ppl_fp32 * 1.05, (ppl_default, ppl_fp32)
     # Each prediction stays near the file's exact model: measured 0.179 with Q4_K's and Q6_K's activations per 256
     # values, as llama.cpp takes them (llama.cpp on the same file: 0.173; Q6_K's per 32 values: 0.146; Q5_0, Q6_K
     # and Q8_0 requantized to int8, as before: 0.194).
