@@ -99,8 +99,7 @@ inline uint16_t f_to_half(float x) {
   if (a >= 0x477ff000u) return uint16_t(sign | 0x7bffu);  // rounds past 65504: saturate
   if (a < 0x38800000u) {  // below the smallest normal half: a multiple of 2^-24, rounded to nearest even
     float f;
-    const uint32_t mag = a;
-    std::memcpy(&f, &mag, 4);
+    std::memcpy(&f, &a, 4);
     return uint16_t(sign | uint16_t(std::nearbyint(f * 16777216.0f)));
   }
   const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);  // round the 13 dropped bits to nearest even
