@@ -33,3 +33,19 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def suffix_query_start_loc(self, rows: list[int]) -> list[int] | None:
+        """The offsets [num_seqs + 1] of `rows` (flat token indices, as the logits read them) where they are each
+        sequence's last query tokens, in order: a prefill chunk's last token, a verify step's draft rows. None where
+        they are not."""
+        out, pos, end = [0], 0, 0
+        for qlen in self.query_lens_list:
+            end += qlen
+            n = 0
+            while pos + n < len(rows) and n < qlen and rows[pos + n] < end:
+                n += 1
+            if rows[pos:pos + n] != list(range(end - n, end)):
+                return None
+            pos += n
+            out.append(pos)
+        return out if pos == len(rows) else None

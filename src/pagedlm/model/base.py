@@ -66,11 +66,18 @@ class CausalLM(nn.Module):
         """`forward`'s logits, and the final hidden states (after the final norm: what the LM head reads) of the
         rows `hidden_indices` [len(hidden_indices), hidden] (None without them)."""
         x = self.embed(input_ids)
-        x, normed = self.run_layers(x, positions, kv_caches, metas, backend)
+        out_qsl = None
+        if (hidden_indices is None and logits_indices is not None and metas and x.device.type == "cpu"
+                and logits_indices.numel() < x.shape[0]):
+            rows = metas[0].suffix_query_start_loc(logits_indices.tolist())
+            out_qsl = None if rows is None else torch.tensor(rows, dtype=torch.int32)
+        x, normed, only_out = self.run_layers(x, positions, kv_caches, metas, backend, out_qsl)
         hidden = None
         if hidden_indices is not None:
             hidden = x[hidden_indices] if normed else self.norm(x[hidden_indices])
-        if logits_indices is not None:
+        if only_out:
+            x = x[:logits_indices.numel()]
+        elif logits_indices is not None:
             x = x[logits_indices]
         if not normed:
             x = self.norm(x)
@@ -80,9 +87,12 @@ class CausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   metas: list[AttentionMetadata], backend: AttentionBackend) -> tuple[torch.Tensor, bool]:
-        """The hidden states after every layer, and whether the final norm was applied to them too (a fused
-        stack may do that)."""
+                   metas: list[AttentionMetadata], backend: AttentionBackend,
+                   out_qsl: torch.Tensor | None = None) -> tuple[torch.Tensor, bool, bool]:
+        """The hidden states after every layer, whether the final norm was applied to them too (a fused stack may
+        do that), and whether they are only the rows `out_qsl` names (each sequence's last out_qsl[i + 1] -
+        out_qsl[i] query tokens, in x's first rows: a fused stack may finish only those; every row's K/V is
+        written either way)."""
         raise NotImplementedError
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -133,17 +133,18 @@ class Gemma3ForCausalLM(CausalLM):
         return x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   metas: list[AttentionMetadata], backend: AttentionBackend) -> tuple[torch.Tensor, bool]:
+                   metas: list[AttentionMetadata], backend: AttentionBackend,
+                   out_qsl: torch.Tensor | None = None) -> tuple[torch.Tensor, bool, bool]:
         """The fused stack (final norm included) where the backend lets it stand in and it takes the batch, else
         layer by layer."""
         kernel = self.decode_kernel() if backend.supports_fused_decode else None
         if kernel is not None:
             tables = [self.rotary_global.cos_sin(positions), self.rotary_local.cos_sin(positions)]
-            if kernel.run(x, [c for c, _ in tables], [s for _, s in tables], kv_caches, metas):
-                return x, True
+            if kernel.run(x, [c for c, _ in tables], [s for _, s in tables], kv_caches, metas, out_qsl):
+                return x, True, out_qsl is not None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
             x = layer(positions, x, kv_cache, meta, backend)
-        return x, False
+        return x, False, False
 
     def fused_stack(self) -> FusedStack | None:
         """Gemma's norms multiply by 1 + w: the stack gets those vectors (fp32, as GemmaRMSNorm computes them)."""

@@ -105,16 +105,17 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   metas: list[AttentionMetadata], backend: AttentionBackend) -> tuple[torch.Tensor, bool]:
+                   metas: list[AttentionMetadata], backend: AttentionBackend,
+                   out_qsl: torch.Tensor | None = None) -> tuple[torch.Tensor, bool, bool]:
         """The fused stack (final norm included) where the backend lets it stand in and it takes the batch, else
         layer by layer."""
         rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, shared by all layers
         kernel = self.decode_kernel() if backend.supports_fused_decode else None
-        if kernel is not None and kernel.run(x, *rope, kv_caches, metas):
-            return x, True
+        if kernel is not None and kernel.run(x, *rope, kv_caches, metas, out_qsl):
+            return x, True, out_qsl is not None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
             x = layer(rope, x, kv_cache, meta, backend)
-        return x, False
+        return x, False, False
 
     def fused_stack(self) -> FusedStack | None:
         """Plain LLaMA layers, with sliding windows and per-head QK-norm too; not biases, clamping, experts, norms

@@ -95,7 +95,7 @@ class FusedStack:
 
 def _configure(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, ctypes.POINTER(_Group), i, i, i]
+    lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, ctypes.POINTER(_Group), i, i, p, i]
     lib.pagedlm_llama_decode.restype = i
 
 
@@ -248,10 +248,13 @@ class LlamaDecodeKernel:
         return len(groups)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor | list[torch.Tensor], sin: torch.Tensor | list[torch.Tensor],
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> bool:
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
+            out_qsl: torch.Tensor | None = None) -> bool:
         """Run the hidden states `x` [tokens, hidden] (fp32, contiguous) through every layer and the final norm,
         in place. `cos`, `sin`: the step's rotary tables [tokens, head_dim / 2] (a list where layers use
-        several); `metas`: each layer's batch layout (layers of one KV cache group share one object)."""
+        several); `metas`: each layer's batch layout (layers of one KV cache group share one object). `out_qsl`
+        (int32 [num_seqs + 1], AttentionMetadata.suffix_query_start_loc's): past the last layer's K/V write only
+        each sequence's last out_qsl[i + 1] - out_qsl[i] tokens go on, into x's first out_qsl[-1] rows."""
         n = x.shape[0]
         cos, sin = ([cos], [sin]) if isinstance(cos, torch.Tensor) else (cos, sin)
         if (path_rows(n) > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous()
@@ -259,10 +262,15 @@ class LlamaDecodeKernel:
                 or len(cos) != len(sin) or not self._num_ropes <= len(cos) <= MAX_ROPES
                 or not self._bind_caches(kv_caches) or not (num_groups := self._bind_groups(metas, cos, sin, n))):
             return False
+        num_seqs = metas[0].block_tables.shape[0]
+        if out_qsl is not None and (out_qsl.dtype != torch.int32 or not out_qsl.is_contiguous()
+                                    or out_qsl.shape != (num_seqs + 1,)):
+            raise ValueError(f"out_qsl: int32 [{num_seqs + 1}] offsets expected, got {out_qsl.dtype} "
+                             f"{tuple(out_qsl.shape)}")
         cos_p = (ctypes.c_void_p * MAX_ROPES)(*(c.data_ptr() for c in cos))
         sin_p = (ctypes.c_void_p * MAX_ROPES)(*(s.data_ptr() for s in sin))
         rc = self.lib.pagedlm_llama_decode(ctypes.byref(self._model), x.data_ptr(), n, cos_p, sin_p, self._groups,
-                                           num_groups, metas[0].block_tables.shape[0], torch.get_num_threads())
+                                           num_groups, num_seqs, _ptr(out_qsl), torch.get_num_threads())
         if rc:
             raise cbuild.kernel_error(rc, f"fused decode kernel ({self._model.num_blocks} KV blocks)")
         return True

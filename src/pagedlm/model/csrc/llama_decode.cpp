@@ -156,8 +156,21 @@ void rms_norm(const float* x, const float* w, float* out, int M, int n, float ep
 }
 
 // out = silu(g) * u = g / (1 + exp(-g)) * u, as torch computes it.
+// The AVX-512 loops run exp_ps's 16-lane form: the AVX2 loops' operations lane for lane, so the same results.
 void silu_mul(const float* g, const float* u, float* out, int n) {
   int i = 0;
+#if defined(PAGEDLM_AVX2) && defined(__AVX512F__)
+  {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
+    for (; i + 16 <= n; i += 16) {
+      const __m512 gv = _mm512_loadu_ps(g + i);
+      const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign));
+      const __m512 den = _mm512_add_ps(one, exp_ps(neg));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(u + i)));
+    }
+  }
+#endif
 #ifdef PAGEDLM_AVX2
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
   for (; i + 8 <= n; i += 8) {
@@ -174,6 +187,19 @@ void silu_mul(const float* g, const float* u, float* out, int n) {
 void gelu_tanh_mul(const float* g, const float* u, float* out, int n) {
   constexpr float kC = 0.7978845608028654f, kA = 0.044715f;
   int i = 0;
+#if defined(PAGEDLM_AVX2) && defined(__AVX512F__)
+  {
+    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(0.5f);
+    const __m512 c2 = _mm512_set1_ps(2.f * kC), a = _mm512_set1_ps(kA);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      const __m512 y2 = _mm512_mul_ps(c2, _mm512_fmadd_ps(_mm512_mul_ps(a, x), _mm512_mul_ps(x, x), x));
+      const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, exp_ps(y2))));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t)),
+                                              _mm512_loadu_ps(u + i)));
+    }
+  }
+#endif
 #ifdef PAGEDLM_AVX2
   const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
   const __m256 c2 = _mm256_set1_ps(2.f * kC), a = _mm256_set1_ps(kA);
@@ -208,8 +234,23 @@ void write_int8_entries(const float* x, int KVH, int D, int8_t* dst) {
 // The layers and the final norm of pagedlm_llama_decode (batch checked; args[g]: group g's attention batch).
 // Between the products, the row-wise work (norms, RoPE and K/V writes, the activation, residual adds) runs
 // rows in parallel too: serial, it took a third of a 2,048-token prefill chunk.
+// The rows of sequence i that go on past the last layer's K/V write when out_qsl is given: its last
+// out_qsl[i + 1] - out_qsl[i] query tokens, moved (their residual rows in x, their q heads in q) to rows
+// out_qsl[i] .. in order. Returns their number.
+int keep_out_rows(float* x, float* q, int hid, int qd, const int32_t* qsl, const int32_t* out_qsl, int num_seqs) {
+  for (int i = 0; i < num_seqs; ++i) {
+    const int n = out_qsl[i + 1] - out_qsl[i], src = qsl[i + 1] - n, dst = out_qsl[i];
+    if (src == dst) continue;
+    for (int j = 0; j < n; ++j) {  // dst <= src: moving forward in order never overwrites a row still to move
+      std::memmove(x + int64_t(dst + j) * hid, x + int64_t(src + j) * hid, sizeof(float) * hid);
+      std::memmove(q + int64_t(dst + j) * qd, q + int64_t(src + j) * qd, sizeof(float) * qd);
+    }
+  }
+  return out_qsl[num_seqs];
+}
+
 int decode_layers(const Model& md, float* x, int M, const float* const* cos, const float* const* sin,
-                  const Group* groups, const Args* args, int num_seqs, int nthreads) {
+                  const Group* groups, const Args* args, int num_seqs, const int32_t* out_qsl, int nthreads) {
   const int hid = md.hidden, D = md.D, qd = md.H * D, kvd = md.KVH * D, qkvd = qd + 2 * kvd;
   // Scratch kept between calls (grow-only): fresh multi-megabyte buffers every step cost page faults.
   thread_local std::vector<float> h, t, qkv, q, att, gu, act;
@@ -269,6 +310,12 @@ int decode_layers(const Model& md, float* x, int M, const float* const* cos, con
     });
     Args a = args[L.group];
     a.window = L.window > 0 ? L.window : 0;
+    if (out_qsl != nullptr && li + 1 == md.num_layers) {
+      // Only the rows the caller reads (a prefill's last token per sequence) need the rest of the last layer.
+      M = keep_out_rows(x, qp, hid, qd, a.qsl, out_qsl, num_seqs);
+      a.qsl = out_qsl;
+      if (M == 0) return 0;
+    }
     rc = dispatch<float>(qp, L.k_cache, L.v_cache, att.data(), a, num_seqs, nthreads);
     if (rc) return rc;
     if ((rc = linear(L.o, att.data(), tp, M, nthreads))) return rc;
@@ -297,10 +344,13 @@ extern "C" {
 // +-65504, as kvcache/quant.py clamps) or int8 caches
 // (quantized per token and head as kvcache/quant.py does).
 // cos[r], sin[r]: rotary table r, [M, D/2]; groups[g]: KV cache group g's batch layout (slots [M] int64, block
-// tables etc. as in pagedlm_paged_attention). Every group's batch and slots are validated before anything is
-// computed or written. Returns 0, a PagedlmStatus, or the first failing linear kernel's (positive) code.
+// tables etc. as in pagedlm_paged_attention). out_qsl (null: every row): [num_seqs + 1] offsets of the rows wanted
+// out, each sequence's last out_qsl[i + 1] - out_qsl[i] query tokens: every row's K/V is written, but the last
+// layer's attention, MLP and the final norm run over those rows only, left in x[0, out_qsl[num_seqs]) (the rest
+// of x is scratch). Every group's batch and slots are validated before anything is computed or written. Returns 0,
+// a PagedlmStatus, or the first failing linear kernel's (positive) code.
 int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const* cos, const float* const* sin,
-                         const Group* groups, int num_groups, int num_seqs, int nthreads) {
+                         const Group* groups, int num_groups, int num_seqs, const int32_t* out_qsl, int nthreads) {
   const Model& md = *model;
   const int D = md.D;
   if (md.kv_kind != KV_F32 && md.kv_kind != KV_BF16 && md.kv_kind != KV_F16 && md.kv_kind != KV_INT8)
@@ -317,9 +367,20 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const
     if (int rc = check_slots(gr.slots, M, int64_t(md.num_blocks) * md.BS)) return rc;
     args.push_back(a);
   }
+  if (out_qsl != nullptr) {  // each sequence keeps a suffix of its query tokens, the same in every group
+    if (out_qsl[0] != 0) return PAGEDLM_BAD_BATCH;
+    for (int i = 0; i < num_seqs; ++i) {
+      const int n = out_qsl[i + 1] - out_qsl[i];
+      if (n < 0 || n > args[0].qsl[i + 1] - args[0].qsl[i]) return PAGEDLM_BAD_BATCH;
+    }
+    for (int g = 1; g < num_groups; ++g)
+      if (!std::equal(args[0].qsl, args[0].qsl + num_seqs + 1, args[g].qsl)) return PAGEDLM_BAD_BATCH;
+  }
   if (nthreads < 1) nthreads = default_threads();
   int rc = 0;
-  with_team(nthreads, [&] { rc = decode_layers(md, x, M, cos, sin, groups, args.data(), num_seqs, nthreads); });
+  with_team(nthreads, [&] {
+    rc = decode_layers(md, x, M, cos, sin, groups, args.data(), num_seqs, out_qsl, nthreads);
+  });
   return rc;
 }
 
