@@ -138,3 +138,14 @@ def test_the_endpoints_of_a_served_model_define_distinct_names():
                     assert f.name not in defined, f"{node.name}.{f.name} also in {defined[f.name]}"
                     defined[f.name] = node.name
     assert {"EndpointBase", "CompletionsEndpoint", "ChatEndpoint", "TokenizeEndpoint"} <= set(defined.values())
+
+
+def test_lint_is_clean():
+    """ruff (the test extra has it; pyproject.toml's settings) finds nothing in src, tests and benchmarks."""
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.skip("ruff is not installed beside this interpreter (pip install -e '.[test]')")
+    root = SRC.parent.parent
+    done = subprocess.run([str(ruff), "check", "--no-cache", "src", "tests", "benchmarks"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
