@@ -1,24 +1,33 @@
 """HF transformers as the reference: greedy continuations step by step, and the check against them."""
 from __future__ import annotations
 
+import inspect
+
 import torch
+
+
+def _cache_of(out):
+    """The KV cache a forward returned: `cache` in transformers 5, `past_key_values` before."""
+    return out["cache"] if "cache" in out else out.past_key_values
 
 
 def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Greedy continuation of each prompt with HF's own modeling code and KV cache: (tokens, log-softmax per step)."""
     results = []
     with torch.inference_mode():
+        # transformers 5 takes the cache as `cache` (`past_key_values` is deprecated there), 4.x as `past_key_values`
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         for ids in prompts:
             out = model(torch.tensor([ids]), use_cache=True)
-            past, tokens, logprobs = out.past_key_values, [], []
+            past, tokens, logprobs = _cache_of(out), [], []
             logits = out.logits[0, -1]
             for _ in range(new_tokens):
                 lp = torch.log_softmax(logits.float(), -1)
                 tok = int(lp.argmax())
                 tokens.append(tok)
                 logprobs.append(lp)
-                out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[0, -1]
+                out = model(torch.tensor([[tok]]), use_cache=True, **{cache_arg: past})
+                past, logits = _cache_of(out), out.logits[0, -1]
             results.append((tokens, logprobs))
     return results
 
