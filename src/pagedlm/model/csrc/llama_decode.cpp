@@ -156,7 +156,7 @@ void rms_norm(const float* x, const float* w, float* out, int M, int n, float ep
 }
 
 // out = silu(g) * u = g / (1 + exp(-g)) * u, as torch computes it.
-// The AVX-512 loops run exp_ps's 16-lane form: the AVX2 loops' operations lane for lane, so the same results.
+// The AVX-512 loop runs exp_ps's 16-lane form: the AVX2 loop's operations lane for lane, so the same results.
 void silu_mul(const float* g, const float* u, float* out, int n) {
   int i = 0;
 #if defined(PAGEDLM_AVX2) && defined(__AVX512F__)
@@ -187,19 +187,6 @@ void silu_mul(const float* g, const float* u, float* out, int n) {
 void gelu_tanh_mul(const float* g, const float* u, float* out, int n) {
   constexpr float kC = 0.7978845608028654f, kA = 0.044715f;
   int i = 0;
-#if defined(PAGEDLM_AVX2) && defined(__AVX512F__)
-  {
-    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(0.5f);
-    const __m512 c2 = _mm512_set1_ps(2.f * kC), a = _mm512_set1_ps(kA);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 x = _mm512_loadu_ps(g + i);
-      const __m512 y2 = _mm512_mul_ps(c2, _mm512_fmadd_ps(_mm512_mul_ps(a, x), _mm512_mul_ps(x, x), x));
-      const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, exp_ps(y2))));
-      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t)),
-                                              _mm512_loadu_ps(u + i)));
-    }
-  }
-#endif
 #ifdef PAGEDLM_AVX2
   const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
   const __m256 c2 = _mm256_set1_ps(2.f * kC), a = _mm256_set1_ps(kA);
