@@ -218,9 +218,6 @@ void write_int8_entries(const float* x, int KVH, int D, int8_t* dst) {
   }
 }
 
-// The layers and the final norm of pagedlm_llama_decode (batch checked; args[g]: group g's attention batch).
-// Between the products, the row-wise work (norms, RoPE and K/V writes, the activation, residual adds) runs
-// rows in parallel too: serial, it took a third of a 2,048-token prefill chunk.
 // The rows of sequence i that go on past the last layer's K/V write when out_qsl is given: its last
 // out_qsl[i + 1] - out_qsl[i] query tokens, moved (their residual rows in x, their q heads in q) to rows
 // out_qsl[i] .. in order. Returns their number.
@@ -236,6 +233,9 @@ int keep_out_rows(float* x, float* q, int hid, int qd, const int32_t* qsl, const
   return out_qsl[num_seqs];
 }
 
+// The layers and the final norm of pagedlm_llama_decode (batch checked; args[g]: group g's attention batch).
+// Between the products, the row-wise work (norms, RoPE and K/V writes, the activation, residual adds) runs
+// rows in parallel too: serial, it took a third of a 2,048-token prefill chunk.
 int decode_layers(const Model& md, float* x, int M, const float* const* cos, const float* const* sin,
                   const Group* groups, const Args* args, int num_seqs, const int32_t* out_qsl, int nthreads) {
   const int hid = md.hidden, D = md.D, qd = md.H * D, kvd = md.KVH * D, qkvd = qd + 2 * kvd;
