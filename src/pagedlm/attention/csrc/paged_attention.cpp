@@ -207,7 +207,7 @@ void rope_write_kv(float* qkv, const float* cos, const float* sin, int T, int H,
 #define PAGEDLM_ATTN_ISA 512
 struct AttnSimd {
   static constexpr int L = 16;  // lanes: floats per vector, and keys per reduction tree
-  static constexpr int RB = 3;  // rows per block
+  static constexpr int RB = 4;  // rows per block (a 1B kv head's 8 q heads as 4 + 4, not 3 + 3 + 2: 1.02-1.06x)
   static constexpr int ACC = 16;  // P.V accumulators per block
   using V = __m512;
   static V zero() { return _mm512_setzero_ps(); }
