@@ -79,8 +79,11 @@ def test_limits_and_bad_input_in_each_apis_shape(server, api):
         assert word in message_of(api, r.json()), (payload, r.text)
     r = server.post(path, content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "JSON" in message_of(api, r.json())
-    r = server.post(path, content=b"x=1", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    r = server.post(path, content=b"x=1", headers={**form, "Origin": "https://evil.example"})
     assert r.status_code == 415 and message_of(api, r.json())
+    r = server.post(path, content=b"x=1", headers=form)  # curl -d, not a browser: read as JSON
+    assert r.status_code == 400 and "JSON" in message_of(api, r.json())
     r = httpx.post(f"{server.url}{path}", json=body([USER]))
     assert r.status_code == 401 and "API key" in message_of(api, r.json())
     r = httpx.post(f"{server.url}{path}", json=body([USER]), headers={"x-api-key": KEY})

@@ -108,15 +108,25 @@ def test_engine_failure_message_names_class_and_request(server, engine, monkeypa
 
 
 # --- browsers, hosts, keys --------------------------------------------------------------------------------------
-def test_non_json_bodies_are_415(server):
+def test_browsers_must_send_json_bodies(server):
+    """A web page's "simple" POST (any Content-Type but JSON) is a 415; curl and the SDKs, which send no Origin or
+    Sec-Fetch-Site, have their bodies read as JSON whatever they say (Ollama's own docs use `curl -d '{...}'`)."""
     body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+    pages = ({"origin": "https://evil.example"}, {"origin": "null"}, {"sec-fetch-site": "cross-site"},
+             {"origin": "https://good.example", "sec-fetch-site": "same-site"})
     for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
         headers = {"content-type": ctype} if ctype else {}
+        for page in pages:
+            r = httpx.post(f"{server.base_url}/completions", content=body.encode(), headers={**headers, **page})
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (ctype, page)
         r = httpx.post(f"{server.base_url}/completions", content=body.encode(), headers=headers)
-        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", ctype
-    ok = httpx.post(f"{server.base_url}/completions", content=body.encode(),
-                    headers={"content-type": "Application/JSON; charset=utf-8"})
-    assert ok.status_code == 200
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, (ctype, r.text)
+        r = httpx.post(f"{server.base_url}/completions", content=b"x=1", headers=headers)
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], (ctype, r.text)
+    for page in ({}, *pages):
+        ok = httpx.post(f"{server.base_url}/completions", content=body.encode(),
+                        headers={"content-type": "Application/JSON; charset=utf-8", **page})
+        assert ok.status_code == 200, page
 
 
 def test_host_header_checked_on_loopback(server):

@@ -1,4 +1,4 @@
-"""ASGI middleware that runs before any parsing: Host header, API key, JSON Content-Type, body size."""
+"""ASGI middleware that runs before any parsing: Host header, API key, JSON Content-Type from browsers, body size."""
 from __future__ import annotations
 
 import hmac
@@ -16,10 +16,11 @@ LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 class Guard:
     """ASGI middleware, before any parsing: Host header (400, DNS rebinding), API key (401: a bearer token, or
-    Anthropic's `x-api-key` header), JSON Content-Type (415: no "simple" cross-site form posts) and request-body
-    size (413); errors in the shape of the API the path belongs to (api_errors.py). A request with a key gets a
-    `key_lease` in its state (see limits.KeyLeases), and every request a list `holds` (its shares of server-wide
-    budgets: limits.LogprobHold), all given back when the app has answered (or the client went away)."""
+    Anthropic's `x-api-key` header), JSON Content-Type from browsers (415: no "simple" cross-site form posts,
+    `from_browser`) and request-body size (413); errors in the shape of the API the path belongs to (api_errors.py).
+    A request with a key gets a `key_lease` in its state (see limits.KeyLeases), and every request a list `holds`
+    (its shares of server-wide budgets: limits.LogprobHold), all given back when the app has answered (or the
+    client went away)."""
 
     def __init__(self, app: Any, api_keys: list[str], max_body_bytes: int,
                  allowed_hosts: frozenset[str] | None = None, leases: KeyLeases | None = None) -> None:
@@ -48,7 +49,7 @@ class Guard:
             scope.setdefault("state", {})["api_key"] = key
             if self.leases is not None:
                 scope["state"]["key_lease"] = lease = self.leases.lease(key)
-        if scope["method"] == "POST":
+        if scope["method"] == "POST" and from_browser(headers):
             media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media != "application/json":
                 return await error(APIError(415, "The request body must be JSON (Content-Type: application/json).",
@@ -103,6 +104,13 @@ class Guard:
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
         await error_response(APIError(413, f"The request body exceeds {self.max_body_bytes} bytes.",
                                        code="request_too_large"), scope["path"])(scope, receive, send)
+
+
+def from_browser(headers: dict[str, str]) -> bool:
+    """Whether a request may come from a web page: browsers send `Origin` with every POST and `Sec-Fetch-Site` with
+    every request (since 2019-2023). curl, the SDKs and Ollama's documented `curl -d '{...}'` send neither, so their
+    bodies are read as JSON whatever their Content-Type says."""
+    return "origin" in headers or "sec-fetch-site" in headers
 
 
 def host_allowed(host: str, allowed: frozenset[str]) -> bool:
