@@ -149,3 +149,27 @@ def test_lint_is_clean():
     done = subprocess.run([str(ruff), "check", "--no-cache", "src", "tests", "benchmarks"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250  # the code's size rules (C++ kernels aside)
+
+
+def _oversized(path: Path) -> list[str]:
+    text = path.read_text()
+    found = [f"{text.count(chr(10))} lines"] if text.count("\n") > MAX_FILE_LINES else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+            found.append(f"class {node.name}: {n} lines")
+    return found
+
+
+def test_files_and_classes_stay_small():
+    """No Python file over 400 lines and no class over 250, in the package and its tools."""
+    over = {str(p.relative_to(SRC)): o for p in sorted(SRC.rglob("*.py")) if (o := _oversized(p))}
+    assert not over, over
+
+
+def test_the_size_check_sees_a_violation(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES + "\n" * (MAX_FILE_LINES - MAX_CLASS_LINES))
+    assert _oversized(f) == [f"{MAX_FILE_LINES + 1} lines", f"class Big: {MAX_CLASS_LINES + 1} lines"]

@@ -18,7 +18,8 @@ from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.protocol import OutputAccumulator
 from pagedlm.kvcache.disk_format import RunHeader
-from pagedlm.kvcache.disk_tier import STALE_TMP_SECONDS, DiskTier
+from pagedlm.kvcache.disk_tier import DiskTier
+from pagedlm.kvcache.run_files import STALE_TMP_SECONDS
 from pagedlm.sampling.params import SamplingParams
 from pagedlm.server.api import build_app
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import secrets
 import stat
 import threading
 import time
@@ -39,27 +38,13 @@ from pathlib import Path
 
 import torch
 
-from pagedlm.kvcache.disk_format import SUFFIX, CorruptFileError, RunHeader, file_name, namespace_of, record_digest
+from pagedlm.kvcache.disk_format import CorruptFileError, RunHeader, file_name, namespace_of, record_digest
+from pagedlm.kvcache.run_files import RunFile, open_nofollow, private_dir, read_records, scan_runs, write_run
 from pagedlm.kvcache.write_budget import WriteBudget
 
 logger = logging.getLogger(__name__)
 
-STALE_TMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
 RESCAN_SECONDS = 60.0  # between scans of the directory while writing (other engines' files count toward the budget)
-
-
-def private_dir(path: Path) -> Path:
-    """`path`, created with mode 0700; an existing one must be a directory (not a link) owned by this user."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as e:
-        raise ValueError(f"KV cache directory {path}: {e.strerror or e}") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise ValueError(f"KV cache directory {path} is not a directory owned by this user")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
-    return path
 
 
 @dataclass
@@ -78,12 +63,6 @@ class DiskTierStats:
     evicted_files: int = 0
     usage_bytes: int = 0  # the whole directory, as last counted
     num_files: int = 0
-
-
-@dataclass
-class _File:
-    size: int
-    paths: set[Path]  # its names (hard links), one per block
 
 
 @dataclass
@@ -113,7 +92,7 @@ class DiskTier:
         self.clock = clock
         self.known: set[bytes] = set()  # chain hashes this tier wrote, is writing, or read
         self._lock = threading.Lock()
-        self._files: OrderedDict[int, _File] = OrderedDict()  # LRU first, by inode
+        self._files: OrderedDict[int, RunFile] = OrderedDict()  # LRU first, by inode
         self._blocks: dict[int, list[bytes]] = {}  # chain hashes of the files this tier wrote or read, by inode
         self._pending_bytes = 0
         self._queued: dict[bytes, int] = {}  # chain hash -> runs queued that hold it
@@ -155,7 +134,7 @@ class DiskTier:
         while p < end:
             path = self.path(chain[p])
             try:
-                with open(path, "rb", buffering=0, opener=_nofollow) as f:
+                with open(path, "rb", buffering=0, opener=open_nofollow) as f:
                     ino, hdr = self._header(f)
                     off = p - hdr.start
                     m = 0  # records from `off` on that belong to this chain
@@ -164,7 +143,7 @@ class DiskTier:
                         m += 1
                     if m == 0:
                         raise CorruptFileError("named for a block it does not hold")
-                    good = _read_records(f, hdr, off, view[p - first:p - first + m])
+                    good = read_records(f, hdr, off, view[p - first:p - first + m])
             except FileNotFoundError:
                 break
             except (CorruptFileError, OSError) as e:
@@ -210,7 +189,7 @@ class DiskTier:
             except OSError:
                 pass
         with self._lock:
-            self._files.setdefault(ino, _File(0, set())).paths.update(names)
+            self._files.setdefault(ino, RunFile(0, set())).paths.update(names)
         self._remove(ino)
 
     def _touch(self, path: Path, ino: int, hashes: list[bytes]) -> None:
@@ -290,30 +269,13 @@ class DiskTier:
         arr = records.numpy()
         hdr = RunHeader(self.namespace, self.identity, start, self.record_bytes, hashes, tokens,
                         [record_digest(arr[i].data) for i in range(len(hashes))])
-        names = [self.path(h) for h in hashes]
-        tmp = self.dir / f".{names[-1].stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        linked = set()
-        try:
-            with open(fd, "wb") as f:
-                f.write(hdr.encode())
-                f.write(arr.data)
-            st = os.stat(tmp)
-            size, ino = st.st_size, st.st_ino
-            for name in names:
-                try:
-                    os.link(tmp, name)
-                    linked.add(name)
-                except FileExistsError:  # that block is on disk already, in another run
-                    pass
-        finally:
-            tmp.unlink(missing_ok=True)
+        size, ino, linked = write_run(self.dir, [self.path(h) for h in hashes], hdr.encode(), arr.data)
         if not linked:
             return
         with self._lock:
             self.stats.files_written += 1
             self.stats.bytes_written += size
-            self._files[ino] = _File(size, linked)
+            self._files[ino] = RunFile(size, linked)
             self._blocks[ino] = hashes
             self.stats.usage_bytes += size
             self.stats.num_files = len(self._files)
@@ -354,46 +316,3 @@ class DiskTier:
             self.stats.num_files = len(self._files)
         for path in entry.paths if entry is not None else ():
             path.unlink(missing_ok=True)
-
-
-def scan_runs(root: Path) -> OrderedDict[int, _File]:
-    """Every run file under `root` by inode, least recently used (mtime) first; dead writers' temporary files
-    are removed on the way."""
-    found = []
-    now = time.time()
-    for sub in root.iterdir():
-        if not sub.is_dir() or sub.is_symlink():
-            continue
-        for entry in os.scandir(sub):
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                found.append((st.st_mtime, st.st_ino, Path(entry.path), st.st_size))
-            elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
-                Path(entry.path).unlink(missing_ok=True)
-    found.sort(key=lambda x: x[0])
-    files: OrderedDict[int, _File] = OrderedDict()
-    for _, ino, path, size in found:
-        files.setdefault(ino, _File(size, set())).paths.add(path)
-    return files
-
-
-def _read_records(f, hdr: RunHeader, off: int, out) -> int:
-    """Read records off.. of the run into `out` ([m, record_bytes] uint8) in one sequential read; how many of
-    them, from the first, match their digests."""
-    f.seek(hdr.data_offset + off * hdr.record_bytes)
-    dst = memoryview(out).cast("B")
-    got = 0
-    while got < len(dst) and (n := f.readinto(dst[got:])):
-        got += n
-    good = 0
-    while (good < len(out) and got >= (good + 1) * hdr.record_bytes
-           and record_digest(out[good].data) == hdr.digests[off + good]):
-        good += 1
-    return good
-
-
-def _nofollow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW)
