@@ -190,6 +190,8 @@ def test_errors_in_ollamas_shape(server, client):
              ("/api/chat", {"model": "tiny", "messages": [{**MSGS[0], "images": ["aGk="]}]}, 400, "images"),
              ("/api/generate", {"model": "tiny", "prompt": "x", "images": ["aGk="]}, 400, "images"),
              ("/api/generate", {"model": "tiny", "prompt": "x", "context": [1, 2]}, 400, "context"),
+             ("/api/generate", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "fill-in-the-middle"),
+             ("/api/generate", {"model": "tiny", "prompt": "x", "template": "{{ .Prompt }}"}, 400, "chat template"),
              ("/api/chat", {"model": "tiny", "messages": MSGS, "options": {"num_ctx": 4096}}, 400, "num_ctx"),
              ("/api/chat", {"model": "tiny", "messages": MSGS, "options": {"temperature": -1}}, 400, "temperature"),
              ("/api/chat", {"model": "tiny", "messages": "hi"}, 400, "messages"),

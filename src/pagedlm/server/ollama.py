@@ -39,6 +39,12 @@ def add_ollama_routes(app: FastAPI, bridge: Bridge) -> None:
     app.head("/api/version")(api.version)
 
 
+_UNSUPPORTED_GENERATE = {  # Ollama's /api/generate fields this server refuses, and what to do instead
+    "suffix": "fill-in-the-middle needs a model trained for it: send the text before the gap as the prompt",
+    "template": "the model's own chat template is used: send the messages to /api/chat",
+    "context": "send the conversation to /api/chat instead of a context",
+}
+
 class OllamaAPI:
     def __init__(self, bridge: Bridge) -> None:
         self.bridge, self.front = bridge, bridge.front
@@ -75,10 +81,9 @@ class OllamaAPI:
         name = self.resolve(req.model)
         if req.images:
             raise APIError(400, O.NO_IMAGES, param="images")
-        for field in ("suffix", "template", "context"):
+        for field, why in _UNSUPPORTED_GENERATE.items():
             if getattr(req, field):
-                raise APIError(400, f"`{field}` is not supported by this server (send the conversation to /api/chat "
-                                    "instead of a context, the template is the model's own).", param=field)
+                raise APIError(400, f"`{field}` is not supported by this server ({why}).", param=field)
         if not req.prompt:
             return _loaded(req.model, "response")
         common = self._common(req, name)
