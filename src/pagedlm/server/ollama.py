@@ -45,6 +45,7 @@ _UNSUPPORTED_GENERATE = {  # Ollama's /api/generate fields this server refuses, 
     "context": "send the conversation to /api/chat instead of a context",
 }
 
+
 class OllamaAPI:
     def __init__(self, bridge: Bridge) -> None:
         self.bridge, self.front = bridge, bridge.front
