@@ -182,7 +182,7 @@ def test_one_row_reads_tiles_in_pairs_or_alone_with_the_same_bits(monkeypatch, m
     try:
         for name, layer in layers.items():
             variant.pagedlm_row_pairs(1)
-            passes = variant.pagedlm_row_pair_passes()
+            passes, q8_rows = variant.pagedlm_row_pair_passes(), variant.pagedlm_q8_0_row_passes()
             paired = layer(x)
             ran = variant.pagedlm_row_pair_passes() - passes
             variant.pagedlm_row_pairs(0)
@@ -190,6 +190,8 @@ def test_one_row_reads_tiles_in_pairs_or_alone_with_the_same_bits(monkeypatch, m
             assert torch.equal(layer(x), paired), name
             assert variant.pagedlm_row_pair_passes() == passes, name
             gguf_kind = name in quant.GGUF_KINDS
+            # Q8_0's one-row VNNI kernel read the row both times: its tiles in pairs, then one at a time
+            assert variant.pagedlm_q8_0_row_passes() - q8_rows == (2 if vnni and name == "Q8_0" else 0), name
             if vnni:
                 assert ran == (1 if not gguf_kind or name == "Q8_0" else 0), name
             elif avx2:

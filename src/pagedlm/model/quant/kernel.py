@@ -38,6 +38,8 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_row_pairs.argtypes = [i]
     lib.pagedlm_row_pair_passes.argtypes = []
     lib.pagedlm_row_pair_passes.restype = ctypes.c_int64
+    lib.pagedlm_q8_0_row_passes.argtypes = []
+    lib.pagedlm_q8_0_row_passes.restype = ctypes.c_int64
     lib.pagedlm_amx_products.argtypes = []
     lib.pagedlm_amx_products.restype = ctypes.c_int64
     lib.pagedlm_gguf_vnni_products.argtypes = []
