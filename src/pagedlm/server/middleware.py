@@ -107,9 +107,9 @@ class Guard:
 
 
 def from_browser(headers: dict[str, str]) -> bool:
-    """Whether a request may come from a web page: browsers send `Origin` with every POST and `Sec-Fetch-Site` with
-    every request (since 2019-2023). curl, the SDKs and Ollama's documented `curl -d '{...}'` send neither, so their
-    bodies are read as JSON whatever their Content-Type says."""
+    """Whether a request may come from a web page: browsers send `Origin` with every POST, and `Sec-Fetch-Site` with
+    every request (Chrome since 2019, Firefox since 2021, Safari since 2023). curl, the SDKs and Ollama's documented
+    `curl -d '{...}'` send neither, so their bodies are read as JSON whatever their Content-Type says."""
     return "origin" in headers or "sec-fetch-site" in headers
 
 
