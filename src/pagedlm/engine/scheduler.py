@@ -167,14 +167,17 @@ class Scheduler:
             if not seqs:
                 kept.append(req)
                 continue
-            if not bm.can_append_slots(seqs, nums):  # draft tokens never preempt anyone: they wait
+            fits = bm.can_append_slots(seqs, nums)
+            if not fits:  # draft tokens never preempt anyone: they wait
                 real = [min(n, s.num_uncomputed_tokens) for s, n in zip(seqs, nums)]
                 budget, nums = budget + sum(nums) - sum(real), real
-            while not bm.can_append_slots(seqs, nums):
+                fits = bm.can_append_slots(seqs, nums)
+            while not fits:
                 victim = queue.pop() if queue else req
                 self._preempt(victim, out)
                 if victim is req:
                     break
+                fits = bm.can_append_slots(seqs, nums)
             else:
                 for seq, n in zip(seqs, nums):
                     out.blocks_to_copy += bm.append_slots(seq, n)
