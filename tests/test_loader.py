@@ -461,6 +461,29 @@ def test_gguf_header_reader_equals_gguf_py(endian, tmp_path: Path) -> None:
                                           gguf.quants.dequantize(r.data, r.tensor_type))
 
 
+@pytest.mark.parametrize(("file_type", "name"), [(None, ""), (15, "Q4_K_M"), (0, "F32"), (1024, ""), (999, "")])
+def test_gguf_file_type_and_scalar_metadata(file_type, name, tmp_path: Path) -> None:
+    """A GGUF's type as llama.cpp and Ollama name it, and the metadata JSON can carry (no arrays, no NaN)."""
+    from pagedlm.hub.gguf_file import read_gguf
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    if file_type is not None:
+        w.add_uint32("general.file_type", file_type)
+    w.add_float32("t.nan", float("nan"))
+    w.add_float32("t.f32", 0.5)
+    w.add_array("t.ints", [3, 1, 2])
+    w.add_tensor("f32", np.zeros((2, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    header = read_gguf(path)
+    assert header.file_type == name
+    assert header.scalars == {"general.architecture": "llama", "t.f32": 0.5,
+                              **({} if file_type is None else {"general.file_type": file_type})}
+
+
 def test_deeply_nested_metadata_arrays_are_a_clear_error(tmp_path: Path) -> None:
     """Arrays of arrays 100,000 deep (12 bytes each) are refused, not parsed until the stack runs out."""
     import struct

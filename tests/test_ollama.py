@@ -185,6 +185,26 @@ def test_model_endpoints(server, client):
     assert loaded.done and loaded.done_reason == "load"
 
 
+def test_what_the_ollama_cli_sends_before_a_chat(server, client):
+    """`ollama run` checks the server with HEAD /, and pulls a model /api/show does not know: a served model is
+    there (success, streamed or not); any other gets a 404 that says why; managing models is refused (403)."""
+    for method in ("HEAD", "GET"):
+        r = httpx.request(method, f"{server.url}/")
+        assert r.status_code == 200 and (method == "HEAD" or "running" in r.text)
+    assert client.pull("tiny:latest").status == "success"
+    assert [p.status for p in client.pull("tiny", stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3.2")
+    assert e.value.status_code == 404 and "does not download" in e.value.error and "tiny" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("tiny")
+    assert e.value.status_code == 403 and "/api/delete is refused" in e.value.error
+    for path in ("/api/copy", "/api/create", "/api/push"):
+        r = server.post(path, json={"model": "tiny"})
+        assert r.status_code == 403 and set(r.json()) == {"error"}, r.text
+    assert client.list().models[0].model == "tiny"
+
+
 def test_errors_in_ollamas_shape(server, client):
     cases = [("/api/chat", {"model": "nope", "messages": MSGS}, 404, "not found"),
              ("/api/chat", {"model": "tiny", "messages": [{**MSGS[0], "images": ["aGk="]}]}, 400, "images"),

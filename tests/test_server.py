@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import ollama
 import openai
 import pytest
 from server_utils import InProcessServer, ServerProcess
@@ -557,5 +558,9 @@ def test_real_model_http_matches_llm(smollm2_path):
                                                             temperature=0, stream=True), chat=True)
         assert streamed == ref_chat
         assert srv.wait_idle()["pagedlm:kv_blocks_used"] == 0
+        show = ollama.Client(host=srv.url).show("smollm2")  # the GGUF's own type and metadata, as Ollama shows them
+        assert show.details.quantization_level == "Q4_1" and show.details.format == "gguf"
+        assert show.modelinfo["general.file_type"] == 3 and show.modelinfo["tokenizer.ggml.model"] == "gpt2"
+        assert show.modelinfo["llama.context_length"] == llm.engine.max_model_len
     finally:
         srv.stop()

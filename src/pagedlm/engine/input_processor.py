@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,8 @@ class EngineInfo:
     num_parameters: int = 0  # of the checkpoint
     weights: str = ""  # the served weights' format: int4, int8, bf16, or the dtype of dense ones
     hidden_size: int = 0  # the model's hidden states' width: its embeddings' (pooling requests')
+    file_type: str = ""  # a GGUF's type as llama.cpp names it (Q4_K_M, Q8_0, F16); empty for other checkpoints
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False)  # a GGUF's, but its arrays
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
@@ -60,11 +62,20 @@ class EngineInfo:
                    kv=KVCacheShape.of(bm, cfg.max_num_batched_tokens), prefix_caching=bm.enable_prefix_caching,
                    family=mc.model_type, num_parameters=mc.num_parameters(),
                    weights=engine.plan.quantization or str(engine.plan.dtype).removeprefix("torch."),
-                   hidden_size=mc.hidden_size)
+                   hidden_size=mc.hidden_size, **_gguf_facts(Path(engine.model_path)))
 
     @property
     def admission(self) -> AdmissionLimits:
         return AdmissionLimits(self.max_model_len, self.max_num_seqs, self.kv)
+
+
+def _gguf_facts(path: Path) -> dict[str, Any]:
+    if path.suffix != ".gguf" or not path.is_file():
+        return {}
+    from pagedlm.hub.registry import open_gguf
+
+    header = open_gguf(path)
+    return {"file_type": header.file_type, "metadata": header.scalars}
 
 
 class InputProcessor:

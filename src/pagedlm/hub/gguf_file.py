@@ -9,6 +9,7 @@ of its blocks (uint8, last dimension in bytes), shapes in numpy order.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -59,6 +60,23 @@ class GGUFFile:
     alignment: int
     mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)
     little_endian: bool = True
+
+    @property
+    def scalars(self) -> dict[str, Any]:
+        """The metadata but its arrays (the vocabulary, the merges) and non-finite numbers: Ollama's /api/show
+        `model_info`, which JSON can carry."""
+        return {k: v for k, v in self.fields.items()
+                if not isinstance(v, list) and not (isinstance(v, float) and not math.isfinite(v))}
+
+    @property
+    def file_type(self) -> str:
+        """The file's type as llama.cpp and Ollama name it (`Q4_K_M`, `Q8_0`, `F16`; empty when the header has none
+        or an unknown one): `general.file_type`, the type most of its weights have."""
+        try:
+            name = gguf.LlamaFileType(self.fields.get("general.file_type")).name
+        except ValueError:
+            return ""
+        return {"ALL_F32": "F32", "GUESSED": ""}.get(name, name.removeprefix("MOSTLY_"))
 
     def release(self, tensor: GGUFTensor, start: int = 0, nbytes: int | None = None) -> None:
         """Unmap the pages of `tensor`'s data (bytes `start` .. `start + nbytes` of it, None: to its end) from this

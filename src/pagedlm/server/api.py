@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -169,6 +169,10 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         logger.exception("Unhandled error in %s %s", request.method, request.url.path)
         return error_response(APIError(500, f"Internal server error ({type(e).__name__}); see the server log.",
                                         type="server_error"), request.url.path)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:  # Ollama's clients check that a server is up here (`ollama run`: HEAD /)
+        return PlainTextResponse("pagedlm is running")
 
     @app.get("/health")
     async def health() -> Response:

@@ -9,7 +9,7 @@ from pagedlm.server.limits import KeyLeases
 from pagedlm.server.protocol import APIError
 from pagedlm.server.wire import error_response
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/api/version", "/ui"})
+PUBLIC_PATHS = frozenset({"/", "/health", "/metrics", "/version", "/api/version", "/ui"})
 PUBLIC_PREFIXES = ("/ui/",)  # the web view's page and assets hold no data (server/ui.py)
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 

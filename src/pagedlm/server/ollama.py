@@ -1,9 +1,9 @@
 """Ollama's native API on the same app (and, with --ollama-port, on a second port such as 11434): /api/chat and
-/api/generate (NDJSON streams by default, `stream: false` for one object), /api/tags, /api/show, /api/ps and
-/api/version. Errors are Ollama's `{"error": "..."}` (api_errors.py). Generation runs through the chat path
-(bridge.py): the same checks, limits, routing and engine features as /v1/chat/completions, logprobs included
-(`logprobs`, `top_logprobs`: each answer object or NDJSON line carries its tokens'); a raw /api/generate runs as a
-completion."""
+/api/generate (NDJSON streams by default, `stream: false` for one object), /api/tags, /api/show, /api/ps,
+/api/version and /api/pull (of a served model: nothing is downloaded). Errors are Ollama's `{"error": "..."}`
+(api_errors.py). Generation runs through the chat path (bridge.py): the same checks, limits, routing and engine
+features as /v1/chat/completions, logprobs included (`logprobs`, `top_logprobs`: each answer object or NDJSON line
+carries its tokens'); a raw /api/generate runs as a completion."""
 from __future__ import annotations
 
 import datetime as dt
@@ -37,6 +37,9 @@ def add_ollama_routes(app: FastAPI, bridge: Bridge) -> None:
     app.get("/api/ps")(api.ps)
     app.get("/api/version")(api.version)
     app.head("/api/version")(api.version)
+    app.post("/api/pull")(api.pull)
+    for path in ("/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs/{digest}"):
+        app.add_api_route(path, api.manage, methods=["POST", "DELETE", "HEAD"])
 
 
 _UNSUPPORTED_GENERATE = {  # Ollama's /api/generate fields this server refuses, and what to do instead
@@ -177,13 +180,34 @@ class OllamaAPI:
         return JSONResponse({
             "license": "", "modelfile": "", "parameters": "", "template": template,
             "details": _details(srv), "modified_at": _modified(info.model_path),
-            "model_info": {"general.architecture": family, "general.parameter_count": info.num_parameters,
-                           f"{family}.context_length": info.max_model_len,
-                           "tokenizer.ggml.model": type(srv.tok.hf).__name__},
+            "model_info": {**info.metadata, "general.architecture": family,
+                           "general.parameter_count": info.num_parameters,
+                           f"{family}.context_length": info.max_model_len},
             "capabilities": ["completion", "tools"]})
 
     async def version(self) -> Response:
         return JSONResponse({"version": __version__})
+
+    async def pull(self, request: Request) -> Response:
+        """Ollama's `pull` (which `ollama run` sends for a model /api/show does not know): a served model is there
+        already; any other is a 404 naming the served ones, as this server serves what it was started with."""
+        req, _ = await self.bridge.parse(request, O.PullRequest)
+        if not (req.model or req.name):
+            raise APIError(400, "model is required", param="model")
+        try:
+            self.resolve(req.model or req.name)
+        except APIError:
+            raise APIError(404, f'model "{req.model or req.name}" is not served here, and this server does not '
+                                f"download models: it serves {sorted(self.front.models)}, the models it was "
+                                "started with (`pagedlm serve --model ...`)", param="model",
+                           code="model_not_found") from None
+        if req.stream:
+            return Response(_line({"status": "success"}), media_type=NDJSON)
+        return JSONResponse({"status": "success"})
+
+    async def manage(self, request: Request) -> Response:
+        raise APIError(403, f"{request.url.path} is refused: this server serves the models it was started with "
+                            "and does not change, copy or push them", code="model_management")
 
     def _entry(self, name: str, srv: ServedModel) -> dict[str, Any]:
         path = srv.processor.info.model_path
@@ -198,7 +222,7 @@ def _details(srv: ServedModel) -> dict[str, Any]:
     family = _family(info.family)
     return {"parent_model": "", "format": "gguf" if info.model_path.suffix == ".gguf" else "safetensors",
             "family": family, "families": [family], "parameter_size": _parameter_size(info.num_parameters),
-            "quantization_level": info.weights.upper()}
+            "quantization_level": info.file_type or info.weights.upper()}
 
 
 def _family(model_type: str) -> str:

@@ -118,6 +118,14 @@ class ShowRequest(Request):
     verbose: bool = False
 
 
+class PullRequest(Request):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["model"]}, {"required": ["name"]}]})
+    model: str | None = None
+    name: str | None = None
+    insecure: bool = False
+    stream: bool = True
+
+
 class EmbedRequest(Request):
     model: str = Field(min_length=1)
     input: str | list[str]

@@ -26,7 +26,7 @@ BODIES: dict[str, tuple[type[BaseModel], str]] = {
     "/v1/completions": (P.CompletionRequest, "auto"), "/v1/chat/completions": (P.ChatCompletionRequest, "auto"),
     "/tokenize": (P.TokenizeRequest, "served"), "/detokenize": (P.DetokenizeRequest, "served"),
     "/api/chat": (O.ChatRequest, "auto"), "/api/generate": (O.GenerateRequest, "auto"),
-    "/api/show": (O.ShowRequest, "served"), "/v1/messages": (A.MessagesRequest, "auto"),
+    "/api/show": (O.ShowRequest, "served"), "/api/pull": (O.PullRequest, "served"), "/v1/messages": (A.MessagesRequest, "auto"),
     "/v1/messages/count_tokens": (A.CountTokensRequest, "served"), "/v1/responses": (R.ResponsesRequest, "auto"),
     "/v1/embeddings": (EmbeddingRequest, "embedding"), "/api/embed": (O.EmbedRequest, "embedding"),
     "/api/embeddings": (O.EmbeddingsRequest, "embedding"),
