@@ -63,6 +63,15 @@ def test_unknown_model_is_a_clear_error(capsys):
     assert "expected a known model name" in capsys.readouterr().err
 
 
+def test_serve_takes_the_model_as_its_argument(tmp_path, capsys):
+    """`pagedlm serve MODEL`, as `vllm serve MODEL`: the first model to serve, before any --model."""
+    missing = tmp_path / "no-model.gguf"
+    assert main(["serve", str(missing), "--port", "0"]) == 2
+    assert f"'{missing}' does not exist" in capsys.readouterr().err
+    assert main(["serve", str(missing), "--model", "smollm2-135m", "--served-model-name", "x", "--port", "0"]) == 2
+    assert "--served-model-name needs exactly one --model" in capsys.readouterr().err
+
+
 def test_memory_with_quantized_kv_cache(tmp_path, capsys):
     r = memory_json(capsys, hf_config(tmp_path, LLAMA_70B), "--kv-cache-dtype", "int8", "--kv-cache-memory", "40GiB")
     assert r["kv_bytes_per_token"] == 2 * 80 * 8 * (128 + 4) and r["scale_bytes"] == 4  # values + fp32 scale

@@ -26,6 +26,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, engine_args_fn: Cal
     """`engine_args_fn(parser, multi_model=True)` adds the engine flags with a repeatable `--model`; the fields of
     ServeConfig's option classes add the server's, the loops', the router's and the replicas'."""
     p = subparsers.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve, as a first --model (as in "
+                   "`vllm serve MODEL`)")
     engine_args_fn(p, multi_model=True)
     for cls in ServeConfig.OPTIONS:
         add_arguments(p, cls)
@@ -38,6 +40,8 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Nam
     """The flags (and their YAML file) read into a ServeConfig and the models to serve; bad ones fail here."""
     if args.config:
         apply_config(args, parser, args.config)
+    if getattr(args, "model_tag", None):
+        args.model = [args.model_tag, *(args.model or [])]
     cfg = ServeConfig.from_args(args, engine_kwargs_fn)
     return serve(cfg, model_specs(args.model, cfg.server.served_model_name))
 
