@@ -153,9 +153,10 @@ def servers(long_tiny_dir):
     engine = AsyncLLMEngine(eng, LoopConfig.offline(log_interval=0))
     tools = InProcessServer(build_app({"tiny": engine}, tool_call_parser="hermes"))
     plain = InProcessServer(build_app({"tiny": engine}))
-    yield tools, plain
-    tools.stop()
-    plain.stop()
+    forced = InProcessServer(build_app({"tiny": engine}, tool_call_parser="hermes", auto_tool_choice=False))
+    yield tools, plain, forced
+    for srv in (tools, plain, forced):
+        srv.stop()
     engine.shutdown()
 
 
@@ -230,7 +231,7 @@ def test_round_trip_renders_the_history(servers):
 
 
 def test_tool_request_errors(servers):
-    tools, plain = servers
+    tools, plain, _ = servers
     body = {"model": "tiny", "messages": MSGS, "tools": TOOLS}
     r = plain.post("/v1/chat/completions", json={**body, "max_tokens": 120, "tool_choice": "required"})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"], r.text  # no flag needed
@@ -248,6 +249,21 @@ def test_tool_request_errors(servers):
                                 "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]})
     assert r.status_code == 200  # a history with calls, on a server without a tool parser
+
+
+def test_without_auto_tool_choice_only_forced_calls_are_served(servers):
+    """--no-enable-auto-tool-choice (vLLM without --enable-auto-tool-choice): tools the model may choose to call
+    are a 400 naming tool_choice; forced calls and tool_choice "none" are served."""
+    forced = servers[2]
+    body = {"model": "tiny", "messages": MSGS, "tools": TOOLS, "max_tokens": 120}
+    for extra in ({}, {"tool_choice": "auto"}):
+        r = forced.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert "--no-enable-auto-tool-choice" in r.json()["error"]["message"]
+    r = forced.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"], r.text
+    assert forced.post("/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 2}).status_code == 200
+    assert servers[0].post("/v1/chat/completions", json={**body, "max_tokens": 2}).status_code == 200  # the default
 
 
 def test_tool_support_follows_the_template():

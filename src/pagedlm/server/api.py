@@ -73,7 +73,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
               max_body_bytes: int = 8 * 2**20, dispatcher: Dispatcher | None = None, *,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, prefix_cache_per_key: bool = False,
-              strict_request_fields: bool = False, tool_call_parser: str | None = None,
+              strict_request_fields: bool = False, tool_call_parser: str | None = None, auto_tool_choice: bool = True,
               health_step_timeout: float = DEFAULT_HEALTH_STEP_TIMEOUT,
               max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, allow_client_priority: bool = False,
               limits: RequestLimits = RequestLimits(), stage_threads: int = DEFAULT_STAGE_THREADS,
@@ -94,7 +94,8 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     prefix_cache_per_key: salt the prefix cache with the API key, so tenants never share cached blocks.
     strict_request_fields: unknown request fields are a 400 (else they are named in UNKNOWN_FIELDS_HEADER).
     tool_call_parser: the format tool calls are parsed from (server.tools.TOOL_PARSERS; None: the one matching each
-    model's chat template, see tools.tool_support).
+    model's chat template, see tools.tool_support). auto_tool_choice: the model may choose to call tools
+    (tool_choice "auto"); if False, only forced calls are served (a 400 otherwise, as vLLM without the flag).
     health_step_timeout: /health is 503 while an engine step has run longer than this, requests waiting (0: off).
     max_requests_per_key: engine requests (prompts) one API key may have open (waiting or running); beyond, 429
     (0: no cap; without keys there is none).
@@ -141,6 +142,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         models[name] = model = ServedModel(engine, name, max_prompts_per_request, prefix_cache_per_key, tools.parser,
                                            limits, stages, budget)
         model.tool_template, model.embedding_pooling = tools.template, embedding_pooling
+        model.auto_tool_choice = auto_tool_choice
     front = Frontend(models, metrics, dispatcher, strict_request_fields, allow_client_priority)
     app.state.frontend = front
     front.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None

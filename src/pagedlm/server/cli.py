@@ -98,6 +98,7 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
                         allowed_origins=_names(srv.allowed_origins), allowed_hosts=allowed_hosts(srv),
                         prefix_cache_per_key=srv.prefix_cache_per_key,
                         strict_request_fields=srv.strict_request_fields, tool_call_parser=srv.tool_call_parser,
+                        auto_tool_choice=srv.enable_auto_tool_choice,
                         health_step_timeout=srv.health_step_timeout,
                         max_requests_per_key=srv.max_requests_per_key,
                         allow_client_priority=srv.allow_client_priority,

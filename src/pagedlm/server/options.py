@@ -126,6 +126,10 @@ class ServerConfig:
     tool_call_parser: str | None = option(None, "parse tool calls from the output in this format (default: the "
                                           "one matching each model's chat template)", choices=sorted(TOOL_PARSERS),
                                           group=TOOLS)
+    enable_auto_tool_choice: bool = option(True, "the model chooses whether to call a tool (tool_choice \"auto\", "
+                                           "the default with tools); --no-enable-auto-tool-choice: only calls the "
+                                           "request forces (\"required\", a named function), as vLLM without "
+                                           "--enable-auto-tool-choice", group=TOOLS)
     strict_request_fields: bool = option(False, "refuse requests with fields the server does not know (400) instead "
                                          "of naming them in the x-pagedlm-unknown-fields response header",
                                          group=LIMITS)

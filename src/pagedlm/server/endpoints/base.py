@@ -51,6 +51,7 @@ class EndpointBase:
     response starts, so that a failure then is still `Unavailable` and another model may take the request."""
 
     tool_template: str | None = None  # the template requests with tools are rendered with (None: the model's)
+    auto_tool_choice: bool = True  # tool_choice "auto" is served (--enable-auto-tool-choice)
 
     def __init__(self, engine: EngineClient, name: str, max_prompts_per_request: int = 256,
                  prefix_cache_per_key: bool = False, tool_parser: HermesToolParser | None = None,

@@ -32,6 +32,10 @@ class ChatEndpoint(EndpointBase):
         if req.tools_active and self.tool_parser is None:
             raise APIError(400, "This server does not parse tool calls (start it with --tool-call-parser).",
                            param="tools")
+        if req.tools_active and req.tool_choice in (None, "auto") and not self.auto_tool_choice:
+            raise APIError(400, 'tool_choice "auto" is not served here (the server was started with '
+                                '--no-enable-auto-tool-choice): force the calls with "required" or a named function, '
+                                'or send "none".', param="tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools_active else None
         ids = await self.stages.run("chat", self.chat_request_prompt, req, tools)
         self.check_prompt(ids)
