@@ -172,9 +172,11 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         return error_response(APIError(500, f"Internal server error ({type(e).__name__}); see the server log.",
                                         type="server_error"), request.url.path)
 
-    @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> Response:  # Ollama's clients check that a server is up here (`ollama run`: HEAD /)
         return PlainTextResponse("pagedlm is running")
+
+    app.get("/")(root)
+    app.head("/")(root)
 
     @app.get("/health")
     async def health() -> Response:

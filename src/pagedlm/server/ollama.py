@@ -38,8 +38,9 @@ def add_ollama_routes(app: FastAPI, bridge: Bridge) -> None:
     app.get("/api/version")(api.version)
     app.head("/api/version")(api.version)
     app.post("/api/pull")(api.pull)
-    for path in ("/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs/{digest}"):
-        app.add_api_route(path, api.manage, methods=["POST", "DELETE", "HEAD"])
+    for method, path in (("POST", "/api/push"), ("POST", "/api/create"), ("POST", "/api/copy"),
+                         ("DELETE", "/api/delete"), ("HEAD", "/api/blobs/{digest}"), ("POST", "/api/blobs/{digest}")):
+        app.add_api_route(path, api.manage, methods=[method])
 
 
 _UNSUPPORTED_GENERATE = {  # Ollama's /api/generate fields this server refuses, and what to do instead
