@@ -24,7 +24,7 @@ from schemathesis import GenerationMode  # noqa: E402
 CASES = {GenerationMode.POSITIVE: 15, GenerationMode.NEGATIVE: 6}  # per operation (at most)
 POSTS = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/api/chat", "/api/generate",
          "/api/show", "/api/pull", "/api/embed", "/api/embeddings", "/v1/messages", "/v1/messages/count_tokens",
-         "/v1/responses", "/v1/embeddings"}
+         "/v1/responses", "/v1/embeddings", "/completion"}
 
 
 @pytest.fixture(scope="module")

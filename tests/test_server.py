@@ -210,6 +210,13 @@ def test_completion_logprobs_and_echo(server, client):
     echo_only = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True,
                                           extra_body=NO_EOS).choices[0]
     assert echo_only.text == c.text and echo_only.logprobs is None
+    ids = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                    extra_body={**NO_EOS, "return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert ids.token_logprobs == lp.token_logprobs and ids.text_offset == lp.text_offset  # vLLM's option: the ids
+    tokens = [int(t.removeprefix("token_id:")) for t in ids.tokens]
+    assert server.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == c.text
+    assert all(len(top) >= len(t) and all(k.startswith("token_id:") for k in top)  # equal texts stay apart
+               for top, t in zip(ids.top_logprobs[n_prompt:], lp.top_logprobs[n_prompt:]))
 
 
 def test_chat_logprobs(client):
@@ -255,7 +262,8 @@ def test_tokenize_detokenize_tokenizer_info(server, tiny_llm):
     r = server.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
     assert len(r["token_strs"]) == r["count"]
-    assert server.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
+    text = server.post("/detokenize", json={"tokens": r["tokens"]}).json()
+    assert text == {"prompt": "Hello world", "content": "Hello world"}  # vLLM's field, llama-server's
     msgs = [{"role": "user", "content": "Hi"}]
     r = server.post("/tokenize", json={"messages": msgs}).json()
     assert r["tokens"] == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)

@@ -51,6 +51,7 @@ from pagedlm.server.embeddings import add_embedding_routes
 from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.frontend import UNKNOWN_FIELDS_HEADER, Frontend
 from pagedlm.server.limits import KeyLeases, LogprobBudget, RequestLimits
+from pagedlm.server.llamacpp import add_llamacpp_routes
 from pagedlm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedlm.server.middleware import LOOPBACK_HOSTS, Guard
 from pagedlm.server.ollama import add_ollama_routes
@@ -189,7 +190,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
         if stuck:
             raise APIError(503, f"An engine step has run longer than {health_step_timeout:g} s with requests "
                                 f"waiting ({', '.join(stuck)}).", type="server_error")
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})  # llama-server's body; vLLM's clients read the status alone
 
     @app.get("/version")
     async def version() -> dict:
@@ -236,6 +237,7 @@ def build_app(engines: Mapping[str, EngineClient], api_key: str | Sequence[str] 
     bridge = Bridge(front)
     add_ollama_routes(app, bridge)
     add_anthropic_routes(app, bridge)
+    add_llamacpp_routes(app, bridge)
     add_responses_routes(app, bridge, ResponseStore(responses_store_size, responses_store_ttl))
     embeddings = add_embedding_routes(app, bridge, embedders)
     document_bodies(app, Served(

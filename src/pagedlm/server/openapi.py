@@ -19,6 +19,7 @@ from pagedlm.server import protocol as P
 from pagedlm.server import responses_protocol as R
 from pagedlm.server.embeddings import EmbeddingRequest
 from pagedlm.server.endpoints.base import TEMPLATE_KWARGS
+from pagedlm.server.llamacpp import CompletionRequest as LlamaCppCompletion
 
 # each route's body, and which names its `model` takes: generation models and the auto model ("auto"), the
 # served generation models alone ("served"), or the embedding models ("embedding")
@@ -30,18 +31,21 @@ BODIES: dict[str, tuple[type[BaseModel], str]] = {
     "/v1/messages": (A.MessagesRequest, "auto"),
     "/v1/messages/count_tokens": (A.CountTokensRequest, "served"), "/v1/responses": (R.ResponsesRequest, "auto"),
     "/v1/embeddings": (EmbeddingRequest, "embedding"), "/api/embed": (O.EmbedRequest, "embedding"),
-    "/api/embeddings": (O.EmbeddingsRequest, "embedding"),
+    "/api/embeddings": (O.EmbeddingsRequest, "embedding"), "/completion": (LlamaCppCompletion, "auto"),
 }
 # the schemas of other APIs share class names with OpenAI's (Message, Tool, ...): theirs get a prefix
-PREFIXES = {O.__name__: "Ollama", A.__name__: "Anthropic", R.__name__: "Responses"}
-TOKEN_COUNTS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "num_ctx")  # at most the context
+PREFIXES = {O.__name__: "Ollama", A.__name__: "Anthropic", R.__name__: "Responses",
+            LlamaCppCompletion.__module__: "LlamaCpp"}
+# at most the context
+TOKEN_COUNTS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "num_ctx", "n_predict")
 # per route, fields of token ids (of the generation or the embedding models' vocabulary) and fields not empty
 TOKEN_IDS = {"/v1/completions": {"prompt": "generation", "allowed_token_ids": "generation",
                                  "stop_token_ids": "generation"},
              "/v1/chat/completions": {"allowed_token_ids": "generation", "stop_token_ids": "generation"},
-             "/detokenize": {"tokens": "generation"}, "/v1/embeddings": {"input": "embedding"}}
+             "/detokenize": {"tokens": "generation"}, "/v1/embeddings": {"input": "embedding"},
+             "/completion": {"prompt": "generation"}}
 NOT_EMPTY = {"/v1/completions": "prompt", "/v1/embeddings": "input", "/api/embed": "input",
-             "/api/embeddings": "prompt", "/v1/responses": "input"}
+             "/api/embeddings": "prompt", "/v1/responses": "input", "/completion": "prompt"}
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Annotated[int, Field(ge=0), WHOLE] | None = 16  # 0: score the prompt only (echo, prompt_logprobs)
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None  # at most the engine's max_logprobs
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" (vLLM's)
     best_of: Int | None = None
     suffix: str | None = None
 
@@ -373,13 +374,16 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(Request):
-    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of prompt or messages
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of prompt, messages or content
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+        {"required": ["content"], "properties": {"content": {"type": "string"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    content: str | None = None  # llama-server's prompt field, with its add_special (default False)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_special: bool = False
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 

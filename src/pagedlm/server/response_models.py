@@ -174,3 +174,4 @@ class TokenizeResponse(Response):
 
 class DetokenizeResponse(Response):
     prompt: str
+    content: str | None = None  # the same text, as llama-server names it

@@ -85,7 +85,7 @@ class CompletionsEndpoint(EndpointBase):
                                                 top_logprobs=list(head.top_logprobs),
                                                 text_offset=list(head.text_offset))
             state.text_offset = L.add_completion(self.tok, logprobs, o.token_ids, o.logprobs or [],
-                                                 state.text_offset)
+                                                 state.text_offset, req.return_tokens_as_token_ids)
         if echo:
             text = self._completion_echo(prompt) + text
         return P.CompletionChoice(index=index, text=text, logprobs=logprobs,
@@ -98,7 +98,8 @@ class CompletionsEndpoint(EndpointBase):
         if req.echo and req.logprobs is not None and prompt.echo_logprobs is None:
             head = P.CompletionLogprobs()
             entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
-            prompt.echo_logprobs = head, L.add_completion(self.tok, head, prompt.token_ids, entries, 0)
+            prompt.echo_logprobs = head, L.add_completion(self.tok, head, prompt.token_ids, entries, 0,
+                                                          req.return_tokens_as_token_ids)
         if req.prompt_logprobs is not None and prompt.prompt_logprobs is None:
             prompt.prompt_logprobs = L.prompt(out)
 

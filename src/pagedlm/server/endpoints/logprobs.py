@@ -33,9 +33,11 @@ def token_str(tok: Decoder, tid: int, entry: PositionLogprobs) -> str:
 
 
 def add_completion(tok: Decoder, lp: P.CompletionLogprobs, token_ids: list[int], entries: list[PositionLogprobs | None],
-                   offset: int) -> int:
+                   offset: int, as_ids: bool = False) -> int:
     """Append `token_ids` (with their `entries`; None: a position without logprobs) to `lp`, the first at text
-    offset `offset`; returns the offset after them."""
+    offset `offset`; returns the offset after them. `as_ids` (vLLM's return_tokens_as_token_ids): tokens and the
+    top_logprobs' keys as `token_id:<id>`, so that tokens whose texts are equal (or not text: part of a character)
+    stay apart."""
     for tid, entry in zip(token_ids, entries):
         if entry is None:
             token = tok.decode([tid], skip_special_tokens=False)
@@ -44,8 +46,9 @@ def add_completion(tok: Decoder, lp: P.CompletionLogprobs, token_ids: list[int],
         else:
             token = token_str(tok, tid, entry)
             lp.token_logprobs.append(clamp(entry[tid].logprob))
-            lp.top_logprobs.append({token_str(tok, t, entry): clamp(e.logprob) for t, e in entry.items()})
-        lp.tokens.append(token)
+            keys = [f"token_id:{t}" if as_ids else token_str(tok, t, entry) for t in entry]
+            lp.top_logprobs.append({k: clamp(e.logprob) for k, e in zip(keys, entry.values())})
+        lp.tokens.append(f"token_id:{tid}" if as_ids else token)
         lp.text_offset.append(offset)
         offset += len(token)
     return offset

@@ -11,9 +11,12 @@ from pagedlm.server.protocol import APIError
 
 class TokenizeEndpoint(EndpointBase):
     def tokenize(self, req: P.TokenizeRequest) -> P.TokenizeResponse:
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "Give exactly one of `prompt` or `messages`.")
-        if req.messages is not None:
+        if sum(x is not None for x in (req.prompt, req.messages, req.content)) != 1:
+            raise APIError(400, "Give exactly one of `prompt`, `messages` or `content` (llama-server's).")
+        if req.content is not None:  # llama-server's field and default: no special tokens unless add_special
+            text, add_special = req.content, req.add_special
+            self.limits.check_prompt_chars(text, "content")
+        elif req.messages is not None:
             P.check_contents(req.messages)
             text = self.render_chat(req.messages, req.add_generation_prompt)
             add_special = bool(req.add_special_tokens)
@@ -29,7 +32,8 @@ class TokenizeEndpoint(EndpointBase):
         vocab = len(self.tok.hf)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
-        return P.DetokenizeResponse(prompt=self.tok.decode(req.tokens, skip_special_tokens=False))
+        text = self.tok.decode(req.tokens, skip_special_tokens=False)
+        return P.DetokenizeResponse(prompt=text, content=text)
 
     def tokenizer_info(self) -> dict:
         """vLLM's shape: the tokenizer's JSON-able init kwargs plus its class, special tokens and template."""
