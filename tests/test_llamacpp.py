@@ -100,7 +100,9 @@ def test_props_tokenize_detokenize_health(server):
 def test_errors(server):
     cases = [({"return_tokens": True}, 400, "return_tokens"), ({"n_probs": 21}, 400, "n_probs"),
              ({"grammar": 'root ::= "a"', "json_schema": {}}, 400, "grammar"), ({"model": "nope"}, 404, "nope"),
-             ({"prompt": ""}, 400, "empty"), ({"grammar": "root ::= ("}, 400, "grammar")]
+             ({"prompt": ""}, 400, "empty"), ({"grammar": "root ::= ("}, 400, "grammar"),
+             ({"logit_bias": [["x" * 65, 1.0]]}, 400, "logit_bias"),
+             ({"logit_bias": [[1, 1.0]] * 1025}, 400, "logit_bias")]
     for extra, status, word in cases:
         r = server.post("/completion", json={"prompt": PROMPT, "n_predict": 2, **extra})
         assert r.status_code == status and word in r.json()["error"]["message"], (extra, r.text)

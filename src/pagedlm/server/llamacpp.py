@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, WithJsonSchema
 
 from pagedlm import __version__
+from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 from pagedlm.server.bridge import Bridge, answer, reply, restream, streaming
 from pagedlm.server.protocol import WHOLE, APIError, Int
 from pagedlm.server.protocol import Request as Body
@@ -25,6 +26,7 @@ from pagedlm.server.sse import StreamFailed, chunks
 
 SSE = "text/event-stream"
 MAX_N_PROBS = 20
+MAX_BIAS_TEXT = 64  # characters of one logit_bias text
 _NONE_OR_FALSE = WithJsonSchema({"anyOf": [{"const": False}, {"type": "null"}]})
 
 
@@ -45,7 +47,9 @@ class CompletionRequest(Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     ignore_eos: bool = False
-    logit_bias: list[tuple[Int | str, float | bool]] | dict[str, float] | None = None
+    # bounded before its texts are tokenized (on the event loop): MAX_LOGIT_BIAS_ENTRIES pieces of text, each short
+    logit_bias: Annotated[list[tuple[Int | Annotated[str, Field(max_length=MAX_BIAS_TEXT)], float | bool]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | dict[str, float] | None = None
     n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS), WHOLE] = 0
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
