@@ -233,6 +233,12 @@ def test_chat_logprobs(client):
         model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logprobs=True,
         top_logprobs=3, stream=True, extra_body=NO_EOS) for c in ch.choices if c.logprobs for e in c.logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                       temperature=0, logprobs=True,
+                                       extra_body={"structured_outputs": {"regex": "東京"}})
+    content = r.choices[0].logprobs.content  # tokens holding part of a character: U+FFFD as text, their own bytes
+    assert r.choices[0].message.content == "東京" and any(e.token == "\ufffd" for e in content)
+    assert b"".join(bytes(e.bytes) for e in content) == "東京".encode()
 
 
 def test_lm_eval_loglikelihood_request(server, tiny_llm):

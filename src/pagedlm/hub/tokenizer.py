@@ -17,6 +17,7 @@ from pagedlm.hub.gguf_vocab import GGUFVocab
 from pagedlm.hub.gguf_vocab import build as build_vocab
 from pagedlm.hub.hf_config import load_hf_config
 from pagedlm.hub.registry import open_gguf
+from pagedlm.hub.token_bytes import TokenBytes
 
 if TYPE_CHECKING:  # transformers is imported when a tokenizer is loaded (a second of start-up), not with pagedlm
     from transformers import PreTrainedTokenizerBase
@@ -58,6 +59,7 @@ class Tokenizer:
             raise ValueError("a Tokenizer needs a transformers tokenizer, or a snapshot and a way to load one")
         self._hf, self._fast, self._load_hf = hf, fast, load_hf
         self._lock = threading.Lock()
+        self._token_bytes: Callable[[int], bytes] | None = None
         self._default_chat_template = default_chat_template
         if hf is not None and default_chat_template is not None:
             hf.chat_template = hf.chat_template or default_chat_template
@@ -126,6 +128,14 @@ class Tokenizer:
         if backend is not None:
             return backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
         return self.hf.batch_decode(batch, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for (part of a character's, where it holds one: token_bytes.py)."""
+        if self._token_bytes is None:
+            backend = self._fast.backend if self._fast is not None else getattr(self.hf, "backend_tokenizer", None)
+            self._token_bytes = (TokenBytes(backend) if backend is not None
+                                 else lambda t: self.decode([t], skip_special_tokens=False).encode())
+        return self._token_bytes(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, chat_template: str | None = None,

@@ -132,7 +132,7 @@ class LlamaCppAPI:
         def entry(key: str, logprob: float) -> dict[str, Any]:
             tid = int(key.removeprefix("token_id:"))
             piece = tok.decode([tid], skip_special_tokens=False)
-            return {"id": tid, "token": piece, "bytes": list(piece.encode()), "logprob": logprob}
+            return {"id": tid, "token": piece, "bytes": list(tok.token_bytes(tid)), "logprob": logprob}
 
         probs = []
         for key, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):

@@ -1,8 +1,8 @@
-"""Logprobs in OpenAI's shapes, from the engine's (`PositionLogprobs`: token id -> logprob, rank, decoded text):
-a completion's (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, built up as deltas arrive), a chat
-answer's (`content`, each token with its bytes and its top k by rank) and the prompt's (vLLM's `prompt_logprobs`);
-a streamed answer's tokens, each with the chunk that carries its text (`TextTokens`). -inf and NaN become -9999.0
-(JSON has neither)."""
+"""Logprobs in OpenAI's shapes, from the engine's (`PositionLogprobs`: token id -> logprob, rank, decoded text): a
+completion's (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, built up as deltas arrive), a chat answer's
+(`content`, each token with its bytes, exact where it holds part of a character, and its top k by rank) and the
+prompt's (vLLM's `prompt_logprobs`); a streamed answer's tokens, each with the chunk that carries its text
+(`TextTokens`). -inf and NaN become -9999.0 (JSON has neither)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,6 +18,8 @@ FLOOR = -9999.0
 
 class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 def clamp(logprob: float) -> float:
@@ -61,9 +63,9 @@ def chat(tok: Decoder, token_ids: list[int], entries: list[PositionLogprobs] | N
         token = token_str(tok, tid, entry)
         top = sorted((e.rank, t, e) for t, e in entry.items() if e.rank is not None and e.rank <= k)[:k]
         content.append(P.ChatLogprob(
-            token=token, logprob=clamp(entry[tid].logprob), bytes=list(token.encode()),
-            top_logprobs=[P.TopLogprob(token=(s := token_str(tok, t, entry)), logprob=clamp(e.logprob),
-                                       bytes=list(s.encode())) for _, t, e in top]))
+            token=token, logprob=clamp(entry[tid].logprob), bytes=list(tok.token_bytes(tid)),
+            top_logprobs=[P.TopLogprob(token=token_str(tok, t, entry), logprob=clamp(e.logprob),
+                                       bytes=list(tok.token_bytes(t))) for _, t, e in top]))
     return P.ChatLogprobs(content=content)
 
 
