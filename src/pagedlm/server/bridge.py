@@ -15,6 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from pagedlm.server import protocol as P
+from pagedlm.server.endpoints.logprobs import Decoder
 from pagedlm.server.frontend import Frontend, flag_unknown
 from pagedlm.server.protocol import APIError
 from pagedlm.server.wire import parse_request
@@ -80,6 +81,22 @@ def reply(source: Response, content: Any, unknown: list[str] = (), status: int =
 
 def streaming(response: Response) -> bool:
     return isinstance(response, StreamingResponse)
+
+
+def logprobs_by_id(tok: Decoder, lp: dict[str, Any], k: int) -> list[dict[str, Any]]:
+    """A completion's logprobs asked with `return_tokens_as_token_ids` as `[{id, token, bytes, logprob,
+    top_logprobs: [{id, token, bytes, logprob}]}]`, the `k` likeliest alternatives first: by id, tokens whose texts
+    are equal stay apart, and each carries its own bytes."""
+    def entry(key: str, logprob: float) -> dict[str, Any]:
+        tid = int(key.removeprefix("token_id:"))
+        return {"id": tid, "token": tok.decode([tid], skip_special_tokens=False),
+                "bytes": list(tok.token_bytes(tid)), "logprob": logprob}
+
+    out = []
+    for key, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        best = sorted((top or {}).items(), key=lambda kv: -kv[1])[:k]
+        out.append({**entry(key, value), "top_logprobs": [entry(t, v) for t, v in best]})
+    return out
 
 
 def now_ns() -> int:

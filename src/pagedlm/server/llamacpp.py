@@ -19,7 +19,7 @@ from pydantic import Field, WithJsonSchema
 
 from pagedlm import __version__
 from pagedlm.sampling.params import MAX_LOGIT_BIAS_ENTRIES
-from pagedlm.server.bridge import Bridge, answer, reply, restream, streaming
+from pagedlm.server.bridge import Bridge, answer, logprobs_by_id, reply, restream, streaming
 from pagedlm.server.protocol import WHOLE, APIError, Int
 from pagedlm.server.protocol import Request as Body
 from pagedlm.server.sse import StreamFailed, chunks
@@ -127,18 +127,7 @@ class LlamaCppAPI:
         lp = choice.get("logprobs") if n_probs else None
         if not lp or not lp.get("tokens"):
             return {}
-        tok = self.front.model(model).tok
-
-        def entry(key: str, logprob: float) -> dict[str, Any]:
-            tid = int(key.removeprefix("token_id:"))
-            piece = tok.decode([tid], skip_special_tokens=False)
-            return {"id": tid, "token": piece, "bytes": list(tok.token_bytes(tid)), "logprob": logprob}
-
-        probs = []
-        for key, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
-            best = sorted((top or {}).items(), key=lambda kv: -kv[1])[:n_probs]
-            probs.append({**entry(key, value), "top_logprobs": [entry(k, v) for k, v in best]})
-        return {"completion_probabilities": probs}
+        return {"completion_probabilities": logprobs_by_id(self.front.model(model).tok, lp, n_probs)}
 
     async def _events(self, body: AsyncIterator[str], model: str, n_probs: int, t0: int) -> AsyncIterator[str]:
         """The OpenAI stream as llama.cpp's SSE events: one per piece of text, then the final one with the stop

@@ -104,6 +104,10 @@ class OllamaAPI:
             response = await self.bridge.chat(request, body, arrival)
         return self._answer(response, req, "response", t0, unknown)
 
+    def _tok(self, name: str):
+        """The tokenizer of the served model that answered (the answer's `model`: routed ones name theirs)."""
+        return self.front.models.get(name, self.front.default).tok
+
     def _common(self, req: O.ChatRequest | O.GenerateRequest, name: str) -> dict[str, Any]:
         body = {**O.sampling_fields(req.options, self.max_model_len(name)), **O.format_fields(req.format),
                 **O.logprob_fields(req, raw=False), "stream": req.stream}
@@ -129,7 +133,7 @@ class OllamaAPI:
         else:
             out = {"response": choice.get("text", message.get("content")) or "",
                    **({"thinking": thinking} if thinking else {})}
-        lps = O.logprobs(choice, k)
+        lps = O.logprobs(choice, k, self._tok(body["model"])) if choice.get("logprobs") else None
         return reply(response, {**_head(model), **out, **_done(choice["finish_reason"], body["usage"], t0),
                                 **({"logprobs": lps} if lps else {})}, unknown)
 
@@ -143,7 +147,7 @@ class OllamaAPI:
                     delta = c.get("delta", {})
                     text = c.get("text", delta.get("content")) or ""
                     calls, thinking = delta.get("tool_calls"), delta.get("reasoning_content")
-                    lps = O.logprobs(c, k)
+                    lps = O.logprobs(c, k, self._tok(chunk["model"])) if c.get("logprobs") else None
                     if text or calls or thinking or lps:
                         if key == "message":
                             part = {"message": _message(text, calls, thinking)}

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, WithJsonSchema
 
+from pagedlm.server.bridge import logprobs_by_id
+from pagedlm.server.endpoints.logprobs import Decoder
 from pagedlm.server.protocol import WHOLE, APIError, Int, Request
 
 RUNTIME_OPTIONS = ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
@@ -169,24 +171,21 @@ def logprob_fields(req: _Generating, raw: bool) -> dict[str, Any]:
         raise APIError(400, "top_logprobs must be between 0 and 20", param="top_logprobs")
     if not req.logprobs:
         return {}
-    return {"logprobs": k} if raw else {"logprobs": True, "top_logprobs": k}
+    return {"logprobs": k, "return_tokens_as_token_ids": True} if raw else {"logprobs": True, "top_logprobs": k}
 
 
-def logprobs(choice: dict[str, Any], k: int) -> list[dict[str, Any]] | None:
+def logprobs(choice: dict[str, Any], k: int, tok: Decoder) -> list[dict[str, Any]] | None:
     """An OpenAI choice's logprobs as Ollama's `[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`:
-    a chat choice's are that already; a completion's (tokens, token_logprobs, top_logprobs by text: the sampled
-    token and the top `k`) are rebuilt, the `k` alternatives highest first."""
+    a chat choice's are that already; a completion's (asked by token id: logprob_fields) are rebuilt with `tok`, the
+    `k` alternatives highest first."""
     lp = choice.get("logprobs")
     if not lp:
         return None
     if "content" in lp:
         return lp["content"] or None
-    out = []
-    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
-        best = sorted((top or {}).items(), key=lambda kv: -kv[1])[:k]
-        out.append({"token": token, "logprob": value, "bytes": list(token.encode()),
-                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in best]})
-    return out or None
+    strip = ("token", "logprob", "bytes")
+    return [{**{f: e[f] for f in strip}, "top_logprobs": [{f: t[f] for f in strip} for t in e["top_logprobs"]]}
+            for e in logprobs_by_id(tok, lp, k)] or None
 
 
 def format_fields(fmt: Format) -> dict[str, Any]:
