@@ -100,7 +100,9 @@ def test_logprobs_are_the_chat_completions_logprobs(server, client):
     assert [e.token for e in raw.logprobs] == lp.tokens and [e.logprob for e in raw.logprobs] == lp.token_logprobs
     assert [[t.token for t in e.top_logprobs] for e in raw.logprobs] == [
         sorted(top, key=lambda t: -top[t])[:2] for top in lp.top_logprobs]
-    assert b"".join(bytes(e.bytes) for e in raw.logprobs).decode() == raw.response  # each token's own bytes
+    raw = server.post("/api/generate", json={"model": "tiny", "prompt": "Once upon a time", "raw": True,
+                                             "options": GREEDY, "logprobs": True, "stream": False}).json()
+    assert b"".join(bytes(e["bytes"]) for e in raw["logprobs"]).decode() == raw["response"]  # each token's bytes
     for bad in (21, -1):
         r = server.post("/api/chat", json={"model": "tiny", "messages": MSGS, "logprobs": True, "top_logprobs": bad})
         assert r.status_code == 400 and r.json() == {"error": "top_logprobs must be between 0 and 20"}
