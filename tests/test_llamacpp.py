@@ -102,10 +102,12 @@ def test_errors(server):
              ({"grammar": 'root ::= "a"', "json_schema": {}}, 400, "grammar"), ({"model": "nope"}, 404, "nope"),
              ({"prompt": ""}, 400, "empty"), ({"grammar": "root ::= ("}, 400, "grammar"),
              ({"logit_bias": [["x" * 65, 1.0]]}, 400, "logit_bias"),
-             ({"logit_bias": [[1, 1.0]] * 1025}, 400, "logit_bias")]
+             ({"logit_bias": [[1, 1.0]] * 1025}, 400, "logit_bias"), ({"repeat_penalty": 0}, 400, "repeat_penalty"),
+             ({"json_schema": {"type": "nonsense"}}, 400, "nonsense")]
     for extra, status, word in cases:
         r = server.post("/completion", json={"prompt": PROMPT, "n_predict": 2, **extra})
         assert r.status_code == status and word in r.json()["error"]["message"], (extra, r.text)
+        assert r.json()["error"]["param"] in (None, *extra, "grammar or json_schema"), r.text
     r = server.post("/tokenize", json={"content": "a", "prompt": "b"})
     assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
     r = server.post("/completion", json={"prompt": PROMPT, "n_predict": 2, "mirostat": 2, "cache_prompt": True})

@@ -27,6 +27,9 @@ from pagedlm.server.sse import StreamFailed, chunks
 SSE = "text/event-stream"
 MAX_N_PROBS = 20
 MAX_BIAS_TEXT = 64  # characters of one logit_bias text
+# the OpenAI request's fields that errors name, as llama-server's request has them
+_FIELDS = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty", "logprobs": "n_probs",
+           "structured_outputs": "grammar or json_schema"}
 _NONE_OR_FALSE = WithJsonSchema({"anyOf": [{"const": False}, {"type": "null"}]})
 
 
@@ -76,7 +79,12 @@ class LlamaCppAPI:
         body = {"model": name, "prompt": req.prompt, "stream": req.stream, **self._sampling(req, name)}
         if req.stream:
             body["stream_options"] = {"include_usage": True}
-        response = await self.bridge.complete(request, body, arrival)
+        try:
+            response = await self.bridge.complete(request, body, arrival)
+        except APIError as e:  # named as the client named it
+            if e.param in _FIELDS:
+                e.message, e.param = e.message.replace(e.param, _FIELDS[e.param]), _FIELDS[e.param]
+            raise
         if streaming(response):
             return restream(response, self._events(response.body_iterator, name, req.n_probs, t0), SSE, unknown)
         out = answer(response)
