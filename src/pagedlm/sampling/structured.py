@@ -63,11 +63,11 @@ def grammar_text(p: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
     lark = p.grammar
     if _GBNF.search(lark):
-        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+        from llguidance.gbnf_to_lark import gbnf_to_lark
 
         try:
             lark = gbnf_to_lark(lark)
-        except GbnfToLarkError as e:  # not a ValueError: it would be a 500
+        except Exception as e:  # GbnfToLarkError, or a bare Exception for an undefined rule: neither a ValueError
             raise ValueError(f"GBNF: {e}") from None
     return LLMatcher.grammar_from_lark(lark)
 
