@@ -233,6 +233,12 @@ def test_chat_logprobs(client):
         model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logprobs=True,
         top_logprobs=3, stream=True, extra_body=NO_EOS) for c in ch.choices if c.logprobs for e in c.logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
+    by_id = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                           temperature=0, logprobs=True, top_logprobs=3,
+                                           extra_body={**NO_EOS, "return_tokens_as_token_ids": True})
+    for e, ref in zip(by_id.choices[0].logprobs.content, content, strict=True):  # vLLM's option: ids, same values
+        assert e.token.startswith("token_id:") and e.logprob == ref.logprob and e.bytes == ref.bytes
+        assert [t.logprob for t in e.top_logprobs] == [t.logprob for t in ref.top_logprobs]
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
                                        temperature=0, logprobs=True,
                                        extra_body={"structured_outputs": {"regex": "東京"}})

@@ -323,6 +323,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None  # at most the engine's max_logprobs
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" (vLLM's)
     add_generation_prompt: bool = True
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -90,7 +90,8 @@ class ChatEndpoint(EndpointBase):
                 finish = "tool_calls" if finish == "stop" else finish
         k = _top_k(req)
         return P.ChatChoice(index=o.index, message=message, finish_reason=finish, stop_reason=o.stop_reason,
-                            logprobs=L.chat(self.tok, o.token_ids, o.logprobs, k) if k is not None else None)
+                            logprobs=L.chat(self.tok, o.token_ids, o.logprobs, k, req.return_tokens_as_token_ids)
+                            if k is not None else None)
 
     async def _chat_chunks(self, req: P.ChatCompletionRequest, rid: str, streams: list[RequestStream],
                       params: SamplingParams, prompt_len: int) -> AsyncIterator[P.ChatCompletionChunk]:
@@ -124,7 +125,7 @@ class ChatEndpoint(EndpointBase):
                 if k is not None:
                     ids, entries = (o.token_ids, None) if o.logprobs is None else \
                         texts[o.index].add(o.token_ids, o.logprobs, o.text, st.done)
-                    lps = L.chat(self.tok, ids, entries, k) if ids else None
+                    lps = L.chat(self.tok, ids, entries, k, req.return_tokens_as_token_ids) if ids else None
                 if o.text or lps:
                     yield chunk(o.index, P.DeltaMessage(content=o.text), logprobs=lps)
                 if st.done:

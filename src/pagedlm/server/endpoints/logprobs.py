@@ -56,15 +56,19 @@ def add_completion(tok: Decoder, lp: P.CompletionLogprobs, token_ids: list[int],
     return offset
 
 
-def chat(tok: Decoder, token_ids: list[int], entries: list[PositionLogprobs] | None, k: int) -> P.ChatLogprobs:
-    """A chat answer's logprobs of `token_ids`, each with its top `k` alternatives by rank."""
+def chat(tok: Decoder, token_ids: list[int], entries: list[PositionLogprobs] | None, k: int,
+         as_ids: bool = False) -> P.ChatLogprobs:
+    """A chat answer's logprobs of `token_ids`, each with its top `k` alternatives by rank (`as_ids`: tokens named
+    `token_id:<id>`, as add_completion's)."""
+    def name(t: int, entry: PositionLogprobs) -> str:
+        return f"token_id:{t}" if as_ids else token_str(tok, t, entry)
+
     content = []
     for tid, entry in zip(token_ids, entries or []):
-        token = token_str(tok, tid, entry)
         top = sorted((e.rank, t, e) for t, e in entry.items() if e.rank is not None and e.rank <= k)[:k]
         content.append(P.ChatLogprob(
-            token=token, logprob=clamp(entry[tid].logprob), bytes=list(tok.token_bytes(tid)),
-            top_logprobs=[P.TopLogprob(token=token_str(tok, t, entry), logprob=clamp(e.logprob),
+            token=name(tid, entry), logprob=clamp(entry[tid].logprob), bytes=list(tok.token_bytes(tid)),
+            top_logprobs=[P.TopLogprob(token=name(t, entry), logprob=clamp(e.logprob),
                                        bytes=list(tok.token_bytes(t))) for _, t, e in top]))
     return P.ChatLogprobs(content=content)
 
