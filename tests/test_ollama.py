@@ -109,6 +109,14 @@ def test_logprobs_are_the_chat_completions_logprobs(server, client):
         assert r.status_code == 400 and r.json() == {"error": "top_logprobs must be between 0 and 20"}
 
 
+def test_a_final_assistant_message_is_continued(server, client):
+    prefilled = [*MSGS, {"role": "assistant", "content": "The capital is"}]
+    expected = server.client().chat.completions.create(
+        model="tiny", temperature=0, max_tokens=12, messages=prefilled,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False}).choices[0].message.content
+    assert client.chat(model="tiny", messages=prefilled, options=GREEDY).message.content == expected
+
+
 def test_options_are_mapped(server, client):
     stop = openai_chat(server, MSGS)[2:4]
     r = client.chat(model="tiny", messages=MSGS, options={**GREEDY, "stop": [stop]})

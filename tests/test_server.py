@@ -109,6 +109,24 @@ def test_chat_greedy_parity(client, tiny_llm):
     assert resp.usage.completion_tokens == 10
 
 
+def test_continue_final_message(server, client, tiny_llm):
+    """vLLM's continue_final_message: the prompt ends with the last message's text (its turn open), as LLM.chat
+    renders it; with add_generation_prompt too, a 400."""
+    msgs = [{"role": "user", "content": "Say a word."}, {"role": "assistant", "content": "The word is"}]
+    resp = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                          extra_body={**NO_EOS, "continue_final_message": True,
+                                                      "add_generation_prompt": False})
+    ref = tiny_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert tiny_llm.get_tokenizer().decode(ref.prompt_token_ids).endswith("assistant\nThe word is")
+    tokens = server.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False,
+                                            "continue_final_message": True}).json()["tokens"]
+    assert tokens == ref.prompt_token_ids and resp.usage.prompt_tokens == len(tokens)
+    r = server.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "continue_final_message": True})
+    assert r.status_code == 400 and "cannot both be true" in r.json()["error"]["message"]
+
+
 # --- streaming ------------------------------------------------------------------------------------------------------
 def test_streaming_equals_non_streaming(client):
     kw = dict(model="tiny", max_tokens=20, temperature=0, extra_body=NO_EOS)

@@ -83,14 +83,16 @@ class LLM:
             raise
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Each conversation rendered as the server renders a chat request (`render_chat`), then generated."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Each conversation rendered as the server renders a chat request (`render_chat`), then generated
+        (`continue_final_message`: the last message continued, as vLLM's)."""
         from pagedlm.engine.chat import render_chat
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [tok.encode(render_chat(tok, c, add_generation_prompt), add_special_tokens=False)
-                   for c in conversations]
+        prompts = [tok.encode(render_chat(tok, c, add_generation_prompt, continue_final_message=continue_final_message),
+                              add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     async def _generate_dp(self, prompts: list[Prompt], params: list[SamplingParams], priority: Seq[int] | None,

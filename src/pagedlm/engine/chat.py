@@ -14,17 +14,22 @@ if TYPE_CHECKING:
 
 def render_chat(tokenizer: Tokenizer, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, chat_template: str | None = None,
-                template_kwargs: Mapping[str, Any] | None = None) -> str:
+                template_kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False) -> str:
     """The prompt text of a conversation (OpenAI-shaped messages: role, content, and optionally name,
     tool_call_id, tool_calls). Assistant tool calls are rendered by the template where it knows them (its
     `tool_calls`), else as Hermes-style text in the turn's content. `chat_template` replaces the model's own for
-    this call; `template_kwargs` are more template variables (e.g. enable_thinking). Raises ChatTemplateError.
-    The one place the chat template is applied (the server, `LLM.chat`)."""
+    this call; `template_kwargs` are more template variables (e.g. enable_thinking); `continue_final_message`:
+    the prompt ends with the last message's text, its turn left open for the model to continue (a prefill; without
+    a generation prompt). Raises ChatTemplateError. The one place the chat template is applied (the server,
+    `LLM.chat`)."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true.")
     knows_calls = "tool_calls" in (chat_template or tokenizer.hf.chat_template or "")
     msgs = [_template_message(m, knows_calls) for m in messages]
     try:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             chat_template=chat_template, **(template_kwargs or {}))
+                                             chat_template=chat_template,
+                                             continue_final_message=continue_final_message, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - no template, or the template rejected the messages
         raise ChatTemplateError(f"Cannot apply the chat template: {e}") from None
 

@@ -114,10 +114,11 @@ class InputProcessor:
 
     def render_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, chat_template: str | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> str:
+                    template_kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False) -> str:
         """chat.render_chat with this model's template (or `chat_template` for this call); raises
         ChatTemplateError."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template, template_kwargs)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template, template_kwargs,
+                           continue_final_message)
 
     # --- the checks --------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

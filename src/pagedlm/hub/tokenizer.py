@@ -139,12 +139,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, chat_template: str | None = None,
-                            **template_vars: Any) -> str:
+                            continue_final_message: bool = False, **template_vars: Any) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) to a prompt string (not tokenized); `tools`
         (OpenAI's function definitions) are the template's `tools` variable; `chat_template` replaces the
-        tokenizer's own for this call; `template_vars` are more variables of the template."""
+        tokenizer's own for this call; `continue_final_message`: the text ends with the last message's (transformers
+        cuts what the template writes after it); `template_vars` are more variables of the template."""
         if tools:
             template_vars["tools"] = tools
+        if continue_final_message:
+            template_vars["continue_final_message"] = True
         if chat_template is not None:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                chat_template=chat_template, **template_vars)

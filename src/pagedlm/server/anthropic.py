@@ -69,7 +69,7 @@ class AnthropicAPI:
                                 "differently).", param="model")
         srv = self.front.model(chat.model)
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools_active else None
-        ids = await self.front.stages.run("chat", srv.chat_prompt, chat.messages, True, tools)
+        ids = await self.front.stages.run("chat", srv.chat_request_prompt, chat, tools)  # a prefill's open turn too
         return reply(JSONResponse({}), {"input_tokens": len(ids)}, unknown)
 
     async def _events(self, body: AsyncIterator[str], req: A.MessagesRequest, mid: str) -> AsyncIterator[str]:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, WithJsonSchema
 
+from pagedlm.server.bridge import prefill
 from pagedlm.server.protocol import MAX_TOOLS, WHOLE, APIError, Request
 
 
@@ -98,7 +99,7 @@ def chat_fields(req: _Conversation) -> dict[str, Any]:
     messages = [{"role": "system", "content": _text(req.system, "system")}] if req.system else []
     for i, m in enumerate(req.messages):
         messages += _messages(m, f"messages[{i}]")
-    out: dict[str, Any] = {"model": req.model, "messages": messages}
+    out: dict[str, Any] = {"model": req.model, "messages": messages, **prefill(messages)}
     if req.tools:
         for t in req.tools:
             if t.type not in (None, "custom"):

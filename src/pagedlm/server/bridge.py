@@ -56,6 +56,16 @@ def chat_request(body: dict[str, Any], model: type[T]) -> T:
         raise APIError(400, f"Invalid value for `{where}`: {err['msg']}", param=where.split(".")[0]) from None
 
 
+def prefill(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat fields that continue a conversation's last message where it is the assistant's text (a prefill, as
+    Anthropic's and Ollama's APIs read one): its turn left open, no generation prompt."""
+    last = messages[-1] if messages else {}
+    text = last.get("content")
+    if last.get("role") == "assistant" and not last.get("tool_calls") and isinstance(text, str) and text.strip():
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {}
+
+
 def answer(response: Response) -> dict[str, Any]:
     """The JSON body of a complete (not streamed) OpenAI answer."""
     return json.loads(response.body)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedlm import __version__
 from pagedlm.server import ollama_protocol as O
-from pagedlm.server.bridge import Bridge, answer, reply, restream, streaming
+from pagedlm.server.bridge import Bridge, answer, prefill, reply, restream, streaming
 from pagedlm.server.endpoints import ServedModel
 from pagedlm.server.protocol import APIError
 from pagedlm.server.sse import StreamFailed, chunks
@@ -74,7 +74,8 @@ class OllamaAPI:
         name = self.resolve(req.model)
         if not req.messages:
             return _loaded(req.model, "message")
-        body = {"model": name, "messages": O.chat_messages(req.messages), **self._common(req, name)}
+        messages = O.chat_messages(req.messages)
+        body = {"model": name, "messages": messages, **prefill(messages), **self._common(req, name)}
         if req.tools:
             body["tools"] = [{"type": "function", **t} if "type" not in t else t for t in req.tools]
         response = await self.bridge.chat(request, body, arrival)

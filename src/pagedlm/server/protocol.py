@@ -325,6 +325,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None  # at most the engine's max_logprobs
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" (vLLM's)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last message's turn left open (with add_generation_prompt off)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -386,6 +387,7 @@ class TokenizeRequest(Request):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_special: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -70,9 +70,10 @@ class EndpointBase:
 
     # --- prompts ---
     def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """The prompt's token ids, as the engine's chat template renders the messages (InputProcessor.render_chat)."""
-        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs, continue_final_message)
         return self.tok.encode(text, add_special_tokens=False)
 
     def chat_request_prompt(self, req: P.ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
@@ -83,16 +84,18 @@ class EndpointBase:
         if bad:
             raise APIError(400, f"chat_template_kwargs may set {', '.join(sorted(TEMPLATE_KWARGS))}, not "
                                 f"{', '.join(bad)}.", param="chat_template_kwargs")
-        return self.chat_prompt(req.messages, req.add_generation_prompt, tools, kwargs)
+        return self.chat_prompt(req.messages, req.add_generation_prompt, tools, kwargs, req.continue_final_message)
 
     def render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> str:
         """400 beyond the bounds of `limits` (RequestLimits): the message count before the template runs, the
         rendered characters before anything tokenizes them."""
         self.limits.check_messages(len(messages))
         try:
             text = self.processor.render_chat([m.template_message() for m in messages], add_generation_prompt,
-                                              tools, self.tool_template if tools else None, template_kwargs)
+                                              tools, self.tool_template if tools else None, template_kwargs,
+                                              continue_final_message)
         except ChatTemplateError as e:
             raise api_error(e) from None
         self.limits.check_prompt_chars(text, "messages")

@@ -18,7 +18,8 @@ class TokenizeEndpoint(EndpointBase):
             self.limits.check_prompt_chars(text, "content")
         elif req.messages is not None:
             P.check_contents(req.messages)
-            text = self.render_chat(req.messages, req.add_generation_prompt)
+            text = self.render_chat(req.messages, req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message)
             add_special = bool(req.add_special_tokens)
         else:
             text, add_special = req.prompt, req.add_special_tokens is not False
