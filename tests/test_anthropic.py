@@ -115,9 +115,6 @@ def test_a_final_assistant_message_is_continued(server, client):
         extra_body={"continue_final_message": True, "add_generation_prompt": False}).choices[0].message.content
     r = client.messages.create(model="tiny", max_tokens=8, messages=prefilled, **GREEDY)
     assert r.content[0].text == expected
-    new_turn = server.client().chat.completions.create(model="tiny", temperature=0, max_tokens=8,
-                                                       messages=prefilled).choices[0].message.content
-    assert expected != new_turn  # the open turn is another prompt than a new turn after a closed one
     ids = server.post("/tokenize", json={"model": "tiny", "messages": prefilled, "add_generation_prompt": False,
                                          "continue_final_message": True}).json()
     assert client.messages.count_tokens(model="tiny", messages=prefilled).input_tokens == ids["count"]
