@@ -85,10 +85,15 @@ def test_cli_auto_completions_and_chat(served):
 
     r = served.post("/v1/completions", json={"model": "auto", "prompt": [1, 2, 3], "max_tokens": 2})
     assert r.status_code == 400 and "named model" in r.json()["error"]["message"]
+    r = served.post("/completion", json={"model": "auto", "prompt": HARD, "n_predict": 3, "n_probs": 2})
+    assert r.status_code == 200 and r.headers["x-pagedlm-routed-model"] == "big"  # llama-server's API, routed
+    assert r.json()["model"] == "big" and len(r.json()["completion_probabilities"]) == 3
+    r = served.post("/completion", json={"model": "auto", "prompt": HARD, "logit_bias": [["x", 1.0]]})
+    assert r.status_code == 400 and "served model's name" in r.json()["error"]["message"]
     m = served.metrics(all_labels=True)
     assert m["pagedlm:router_requests_total{model=small,reason=weak}"] == 2
-    assert m["pagedlm:router_requests_total{model=big,reason=strong}"] == 3
-    assert m["pagedlm:router_decision_seconds_count"] == 5
+    assert m["pagedlm:router_requests_total{model=big,reason=strong}"] == 4
+    assert m["pagedlm:router_decision_seconds_count"] == 6
     assert m["vllm:request_success_total{finished_reason=length,model_name=big}"] >= 4
     assert "vllm:num_requests_running{model_name=small}" in m and "vllm:num_requests_running{model_name=big}" in m
 

@@ -5,7 +5,7 @@ is translated back (`content`, `stop_type` eos / word / limit, `stopping_word`, 
 `completion_probabilities` for `n_probs`). Options that tune llama.cpp's runtime (`cache_prompt`, `id_slot`,
 `n_keep`, `samplers`, ...) are unknown fields, as are sampling options this server does not have (mirostat,
 typical_p, dry_*, xtc_*); unset options take the server's defaults, not llama.cpp's. /tokenize's `content` and
-/detokenize's `content` answer are served beside vLLM's fields (api.py)."""
+/detokenize's `content` answer are served beside vLLM's fields (endpoints/tokenize.py)."""
 from __future__ import annotations
 
 import json
@@ -121,6 +121,9 @@ class LlamaCppAPI:
         a text biases each of its tokens; `false` bans a token (-100)."""
         if req.logit_bias is None or isinstance(req.logit_bias, dict):
             return req.logit_bias
+        if self.front.is_auto(name) and any(isinstance(key, str) for key, _ in req.logit_bias):
+            raise APIError(400, "logit_bias by text needs a served model's name (the router's models tokenize "
+                                "differently).", param="logit_bias")
         tok = self.front.model(name).tok
         out: dict[str, float] = {}
         for key, bias in req.logit_bias:
