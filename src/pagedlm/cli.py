@@ -1,4 +1,4 @@
-"""`pagedlm serve | generate | memory | pull | bench | router | top`."""
+"""`pagedlm serve | chat | generate | memory | pull | bench | router | top`."""
 from __future__ import annotations
 
 import argparse
@@ -110,11 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_memory)
 
     from pagedlm.bench.cli import add_bench_parser
+    from pagedlm.chat_repl import add_chat_parser
     from pagedlm.router.cli import add_router_parser
     from pagedlm.server.cli import add_serve_parser
     from pagedlm.server.top import add_top_parser
 
     add_serve_parser(sub, _engine_args, engine_kwargs)
+    add_chat_parser(sub, _engine_args, engine_kwargs)
     add_bench_parser(sub, _engine_args, engine_kwargs)
     add_router_parser(sub)
     add_top_parser(sub)
