@@ -29,7 +29,7 @@ ALLOWED = {
     "server": {"router", "dp", "engine", "sampling", "config", "outputs", "__init__"},
     "llm": {"dp", "engine", "sampling", "config", "outputs"},
 }
-TOOLS = {"bench", "cli"}  # the command line and benchmarks sit on top and may use anything
+TOOLS = {"bench", "cli", "chat_repl"}  # the command line and benchmarks sit on top and may use anything
 # The engine's contract with the layers above (protocol.py: requests in, output deltas out; errors.py) stands on its
 # own, so the server and the replicas speak it without the engine's machinery; the server uses only that contract,
 # the engine client and input processor it is given, and (to start engines) the engine loop classes and the

@@ -297,3 +297,26 @@ def test_openmp_spin_wait_default_is_set_before_torch_loads(env, expected):
     out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, check=True,
                          timeout=120).stdout.split()
     assert out == ["20000"]  # any pagedlm import sets it first: the package's __init__ runs before its modules
+
+
+def test_chat_holds_a_conversation(tiny_2k_model_dir, monkeypatch, capsys):
+    """`pagedlm chat MODEL`: each line read is a user turn of one conversation, answered as LLM.chat answers that
+    conversation (greedy); /clear starts over, /bye ends; piped input reads line by line."""
+    import io
+
+    from pagedlm import LLM
+
+    llm = LLM(str(tiny_2k_model_dir), dtype="float32", num_kv_blocks=256)
+
+    def answer(messages):
+        out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 6  # a whole answer (this model does not stop early)
+        return out.text
+
+    first = answer([{"role": "user", "content": "Hi"}])
+    second = answer([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": "How are you?"}])
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nHow are you?\n/clear\nHi\n/bye\nnever read\n"))
+    flags = ["--dtype", "float32", "--num-kv-blocks", "256", "--temperature", "0", "--max-tokens", "6"]
+    assert main(["chat", str(tiny_2k_model_dir), *flags]) == 0
+    assert capsys.readouterr().out == f"{first}\n{second}\n(the conversation is cleared)\n{first}\n"
