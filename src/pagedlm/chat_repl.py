@@ -1,8 +1,8 @@
 """`pagedlm chat [MODEL]`: a conversation in the terminal (as `ollama run` and `llama-cli -cnv` hold one). Each line
-read is a user turn; the answer streams as the engine writes it, and the conversation (rendered with the model's
-chat template, as the server renders it) grows turn by turn, its prefix found again in the prefix cache. `/clear`
-starts over, `/bye` (or the end of input) ends. Input that is not a terminal is read line by line, each line a turn,
-so a conversation can be piped in."""
+read is a user turn; the answer streams as the engine writes it, and the conversation (rendered with the model's chat
+template, as the server renders it) grows turn by turn, its prefix found again in the prefix cache. `/clear` starts
+over, `/bye` (or the end of input) ends, Ctrl-C stops an answer. Input that is not a terminal is read line by line,
+each line a turn, so a conversation can be piped in."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ from typing import TextIO
 from pagedlm.engine.chat import render_chat
 from pagedlm.sampling.params import SamplingParams
 
-HELP = "/clear: forget the conversation; /bye: quit"
+HELP = "/clear: forget the conversation; /bye: quit; Ctrl-C: stop an answer"
 
 
 def stream(engine, request_id: str, prompt: list[int], params: SamplingParams) -> Iterator[str]:
@@ -48,7 +48,11 @@ def converse(engine, params: SamplingParams, lines: TextIO, out: TextIO, system:
         if interactive:
             out.write(">>> ")
             out.flush()
-        line = lines.readline()
+        try:
+            line = lines.readline()
+        except KeyboardInterrupt:
+            out.write(f"\n{HELP}\n")
+            continue
         if not line or line.strip() == "/bye":
             return 0
         text = line.rstrip("\n")
@@ -59,12 +63,16 @@ def converse(engine, params: SamplingParams, lines: TextIO, out: TextIO, system:
         if not text.strip():
             continue
         history.append({"role": "user", "content": text})
-        prompt = tok.encode(render_chat(tok, history), add_special_tokens=False)
         answer = []
-        for piece in stream(engine, f"chat-{next(ids)}", prompt, params):
-            answer.append(piece)
-            out.write(piece)
-            out.flush()
+        try:
+            prompt = tok.encode(render_chat(tok, history), add_special_tokens=False)
+            for piece in stream(engine, f"chat-{next(ids)}", prompt, params):
+                answer.append(piece)
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:  # the request is aborted; what was said stays in the conversation
+            if not interactive:
+                raise
         out.write("\n\n" if interactive else "\n")
         history.append({"role": "assistant", "content": "".join(answer)})
 
