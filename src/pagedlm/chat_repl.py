@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import threading
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -84,6 +85,8 @@ def cmd_chat(args: argparse.Namespace, engine_kwargs) -> int:
     if args.model_tag:
         kwargs["model"] = args.model_tag
     engine = LLMEngine.from_args(**kwargs)
+    # the chat template's tokenizer (transformers, seconds to import) loads while the first line is typed
+    threading.Thread(target=lambda: engine.tokenizer.hf, daemon=True).start()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens)
     return converse(engine, params, sys.stdin, sys.stdout, args.system, interactive=sys.stdin.isatty())
