@@ -119,3 +119,15 @@ def test_errors(server):
     assert r.status_code == 200
     assert set(r.headers["x-pagedlm-unknown-fields"].split(",")) == {"cache_prompt", "mirostat"}
     assert server.wait_idle(30)["pagedlm:kv_blocks_used"] == 0
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
+    """The request is aborted (not run to its 2,000 tokens) and its blocks freed."""
+    aborted = "vllm:request_success_total{finished_reason=abort}"
+    before = server.metrics().get(aborted, 0.0)
+    with httpx.stream("POST", f"{server.url}/completion", json={"prompt": PROMPT, "n_predict": 2000, "stream": True,
+                                                                  "ignore_eos": True}, timeout=60) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    idle = server.wait_idle(30)
+    assert idle["pagedlm:kv_blocks_used"] == 0 and idle["vllm:num_requests_running"] == 0
+    assert server.metrics()[aborted] - before == 1
