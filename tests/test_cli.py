@@ -301,7 +301,8 @@ def test_openmp_spin_wait_default_is_set_before_torch_loads(env, expected):
 
 def test_chat_holds_a_conversation(tiny_2k_model_dir, monkeypatch, capsys):
     """`pagedlm chat MODEL`: each line read is a user turn of one conversation, answered as LLM.chat answers that
-    conversation (greedy); /clear starts over, /bye ends; piped input reads line by line."""
+    conversation (greedy); /clear starts over, /bye ends; piped input reads line by line; three double quotes open
+    a turn of several lines."""
     import io
 
     from pagedlm import LLM
@@ -316,7 +317,10 @@ def test_chat_holds_a_conversation(tiny_2k_model_dir, monkeypatch, capsys):
     first = answer([{"role": "user", "content": "Hi"}])
     second = answer([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
                      {"role": "user", "content": "How are you?"}])
-    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nHow are you?\n/clear\nHi\n/bye\nnever read\n"))
+    several = answer([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
+                      {"role": "user", "content": "one\ntwo"}])
+    monkeypatch.setattr("sys.stdin", io.StringIO('Hi\nHow are you?\n/clear\nHi\n"""one\ntwo"""\n/bye\nnever read\n'))
     flags = ["--dtype", "float32", "--num-kv-blocks", "256", "--temperature", "0", "--max-tokens", "6"]
     assert main(["chat", str(tiny_2k_model_dir), *flags]) == 0
-    assert capsys.readouterr().out == f"{first}\n{second}\n(the conversation is cleared)\n{first}\n"
+    lines = f"{first}\n{second}\n(the conversation is cleared)\n{first}\n{several}\n"  # three double quotes: one turn
+    assert capsys.readouterr().out == lines

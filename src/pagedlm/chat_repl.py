@@ -1,7 +1,8 @@
 """`pagedlm chat [MODEL]`: a conversation in the terminal (as `ollama run` and `llama-cli -cnv` hold one). Each line
 read is a user turn; the answer streams as the engine writes it, and the conversation (rendered with the model's chat
 template, as the server renders it) grows turn by turn, its prefix found again in the prefix cache. `/clear` starts
-over, `/bye` (or the end of input) ends, Ctrl-C stops an answer. Input that is not a terminal is read line by line,
+over, `/bye` (or the end of input) ends, Ctrl-C stops an answer, and a line that begins with three double quotes
+opens a turn of several lines, up to the line that ends with them. Input that is not a terminal is read line by line,
 each line a turn, so a conversation can be piped in."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import TextIO
 from pagedlm.engine.chat import render_chat
 from pagedlm.sampling.params import SamplingParams
 
-HELP = "/clear: forget the conversation; /bye: quit; Ctrl-C: stop an answer"
+HELP = '/clear: forget the conversation; /bye: quit; Ctrl-C: stop an answer; """ begins and ends several lines'
 
 
 def stream(engine, request_id: str, prompt: list[int], params: SamplingParams) -> Iterator[str]:
@@ -57,6 +58,8 @@ def converse(engine, params: SamplingParams, lines: TextIO, out: TextIO, system:
         if not line or line.strip() == "/bye":
             return 0
         text = line.rstrip("\n")
+        if text.startswith('"""'):  # a turn of several lines, as `ollama run` takes one: up to a closing """
+            text = _block(text[3:], lines, out if interactive else None)
         if text.strip() == "/clear":
             history = list(start)
             out.write("(the conversation is cleared)\n")
@@ -76,6 +79,22 @@ def converse(engine, params: SamplingParams, lines: TextIO, out: TextIO, system:
                 raise
         out.write("\n\n" if interactive else "\n")
         history.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _block(first: str, lines: TextIO, out: TextIO | None) -> str:
+    """The lines from `first` up to the one that ends with \"\"\" (or the end of input), without the quotes."""
+    parts, line = [], first
+    while True:
+        if line.rstrip("\n").endswith('"""'):
+            parts.append(line.rstrip("\n")[:-3])
+            return "\n".join(parts).strip("\n")
+        parts.append(line.rstrip("\n"))
+        if out is not None:
+            out.write("... ")
+            out.flush()
+        line = lines.readline()
+        if not line:
+            return "\n".join(parts).strip("\n")
 
 
 def cmd_chat(args: argparse.Namespace, engine_kwargs) -> int:
