@@ -88,8 +88,8 @@ class LlamaCppAPI:
         if streaming(response):
             return restream(response, self._events(response.body_iterator, name, req.n_probs, t0), SSE, unknown)
         out = answer(response)
-        choice = out["choices"][0]
-        probs = self._probabilities(choice, req.n_probs, out["model"])
+        choice = out["choices"][0]  # a long answer's probabilities are rebuilt token by token: off the event loop
+        probs = await self.front.stages.run("render", self._probabilities, choice, req.n_probs, out["model"])
         return reply(response, {"content": choice["text"], "model": out["model"], **_done(choice, out["usage"], t0),
                                 **probs}, unknown)
 

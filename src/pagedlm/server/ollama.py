@@ -79,7 +79,7 @@ class OllamaAPI:
         if req.tools:
             body["tools"] = [{"type": "function", **t} if "type" not in t else t for t in req.tools]
         response = await self.bridge.chat(request, body, arrival)
-        return self._answer(response, req, "message", t0, unknown)
+        return await self._answer(response, req, "message", t0, unknown)
 
     async def generate(self, request: Request) -> Response:
         arrival, t0 = time.monotonic(), time.monotonic_ns()
@@ -103,7 +103,7 @@ class OllamaAPI:
             system = [{"role": "system", "content": req.system}] if req.system else []
             body = {"model": name, "messages": [*system, {"role": "user", "content": req.prompt}], **common}
             response = await self.bridge.chat(request, body, arrival)
-        return self._answer(response, req, "response", t0, unknown)
+        return await self._answer(response, req, "response", t0, unknown)
 
     def _tok(self, name: str):
         """The tokenizer of the served model that answered (the answer's `model`: routed ones name theirs)."""
@@ -118,7 +118,7 @@ class OllamaAPI:
             body["chat_template_kwargs"] = {"enable_thinking": bool(req.think)}
         return body
 
-    def _answer(self, response: Response, req: O.ChatRequest | O.GenerateRequest, key: str, t0: int,
+    async def _answer(self, response: Response, req: O.ChatRequest | O.GenerateRequest, key: str, t0: int,
                 unknown: list[str]) -> Response:
         """The OpenAI answer as Ollama's: one object, or NDJSON lines of deltas (with their tokens' logprobs, when
         asked) and a final `done` line."""
@@ -134,7 +134,9 @@ class OllamaAPI:
         else:
             out = {"response": choice.get("text", message.get("content")) or "",
                    **({"thinking": thinking} if thinking else {})}
-        lps = O.logprobs(choice, k, self._tok(body["model"])) if choice.get("logprobs") else None
+        lps = None
+        if choice.get("logprobs"):  # a long raw answer's are rebuilt token by token: off the event loop
+            lps = await self.front.stages.run("render", O.logprobs, choice, k, self._tok(body["model"]))
         return reply(response, {**_head(model), **out, **_done(choice["finish_reason"], body["usage"], t0),
                                 **({"logprobs": lps} if lps else {})}, unknown)
 
