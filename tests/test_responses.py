@@ -62,6 +62,11 @@ def test_create_and_stream_give_the_chat_completions_answer(server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
     assert events[-1].response.output[0].content[0].text == expected
+    assert r.model == events[0].response.model == events[-1].response.model == "tiny"
+    # no model named: the first served model answers, and the response names it
+    unnamed = server.post("/v1/responses", json={"instructions": "Be brief.", "input": "Hello", **GREEDY})
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == "tiny"
+    assert unnamed.json()["output"][0]["content"][0]["text"] == expected
 
 
 def test_logprobs_are_the_chat_completions_logprobs(server):

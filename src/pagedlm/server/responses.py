@@ -84,6 +84,7 @@ class Turn:
     def __init__(self, api: ResponsesAPI, req: R.ResponsesRequest, key: str, new: list[dict[str, Any]]) -> None:
         self.api, self.req, self.key, self.new = api, req, key, new
         self.id, self.created = R.item_id("resp"), int(time.time())
+        self.model = req.model or api.bridge.front.default.name  # none named: the first served, which answers
 
     def object(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -91,7 +92,7 @@ class Turn:
         fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else \
             {"type": "text"}
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": req.model or "", "output": output, "error": error,
+                "model": self.model, "output": output, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "previous_response_id": req.previous_response_id,
                 "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
