@@ -141,11 +141,11 @@ def _engine_parsers():
     """Every `pagedlm` command that takes the engine flags."""
     sub = _subparsers(build_parser())
     bench = _subparsers(sub["bench"])
-    return {"generate": sub["generate"], "serve": sub["serve"], "bench throughput": bench["throughput"],
-            "bench latency": bench["latency"]}
+    return {"generate": sub["generate"], "serve": sub["serve"], "run-batch": sub["run-batch"],
+            "bench throughput": bench["throughput"], "bench latency": bench["latency"]}
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "bench throughput", "bench latency"])
+@pytest.mark.parametrize("command", ["generate", "serve", "run-batch", "bench throughput", "bench latency"])
 def test_every_engine_field_is_a_flag_with_the_field_default(command):
     """The flags are EngineConfig's fields: names and defaults cannot drift apart (serve's --model repeats, and
     an absent one means the default model)."""
@@ -153,9 +153,10 @@ def test_every_engine_field_is_a_flag_with_the_field_default(command):
     actions = {a.dest: a for a in parser._actions}
     for f in fields(EngineConfig):
         assert flag_name(f.name) in actions[f.name].option_strings, f.name
-        assert actions[f.name].default == (None if command == "serve" and f.name == "model" else f.default), f.name
+        multi_model = command in ("serve", "run-batch") and f.name == "model"
+        assert actions[f.name].default == (None if multi_model else f.default), f.name
         assert actions[f.name].help, f.name
-    args = parser.parse_args(["Hello"] if command == "generate" else [])
+    args = parser.parse_args({"generate": ["Hello"], "run-batch": ["-i", "in", "-o", "out"]}.get(command, []))
     assert EngineConfig(**engine_kwargs(args)) == EngineConfig()
     assert EngineConfig().model == DEFAULT_MODEL
 

@@ -1,4 +1,4 @@
-"""`pagedlm serve | chat | generate | memory | pull | bench | router | top`."""
+"""`pagedlm serve | chat | run-batch | generate | memory | pull | bench | router | top`."""
 from __future__ import annotations
 
 import argparse
@@ -113,10 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedlm.chat_repl import add_chat_parser
     from pagedlm.router.cli import add_router_parser
     from pagedlm.server.cli import add_serve_parser
+    from pagedlm.server.run_batch import add_run_batch_parser
     from pagedlm.server.top import add_top_parser
 
     add_serve_parser(sub, _engine_args, engine_kwargs)
     add_chat_parser(sub, _engine_args, engine_kwargs)
+    add_run_batch_parser(sub, _engine_args, engine_kwargs)
     add_bench_parser(sub, _engine_args, engine_kwargs)
     add_router_parser(sub)
     add_top_parser(sub)

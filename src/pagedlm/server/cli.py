@@ -9,14 +9,20 @@ import argparse
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedlm.config import RouterConfig, add_arguments
 from pagedlm.server.options import API_KEY_ENV, ServeConfig, ServerConfig, is_loopback
 from pagedlm.server.tools import BUILTIN_TEMPLATES
 
-__all__ = ["API_KEY_ENV", "ServeConfig", "ServerConfig", "add_serve_parser", "apply_config", "serve"]
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = ["API_KEY_ENV", "ServeConfig", "ServerConfig", "add_serve_parser", "apply_config", "serve",
+           "served_app"]
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -48,6 +54,37 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse.Nam
 
 def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
     """Serve `models` ((served name, model) pairs) with `cfg` until SIGTERM / SIGINT."""
+    from pagedlm.server.http import ensure_open_files, uvicorn_config
+    from pagedlm.server.shutdown import GracefulServer
+
+    srv = cfg.server
+    sock = _bind(srv.host, srv.port)  # before loading the models: a busy port fails fast
+    second = ollama_socket(srv.host, srv.ollama_port)
+    try:
+        with served_app(cfg, models) as (app, names):
+            url = _url(sock)
+            logger.info("Serving %s at %s (OpenAI API: %s/v1)%s%s", ", ".join(names), url, url,
+                        ", API key required" if resolve_api_keys(srv) else "",
+                        f"; memory view: {url}/ui" if srv.serves_ui else "")
+            if second is not None:
+                logger.info("Ollama's port: the same API at %s", _url(second))
+            config = uvicorn_config(app, max_connections=srv.max_connections,
+                                    request_read_timeout=srv.request_read_timeout,
+                                    access_log=not srv.disable_access_log, shutdown_timeout=srv.shutdown_timeout)
+            ensure_open_files(srv.max_connections)
+            GracefulServer(config, app.state.frontend, srv.shutdown_timeout).run(
+                sockets=[sock] if second is None else [sock, second])
+    finally:
+        sock.close()
+        if second is not None:
+            second.close()
+    return 0
+
+
+@contextmanager
+def served_app(cfg: ServeConfig, models: list[tuple[str, str]]) -> Iterator[tuple[FastAPI, list[str]]]:
+    """The app over `models` ((served name, model) pairs) as `cfg` asks, with the names it serves; its engines
+    (and the router's dispatcher, the embedding models) are shut down on leaving."""
     from dataclasses import replace
 
     from pagedlm.engine.async_engine import AsyncLLMEngine
@@ -55,16 +92,12 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
     from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.server.api import build_app
     from pagedlm.server.dispatch import Dispatcher
-    from pagedlm.server.http import ensure_open_files, uvicorn_config
     from pagedlm.server.limits import RequestLimits
-    from pagedlm.server.shutdown import GracefulServer
 
     srv, loop, parallel = cfg.server, cfg.loop, cfg.parallel
     api_keys = resolve_api_keys(srv)
     router = build_router(cfg.router, [name for name, _ in models], api_keys)
     template = chat_template(srv.chat_template)
-    sock = _bind(srv.host, srv.port)  # before loading the models: a busy port fails fast
-    second = ollama_socket(srv.host, srv.ollama_port)
     engines: dict[str, EngineClient] = {}
     embedders: dict = {}
     dispatcher = None
@@ -91,6 +124,7 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
         if router is not None:
             dispatcher = Dispatcher(router, engines, cfg.router.router_name)
             dispatcher.warm_up()
+            logger.info("Routing `%s` with %s", dispatcher.name, describe_router(router))
         if srv.prefix_cache_per_key and not api_keys:
             logger.warning("--prefix-cache-per-key does nothing without API keys")
         app = build_app(engines, api_keys, srv.max_body_bytes, dispatcher,
@@ -109,20 +143,7 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
                         reasoning_parser=srv.reasoning_parser, thinking_token_budget=srv.thinking_token_budget,
                         ui=srv.serves_ui, ui_show_text=srv.ui_show_text, logprob_budget=srv.logprob_budget,
                         embedding_pooling=srv.embedding_pooling)
-        url = _url(sock)
-        served = ", ".join([*engines, *([dispatcher.name] if dispatcher else []), *embedders])
-        logger.info("Serving %s at %s (OpenAI API: %s/v1)%s%s", served, url, url,
-                    ", API key required" if api_keys else "", f"; memory view: {url}/ui" if srv.serves_ui else "")
-        if second is not None:
-            logger.info("Ollama's port: the same API at %s", _url(second))
-        if dispatcher is not None:
-            logger.info("Routing `%s` with %s", dispatcher.name, describe_router(router))
-        config = uvicorn_config(app, max_connections=srv.max_connections,
-                                request_read_timeout=srv.request_read_timeout,
-                                access_log=not srv.disable_access_log, shutdown_timeout=srv.shutdown_timeout)
-        ensure_open_files(srv.max_connections)
-        GracefulServer(config, app.state.frontend, srv.shutdown_timeout).run(
-            sockets=[sock] if second is None else [sock, second])
+        yield app, [*engines, *([dispatcher.name] if dispatcher else []), *embedders]
     finally:
         if dispatcher is not None:
             dispatcher.shutdown()
@@ -130,10 +151,6 @@ def serve(cfg: ServeConfig, models: list[tuple[str, str]]) -> int:
             engine.shutdown()
         for embedder in embedders.values():
             embedder.shutdown()
-        sock.close()
-        if second is not None:
-            second.close()
-    return 0
 
 
 def ollama_socket(host: str, port: int | None) -> socket.socket | None:
