@@ -60,7 +60,25 @@ def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir
     same quantized kernels. Gemma 3: QK-norm, sandwich norms, GELU, its two RoPE tables and the sliding-window
     layers' own KV cache group, past the window. "bf16": the default of an HF checkpoint on a CPU with AVX512-BF16
     (bf16 weights, fp32 activations rounded to bf16 at each product, as Q8 activations are)."""
-    path = tiny_model_dir if family == "llama" else tiny_gemma_dir
+    _check_fused_equals_torch(tiny_model_dir if family == "llama" else tiny_gemma_dir, family, quantization,
+                              kv_cache_dtype, count_runs)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_fused_decode_adds_qwen2s_qkv_biases(tiny_qwen2_dir, quantization, count_runs):
+    """Qwen2's q/k/v biases are added by the stack (a quantized projection's bias apart from it, `WithBias`), so its
+    layers run fused too, with the torch layers' results."""
+    _check_fused_equals_torch(tiny_qwen2_dir, "qwen2", quantization, "auto", count_runs)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory):
+    from test_families import build_family
+
+    return build_family("qwen2", tmp_path_factory.mktemp("tiny_qwen2_fused"))
+
+
+def _check_fused_equals_torch(path, family, quantization, kv_cache_dtype, count_runs):
     bf16 = quantization == "bf16"
     if bf16 and not quant.bf16_x16_native():
         pytest.skip("bf16 weights are the default only where the CPU has AVX512-BF16")
@@ -77,6 +95,9 @@ def test_fused_decode_equals_torch_layers(family, tiny_model_dir, tiny_gemma_dir
     assert (fused_llm.engine.plan.quantization == "bf16") == bf16
     fused = _generate(fused_llm, prompts)
     assert count_runs and max(count_runs) <= MAX_TOKENS and len(set(count_runs)) > 2
+    if family == "qwen2":
+        kernel = fused_llm.engine.runner.model.decode_kernel()
+        assert all(layer.qkv_bias for layer in kernel._layers)
     if family == "gemma3":
         runner = fused_llm.engine.runner
         kernel = runner.model.decode_kernel()

@@ -11,7 +11,7 @@ from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.model.base import CausalLM
 from pagedlm.model.layers import ACTIVATIONS, Linear, RMSNorm, RotaryEmbedding, embedding, prefer_transposed
-from pagedlm.model.llama_decode import FusedLayer, FusedStack
+from pagedlm.model.llama_decode import FusedLayer, FusedStack, split_bias
 
 
 class LlamaAttention(nn.Module):
@@ -118,19 +118,20 @@ class LlamaForCausalLM(CausalLM):
         return x, False, False
 
     def fused_stack(self) -> FusedStack | None:
-        """Plain LLaMA layers, with sliding windows and per-head QK-norm too; not biases, clamping, experts, norms
-        over the whole q/k projection or activations other than SiLU."""
+        """Plain LLaMA layers, with sliding windows, per-head QK-norm and q/k/v biases (Qwen2) too; not other
+        biases, clamping, experts, norms over the whole q/k projection or activations other than SiLU."""
         c = self.cfg
-        if (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm not in (None, "head") or c.clip_qkv is not None
+        if (c.o_bias or c.mlp_bias or c.qk_norm not in (None, "head") or c.clip_qkv is not None
                 or c.is_moe or c.hidden_act != "silu"):
             return None
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qk = (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)
+            qkv, bias = split_bias(attn.qkv_proj)
             layers.append(FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                     attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, *qk,
-                                     window=attn.sliding_window))
+                                     qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, *qk,
+                                     window=attn.sliding_window, qkv_bias=bias))
         return FusedStack(layers, self.norm.weight, c.hidden_act, c.head_dim ** -0.5)
 
     def process_weights_after_loading(self) -> None:

@@ -22,7 +22,16 @@ from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.kvcache.format import KV_BF16, KV_F16, KV_F32, KV_INT8, kv_kind
 from pagedlm.model.layers import Linear
-from pagedlm.model.quant import GGUF_KINDS, Bf16Linear, ConcatLinear, GGUFLinear, Int4Linear, Int8Linear, QuantLinear
+from pagedlm.model.quant import (
+    GGUF_KINDS,
+    Bf16Linear,
+    ConcatLinear,
+    GGUFLinear,
+    Int4Linear,
+    Int8Linear,
+    QuantLinear,
+    WithBias,
+)
 from pagedlm.model.step_rows import path_rows
 
 SOURCE = Path(__file__).parent / "csrc" / "llama_decode.cpp"
@@ -46,7 +55,7 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
                 ("mlp_out_norm", ctypes.c_void_p), ("window", ctypes.c_int), ("rope", ctypes.c_int),
-                ("group", ctypes.c_int)]
+                ("group", ctypes.c_int), ("qkv_bias", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -83,6 +92,7 @@ class FusedLayer:
     mlp_out_norm: torch.Tensor | None = None
     window: int | None = None
     rope: int = 0  # which of the step's rotary tables
+    qkv_bias: torch.Tensor | None = None  # fp32, added to the q/k/v projection's output (the projection has none)
 
 
 @dataclass
@@ -107,11 +117,20 @@ def load_decode_kernel() -> ctypes.CDLL | None:
     return KERNEL.load()
 
 
-def _describe(linear: nn.Module) -> _Linear | None:
-    """The kernel's view of a linear layer, or None for a layout it does not read."""
+def split_bias(linear: nn.Module) -> tuple[nn.Module, torch.Tensor | None]:
+    """(the layer whose product the kernel reads, the bias it adds itself): a quantized layer's bias comes apart
+    from it (`WithBias`); a `Linear` keeps its own, which `_describe(..., bias_apart=True)` then leaves out."""
+    if isinstance(linear, WithBias):
+        return linear.linear, linear.bias
+    return linear, getattr(linear, "bias", None)
+
+
+def _describe(linear: nn.Module, bias_apart: bool = False) -> _Linear | None:
+    """The kernel's view of a linear layer, or None for a layout it does not read (a `Linear` with a bias: unless
+    the stack adds that bias itself, `bias_apart`)."""
     if isinstance(linear, Linear):
         w = linear.weight
-        if not linear.transposed or w.dtype != torch.float32 or linear.bias is not None:
+        if not linear.transposed or w.dtype != torch.float32 or (linear.bias is not None and not bias_apart):
             return None
         return _Linear(LIN_F32T, linear.in_features, linear.out_features, 0, w.data_ptr(), None, None)
     if isinstance(linear, Int8Linear):
@@ -169,7 +188,8 @@ class LlamaDecodeKernel:
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(stack.layers, weights)):
             self._layers[i] = _Layer(_ptr(layer.input_norm), _ptr(layer.post_norm), qkv, o, gate_up, down, None, None,
                                      _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.attn_out_norm),
-                                     _ptr(layer.mlp_out_norm), layer.window or 0, layer.rope, 0)
+                                     _ptr(layer.mlp_out_norm), layer.window or 0, layer.rope, 0,
+                                     _ptr(layer.qkv_bias))
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, 0, 0, KV_F32, cfg.rms_norm_eps, self._layers,
                              _ptr(stack.final_norm), ACTIVATIONS[stack.activation], stack.scale)
@@ -193,13 +213,15 @@ class LlamaDecodeKernel:
         weights = []
         for layer in stack.layers:
             norms = (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
-                     layer.mlp_out_norm)
+                     layer.mlp_out_norm, layer.qkv_bias)
             if any(w is not None and (w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous())
                    for w in (*norms, stack.final_norm)) or (layer.q_norm is None) != (layer.k_norm is None):
                 return None
-            if not 0 <= layer.rope < MAX_ROPES:
+            if not 0 <= layer.rope < MAX_ROPES or (layer.qkv_bias is not None and layer.qkv_bias.numel() != (
+                    cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim):
                 return None
-            lins = [_describe(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            lins = [_describe(layer.qkv, bias_apart=layer.qkv_bias is not None),
+                    *(_describe(m) for m in (layer.o, layer.gate_up, layer.down))]
             if any(lin is None for lin in lins):
                 return None
             weights.append(tuple(lins))

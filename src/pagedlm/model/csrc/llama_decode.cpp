@@ -36,6 +36,7 @@ struct Layer {
   int window;  // sliding window (<= 0: none)
   int rope;    // the rotary table it uses (index into cos / sin)
   int group;   // the batch layout of its KV cache group (index into groups)
+  const float* qkv_bias;  // [H * D + 2 * KVH * D]: added to the q/k/v projection's output (Qwen2), or null
 };
 
 enum Activation { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -269,9 +270,11 @@ int decode_layers(const Model& md, float* x, int M, const float* const* cos, con
     const float *cs = cos[L.rope], *sn = sin[L.rope];
     int rc = linear(L.qkv, hp, qkvp, M, nthreads);
     if (rc) return rc;
-    // Per token: QK-norm, RoPE, its K/V into the cache, its q heads into q.
+    // Per token: the q/k/v bias, QK-norm, RoPE, its K/V into the cache, its q heads into q.
     each_row(qkvd, [&](int m) {
       float* row = qkvp + int64_t(m) * qkvd;
+      if (L.qkv_bias)
+        for (int i = 0; i < qkvd; ++i) row[i] += L.qkv_bias[i];
       if (L.q_norm) {
         rms_norm(row, L.q_norm, row, md.H, D, md.eps);
         rms_norm(row + qd, L.k_norm, row + qd, md.KVH, D, md.eps);
