@@ -161,10 +161,11 @@ _EXPERT_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down
                    "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
-def write_gguf(model_dir: Path, out: Path, name: str) -> Path:
+def write_gguf(model_dir: Path, out: Path, name: str, quant: str | None = None) -> Path:
     """An F32 GGUF of the HF model in `model_dir` under llama.cpp's names and keys: Q/K rows permuted for its llama
     architecture, experts stacked per projection, Phi-3's LongRoPE factors and Llama 3.1's as tensors; the tiny
-    tokenizer is put where pagedlm caches a GGUF's converted tokenizer."""
+    tokenizer is put where pagedlm caches a GGUF's converted tokenizer. `quant` (a gguf-py block type, e.g. "Q8_0"):
+    the layers' matrices and stacks of experts in those blocks (not the routers)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -213,6 +214,13 @@ def write_gguf(model_dir: Path, out: Path, name: str) -> Path:
         w.add_rope_scaling_orig_ctx_len(hf_cfg.rope_parameters["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+    def add(gname: str, a: np.ndarray) -> None:
+        if quant and gname.startswith("blk.") and gname.endswith(".weight") and a.ndim >= 2 and "gate_inp" not in gname:
+            qt = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(gname, gguf.quants.quantize(a, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, a)
+
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, t in load_file(model_dir / "model.safetensors").items():
         a = t.float().numpy()
@@ -230,9 +238,9 @@ def write_gguf(model_dir: Path, out: Path, name: str) -> Path:
             a = _llama_cpp_permute(a, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
         if rest == "mlp.shared_expert_gate":
             a = a.reshape(-1)  # llama.cpp keeps it as a vector
-        w.add_tensor(f"blk.{i}.{_TO_GGUF[rest]}.{suffix}", a)
+        add(f"blk.{i}.{_TO_GGUF[rest]}.{suffix}", a)
     for gname, parts in stacks.items():
-        w.add_tensor(gname, np.stack([parts[e] for e in sorted(parts)]))
+        add(gname, np.stack([parts[e] for e in sorted(parts)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

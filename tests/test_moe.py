@@ -12,7 +12,7 @@ from test_families import build_family
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
 from pagedlm.model.moe import SparseMoE
-from pagedlm.model.quant import Int4Linear, Int8Linear, WithBias
+from pagedlm.model.quant import GGUFLinear, Int4Linear, Int8Linear, WithBias
 from pagedlm.model.quantize import quantize_model
 
 HIDDEN, EXPERTS, TOP_K = 64, 8, 2
@@ -143,6 +143,32 @@ def test_quantized_moe_with_biases(tiny_moe_dirs, quantization):
             assert abs(ours.prompt_logprobs[pos][tid].logprob - theirs.prompt_logprobs[pos][tid].logprob) < tol
         if exact:
             assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("quant,kind", [("Q8_0", GGUFLinear), ("Q4_0", Int4Linear)])
+def test_gguf_experts_run_as_stored(tiny_moe_dirs, tmp_path, quant, kind):
+    """A GGUF's stacks of quantized experts run as stored, one kernel per expert (they were dequantized to fp32 and
+    requantized to int8: a model of 30B parameters then needed more memory than its file by 2x), with the
+    dequantized fp32 model's logprobs (to the Q8 rounding of the activations), and the memory plan counts them at
+    the file's bytes."""
+    from test_families import write_gguf
+
+    from pagedlm.model.plan import estimate_weight_bytes
+
+    path = write_gguf(tiny_moe_dirs["qwen2-moe"], tmp_path / f"moe-{quant}.gguf", "qwen2-moe", quant=quant)
+    llm = LLM(str(path), num_kv_blocks=64)
+    runner = llm.engine.runner
+    experts = [m for e in runner.model.layers[1].mlp.experts for m in (e.gate_up_proj, e.down_proj)]
+    assert all(isinstance(m, kind) for m in experts)
+    assert estimate_weight_bytes(path, llm.engine.plan) == pytest.approx(runner.weight_bytes(), rel=0.02)
+    ref = LLM(str(path), dtype="float32", num_kv_blocks=64)  # the blocks dequantized, fp32 products
+    prompts = [[5, 9, 30, 41, 17], list(range(100, 140))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    outs, refs = llm.generate(prompts, params, use_tqdm=False), ref.generate(prompts, params, use_tqdm=False)
+    for ours, theirs, prompt in zip(outs, refs, prompts):
+        for pos in range(1, len(prompt)):
+            tid = prompt[pos]
+            assert abs(ours.prompt_logprobs[pos][tid].logprob - theirs.prompt_logprobs[pos][tid].logprob) < 0.03
 
 
 def _expected_routed(prompts: list[list[int]], outs, top_k: int, moe_layers: int) -> int:

@@ -6,7 +6,7 @@ A path is an HF model directory if it is a directory, else a GGUF file (see `reg
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import gguf
@@ -67,7 +67,14 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = (),
         name = hf_name(t.name, arch)
         if name is None:
             continue
-        if t.tensor_type.name in native and name.endswith("proj.weight") and "{}" not in name:
+        if t.tensor_type.name in native and name.endswith("proj.weight") and "{}" in name:
+            # a stack of experts, each expert's rows as stored; the stack's pages are released after the last
+            release = _after(t.data.shape[0], lambda t=t: reader.release(t))
+            for e in range(t.data.shape[0]):
+                yield name.format(e), RawBlocks.from_gguf(t.data[e], t.tensor_type.name, t.shape[0], release,
+                                                          f"{t.name}#{e}")
+            continue
+        if t.tensor_type.name in native and name.endswith("proj.weight"):
             blocks = RawBlocks.from_gguf(t.data, t.tensor_type.name, t.shape[0], lambda t=t: reader.release(t), t.name)
             if (kind := t.name.split(".")[-2]) in heads:
                 blocks = blocks.rows(_unpermute(np.arange(blocks.shape[0]), heads[kind]))
@@ -90,6 +97,17 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = (),
         else:
             yield name, _owned(w, dtype)
             del w
+
+
+def _after(n: int, release: Callable[[], None]) -> Callable[[], None]:
+    """`release`, run on the n-th call."""
+    left = [n]
+
+    def one() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            release()
+    return one
 
 
 def _owned(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -97,8 +97,8 @@ def gguf_linear_types(path: Path) -> set[str]:
         return set()
     from pagedlm.hub.loader import open_gguf
 
-    return {t.tensor_type.name for t in open_gguf(path).tensors
-            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    return {t.tensor_type.name for t in open_gguf(path).tensors  # matrices, and stacks of experts' matrices
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) in (2, 3)}
 
 
 def mixed_fused_types(path: Path) -> set[str]:
@@ -110,7 +110,8 @@ def mixed_fused_types(path: Path) -> set[str]:
     for t in open_gguf(Path(path)).tensors:
         parts = t.name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
-            fused = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+            fused = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up",
+                     "ffn_gate_exps": "gate_up_exps", "ffn_up_exps": "gate_up_exps"}
             if parts[2] in fused:
                 groups.setdefault((parts[1], fused[parts[2]]), set()).add(t.tensor_type.name)
     return {k for g in groups.values() if len(g) > 1 and not g <= {"Q4_0", "Q4_1"} for k in g}
@@ -139,7 +140,7 @@ def dense_weight_bytes(path: Path, dtype: torch.dtype) -> int:
         return files // torch.empty(0, dtype=stored).element_size() * size
     from pagedlm.hub.loader import open_gguf
 
-    return sum(t.n_elements for t in open_gguf(path).tensors if len(t.shape) == 2) * size
+    return sum(t.n_elements for t in open_gguf(path).tensors if len(t.shape) in (2, 3)) * size
 
 
 TABLES = ("token_embd.weight", "model.embed_tokens.weight")  # the embedding table, GGUF's name and HF's
@@ -182,14 +183,14 @@ def estimate_weight_bytes(path: Path, plan: ExecutionPlan) -> int:
     for name, shape, kind, stored in tensors:
         n = math.prod(shape)
         table, head = name in TABLES, name in HEADS
-        if q is None or len(shape) != 2:
+        if q is None or len(shape) not in (2, 3):  # 3: a stack of experts' matrices
             total += n * dense * (2 if table and tied and q is None else 1)  # unquantized, a tied head is a copy
         elif kind in native and (not (table or head) or kind in GGUF_KINDS):
             total += stored
         elif q == "bf16":
             total += 2 * n
         elif table or (plan.fallback or q) == "int8":
-            total += n + 4 * shape[0]
+            total += n + 4 * (n // shape[-1])
         else:
             total += n // 2 + 4 * n // plan.group_size
     return total
