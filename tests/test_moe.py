@@ -11,6 +11,7 @@ from test_families import build_family
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
+from pagedlm.model.llama_decode import ExpertsKernel, load_decode_kernel
 from pagedlm.model.moe import SparseMoE
 from pagedlm.model.quant import GGUFLinear, Int4Linear, Int8Linear, WithBias
 from pagedlm.model.quantize import quantize_model
@@ -51,6 +52,21 @@ def tokens(n: int) -> torch.Tensor:
     return torch.randn(n, HIDDEN, generator=g) + 2.0 * direction()
 
 
+def count_kernel_experts(moe: SparseMoE) -> list[int]:
+    """The experts the compiled experts kernel ran, one entry each (bound here, as the first one-token call would)."""
+    ran: list[int] = []
+    moe._kernel = ExpertsKernel.create(list(moe.experts), moe.hidden_act)
+    if moe._kernel is not None:
+        run = moe._kernel.run
+
+        def counting(x, experts):
+            out = run(x, experts)
+            ran.extend(e for e, _ in experts if out is not None)
+            return out
+        moe._kernel.run = counting
+    return ran
+
+
 def count_expert_calls(moe: SparseMoE) -> list[int]:
     calls = [0] * EXPERTS
     for e, expert in enumerate(moe.experts):
@@ -66,6 +82,7 @@ def test_unequal_groups_equal_one_token_at_a_time(quantization):
         assert all(isinstance(e.gate_up_proj, kind) and isinstance(e.down_proj, kind) for e in moe.experts)
     x = tokens(40)
     calls = count_expert_calls(moe)
+    in_kernel = count_kernel_experts(moe)
     with torch.inference_mode():
         batched = moe(x)
         counts = moe.expert_tokens.tolist()
@@ -73,9 +90,12 @@ def test_unequal_groups_equal_one_token_at_a_time(quantization):
         assert calls == [int(c > 0) for c in counts]  # one product per chosen expert, none for the others
         alone = []
         for i in range(x.shape[0]):
-            before = list(calls)
+            before = sum(calls) + len(in_kernel)
             alone.append(moe(x[i:i + 1]))
-            assert sum(calls) - sum(before) == TOP_K  # a decoded token reads only its k experts
+            assert sum(calls) + len(in_kernel) - before == TOP_K  # a decoded token reads only its k experts
+    # a decoded token's experts run in one call of the compiled experts kernel where it reads their layouts (the
+    # quantized ones; fp32 experts stay with torch's products)
+    assert (len(in_kernel) == 40 * TOP_K) == (quantization is not None and load_decode_kernel() is not None)
     torch.testing.assert_close(batched, torch.cat(alone), rtol=1e-5, atol=1e-5 if quantization != "int4" else 1e-4)
     assert moe.expert_tokens.sum().item() == 2 * 40 * TOP_K
 

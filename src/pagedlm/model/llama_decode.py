@@ -107,6 +107,8 @@ def _configure(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.pagedlm_llama_decode.argtypes = [ctypes.POINTER(_Model), p, i, p, p, ctypes.POINTER(_Group), i, i, p, i]
     lib.pagedlm_llama_decode.restype = i
+    lib.pagedlm_moe_experts.argtypes = [ctypes.POINTER(_Linear), ctypes.POINTER(_Linear), p, i, p, p, i, i]
+    lib.pagedlm_moe_experts.restype = i
 
 
 KERNEL = cbuild.KernelLibrary(SOURCE, "Fused decode kernel", "decoding layer by layer in torch", _configure,
@@ -300,3 +302,40 @@ class LlamaDecodeKernel:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+class ExpertsKernel:
+    """A mixture-of-experts MLP's experts bound to the compiled `pagedlm_moe_experts`: one token through its k
+    chosen experts in one call (layer by layer, each expert is two kernel calls and a few torch ops). Holds raw
+    pointers to the experts' weights, as `LlamaDecodeKernel` does: build it once they are in their final layout."""
+
+    def __init__(self, lib: ctypes.CDLL, gate_up: list[_Linear], down: list[_Linear], act: int) -> None:
+        self.lib, self.gate_up, self.down, self.act = lib, gate_up, down, act
+
+    @classmethod
+    def create(cls, experts: list[nn.Module], activation: str) -> ExpertsKernel | None:
+        """None where the kernel is unavailable or an expert (a LlamaMLP) has a layer it does not read."""
+        lib = load_decode_kernel()
+        if lib is None or activation not in ACTIVATIONS:
+            return None
+        gate_up = [_describe(e.gate_up_proj) for e in experts]
+        down = [_describe(e.down_proj) for e in experts]
+        if any(lin is None or lin.kind == LIN_F32T for lin in (*gate_up, *down)):
+            return None  # fp32 weights: torch's products are as fast, and the stack's would round differently
+        return cls(lib, gate_up, down, ACTIVATIONS[activation])
+
+    def run(self, x: torch.Tensor, experts: list[tuple[int, float]]) -> torch.Tensor | None:
+        """sum of weight x expert(x) over `experts` ((expert, weight) pairs, added in that order) for the one
+        token `x` [1, hidden]; None (nothing done) where x is not a contiguous fp32 CPU row."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.shape[0] != 1:
+            return None
+        k = len(experts)
+        gate_up = (_Linear * k)(*(self.gate_up[e] for e, _ in experts))
+        down = (_Linear * k)(*(self.down[e] for e, _ in experts))
+        weights = (ctypes.c_float * k)(*(w for _, w in experts))
+        out = torch.empty_like(x)
+        rc = self.lib.pagedlm_moe_experts(gate_up, down, weights, k, x.data_ptr(), out.data_ptr(), self.act,
+                                          torch.get_num_threads())
+        if rc:
+            raise cbuild.kernel_error(rc, "fused experts kernel")
+        return out

@@ -16,6 +16,7 @@ from torch import nn
 from pagedlm.config import ModelConfig
 from pagedlm.model.layers import weight_placeholder
 from pagedlm.model.llama import LlamaMLP
+from pagedlm.model.llama_decode import ExpertsKernel
 
 
 class Router(nn.Module):
@@ -42,6 +43,8 @@ class SparseMoE(nn.Module):
         self.shared_expert = LlamaMLP(cfg, shared) if shared else None
         self.shared_expert_gate = Router(cfg.hidden_size, 1) if shared else None
         self.register_buffer("expert_tokens", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        self.hidden_act = cfg.hidden_act
+        self._kernel: ExpertsKernel | None | bool = False  # False: not bound yet (see `_one_token`)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, k] in x's dtype, expert ids [tokens, k])."""
@@ -65,9 +68,16 @@ class SparseMoE(nn.Module):
         return out
 
     def _one_token(self, x: torch.Tensor, weights: list[float], ids: list[int]) -> torch.Tensor:
-        """Decode of a single token: its k experts, summed in expert order (as `_grouped` sums them)."""
+        """Decode of a single token: its k experts, summed in expert order (as `_grouped` sums them), in one call
+        of the compiled experts kernel where it reads the experts' layers (bound on first use, once the weights are
+        in their final layout)."""
+        chosen = sorted(zip(ids, weights))
+        if self._kernel is False:
+            self._kernel = ExpertsKernel.create(list(self.experts), self.hidden_act)
+        if self._kernel is not None and (out := self._kernel.run(x, chosen)) is not None:
+            return out
         out = torch.zeros_like(x)
-        for e, w in sorted(zip(ids, weights)):
+        for e, w in chosen:
             out += self.experts[e](x).mul_(w)
         return out
 

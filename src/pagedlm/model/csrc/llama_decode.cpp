@@ -374,4 +374,36 @@ int pagedlm_llama_decode(const Model* model, float* x, int M, const float* const
   return rc;
 }
 
+// One token through k experts of a mixture-of-experts MLP: out[N] = sum over j of weights[j] *
+// down[j](act(gate) * up), (gate, up) = gate_up[j](x) (each [2 * inter] outputs: the gate's, then the up's), added
+// in the order given, each expert's output multiplied by its weight first (as model/moe.py sums them). The layers
+// are any the stack reads (`Linear`), with K and N as their shapes say. Returns 0 or the first failing kernel's code.
+int pagedlm_moe_experts(const Linear* gate_up, const Linear* down, const float* weights, int k, const float* x,
+                        float* out, int act, int nthreads) {
+  if (k < 1) return PAGEDLM_BAD_BATCH;
+  const int inter = down[0].K, N = down[0].N;
+  for (int j = 0; j < k; ++j)
+    if (gate_up[j].N != 2 * inter || down[j].K != inter || down[j].N != N || gate_up[j].K != gate_up[0].K)
+      return PAGEDLM_BAD_BATCH;
+  thread_local std::vector<float> gu, a, o;
+  gu.resize(size_t(2) * inter); a.resize(inter); o.resize(N);
+  std::fill(out, out + N, 0.f);
+  if (nthreads < 1) nthreads = default_threads();
+  int rc = 0;
+  with_team(nthreads, [&] {
+    for (int j = 0; j < k && rc == 0; ++j) {
+      if ((rc = linear(gate_up[j], x, gu.data(), 1, nthreads))) break;
+      if (act == ACT_GELU_TANH) gelu_tanh_mul(gu.data(), gu.data() + inter, a.data(), inter);
+      else silu_mul(gu.data(), gu.data() + inter, a.data(), inter);
+      if ((rc = linear(down[j], a.data(), o.data(), 1, nthreads))) break;
+      const float w = weights[j];
+      for (int i = 0; i < N; ++i) {
+        const volatile float scaled = o[i] * w;  // rounded before the sum, as torch's mul_ then +=
+        out[i] += scaled;
+      }
+    }
+  });
+  return rc;
+}
+
 }  // extern "C"

@@ -1,0 +1,154 @@
+"""Random-weight GGUFs shaped like the families beyond LLaMA that people run, with SmolLM2's tokenizer (its token
+list padded to the embedding's rows, as llama.cpp's converter pads Qwen's), written as F16 and quantized by
+llama.cpp's own quantizer (`../shared/tools/make-scale-model.py` does the same for LLaMA shapes), so pagedlm and
+llama.cpp load the same file. Speed does not depend on the values.
+
+- `qwen2-0.5b`, `qwen2-1.5b`: Qwen2.5 (llama.cpp's `qwen2`: q/k/v biases, a tied embedding of 151,936 rows);
+- `qwen3moe-30b-a3b`: Qwen3-30B-A3B (`qwen3moe`: 128 experts of 768, 8 per token, QK-norm, head_dim 128), whose
+  48 layers `--layers` may cut (12: a quarter of the weights per token and in the file).
+
+    .venv/bin/python benchmarks/family_shape.py qwen2-0.5b Q4_K_M ~/.cache/pagedlm/scale/random-qwen2-0.5b-Q4_K_M.gguf
+    .venv/bin/python benchmarks/decode_duel.py ~/.cache/pagedlm/scale/random-qwen2-0.5b-Q4_K_M.gguf --rounds 6
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFWriter
+
+MAKE_MODEL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "make-scale-model.py"
+@dataclass(frozen=True)
+class Shape:
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    head_dim: int = 0  # 0: hidden / heads
+    experts: int = 0
+    experts_used: int = 0
+    tied: bool = True
+
+
+SHAPES = {
+    "qwen2-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864),
+    "qwen2-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960),
+    "qwen3moe-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, head_dim=128, experts=128, experts_used=8,
+                              tied=False),
+}
+VOCAB = 151936
+UNUSED = 5  # llama.cpp's token type of padding tokens
+
+
+def _scale_tool():
+    spec = importlib.util.spec_from_file_location("make_scale_model", MAKE_MODEL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_f16(shape: Shape, out: str, tokenizer_from: str) -> None:
+    tool = _scale_tool()
+    d = shape.head_dim or shape.hidden // shape.heads
+    tok = {k: tool._value(f) for k, f in GGUFReader(tokenizer_from).fields.items() if k.startswith("tokenizer.")}
+    tokens, types = tok["tokenizer.ggml.tokens"], tok["tokenizer.ggml.token_type"]
+    pad = VOCAB - len(tokens)
+    w = GGUFWriter(out, shape.arch)
+    w.add_name(f"random-{shape.arch}")
+    w.add_context_length(32768)
+    w.add_embedding_length(shape.hidden)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1000000.0)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.ffn)
+        w.add_expert_weights_norm(True)
+    w.add_file_type(1)
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    if "tokenizer.ggml.pre" in tok:
+        w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list([*tokens, *(f"[PAD{i}]" for i in range(pad))])
+    w.add_token_types([*types, *([UNUSED] * pad)])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                     ("padding_token_id", w.add_pad_token_id)):
+        if f"tokenizer.ggml.{key}" in tok:
+            add(int(tok[f"tokenizer.ggml.{key}"]))
+    if "tokenizer.chat_template" in tok:
+        w.add_chat_template(tok["tokenizer.chat_template"])
+    rng = np.random.default_rng(0)
+
+    def tensor(name, *dims, scale=0.02, offset=0.0, dtype=np.float16):
+        w.add_tensor(name, (offset + scale * rng.standard_normal(dims, dtype=np.float32)).astype(dtype))
+
+    def norm(name, n):
+        tensor(name, n, scale=0.01, offset=1.0, dtype=np.float32)
+
+    tensor("token_embd.weight", VOCAB, shape.hidden)
+    for i in range(shape.layers):
+        norm(f"blk.{i}.attn_norm.weight", shape.hidden)
+        for proj, rows in (("q", shape.heads * d), ("k", shape.kv_heads * d), ("v", shape.kv_heads * d)):
+            tensor(f"blk.{i}.attn_{proj}.weight", rows, shape.hidden)
+            if shape.arch == "qwen2":
+                tensor(f"blk.{i}.attn_{proj}.bias", rows, scale=0.5, dtype=np.float32)
+        if shape.arch == "qwen3moe":
+            norm(f"blk.{i}.attn_q_norm.weight", d)
+            norm(f"blk.{i}.attn_k_norm.weight", d)
+        tensor(f"blk.{i}.attn_output.weight", shape.hidden, shape.heads * d)
+        norm(f"blk.{i}.ffn_norm.weight", shape.hidden)
+        if shape.experts:
+            tensor(f"blk.{i}.ffn_gate_inp.weight", shape.experts, shape.hidden, dtype=np.float32)
+            tensor(f"blk.{i}.ffn_gate_exps.weight", shape.experts, shape.ffn, shape.hidden)
+            tensor(f"blk.{i}.ffn_up_exps.weight", shape.experts, shape.ffn, shape.hidden)
+            tensor(f"blk.{i}.ffn_down_exps.weight", shape.experts, shape.hidden, shape.ffn)
+        else:
+            tensor(f"blk.{i}.ffn_gate.weight", shape.ffn, shape.hidden)
+            tensor(f"blk.{i}.ffn_up.weight", shape.ffn, shape.hidden)
+            tensor(f"blk.{i}.ffn_down.weight", shape.hidden, shape.ffn)
+        print(f"\rlayer {i + 1}/{shape.layers}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    norm("output_norm.weight", shape.hidden)
+    if not shape.tied:
+        tensor("output.weight", VOCAB, shape.hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape", choices=SHAPES)
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model has")
+    ap.add_argument("quant", help="F16, or a llama.cpp quantization type (Q4_K_M, Q8_0, ...)")
+    ap.add_argument("out")
+    ap.add_argument("--tokenizer-from", default=str(Path.home() / ".cache/pagedlm/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    a = ap.parse_args()
+    shape = SHAPES[a.shape] if a.layers is None else replace(SHAPES[a.shape], layers=a.layers)
+    if a.quant == "F16":
+        write_f16(shape, a.out, a.tokenizer_from)
+        return
+    f16 = a.out + ".f16.tmp"
+    try:
+        write_f16(shape, f16, a.tokenizer_from)
+        _scale_tool().llama_cpp_quantize(f16, a.out, a.quant)
+    finally:
+        Path(f16).unlink(missing_ok=True)
+    print(a.out, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
