@@ -78,6 +78,18 @@ def tiny_qwen2_dir(tmp_path_factory):
     return build_family("qwen2", tmp_path_factory.mktemp("tiny_qwen2_fused"))
 
 
+@pytest.mark.parametrize("quantization", [None, "int4"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_fused_decode_routes_experts(family, quantization, tmp_path_factory, count_runs):
+    """Mixture-of-experts layers without a shared expert run in the stack: the router's softmax and top k, each
+    chosen expert's products over its tokens, weighted and summed in expert order, as model/moe.py does, with
+    the torch layers' results; the expert counters count what the stack routed."""
+    from test_families import build_family
+
+    path = build_family(family, tmp_path_factory.mktemp(f"tiny_{family}_fused"))
+    _check_fused_equals_torch(path, family, quantization, "auto", count_runs)
+
+
 def _check_fused_equals_torch(path, family, quantization, kv_cache_dtype, count_runs):
     bf16 = quantization == "bf16"
     if bf16 and not quant.bf16_x16_native():
@@ -91,6 +103,8 @@ def _check_fused_equals_torch(path, family, quantization, kv_cache_dtype, count_
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
     kw = dict(dtype="auto" if bf16 else "float32", num_kv_blocks=64, block_size=8,
               quantization=None if bf16 else quantization, kv_cache_dtype=kv_cache_dtype, kernel_max_rows=MAX_TOKENS)
+    if family in ("mixtral", "qwen3-moe"):
+        kw["speculative_config"] = "off"  # no draft rows: the expert counters count the tokens below exactly
     fused_llm = LLM(str(path), max_num_batched_tokens=MAX_TOKENS, **kw)
     assert (fused_llm.engine.plan.quantization == "bf16") == bf16
     fused = _generate(fused_llm, prompts)
@@ -98,6 +112,15 @@ def _check_fused_equals_torch(path, family, quantization, kv_cache_dtype, count_
     if family == "qwen2":
         kernel = fused_llm.engine.runner.model.decode_kernel()
         assert all(layer.qkv_bias for layer in kernel._layers)
+    if family in ("mixtral", "qwen3-moe"):
+        model = fused_llm.engine.runner.model
+        assert all(layer.router and layer.num_experts == 8 for layer in model.decode_kernel()._layers)
+        first, last = (int(layer.mlp.expert_tokens.sum()) for layer in model.layers)
+        # every prompt and generated token but the last passes the first layer; the stack's last layer runs its MLP
+        # only over the rows whose logits are read (a prompt's last token and each decoded one)
+        k = model.cfg.num_experts_per_tok
+        passed = sum(len(p) for p in prompts) + sum(len(f.token_ids) - 1 for f in fused)
+        assert first == passed * k and sum(len(f.token_ids) for f in fused) * k <= last < first
     if family == "gemma3":
         runner = fused_llm.engine.runner
         kernel = runner.model.decode_kernel()

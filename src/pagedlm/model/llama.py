@@ -11,7 +11,7 @@ from pagedlm.attention import AttentionBackend, AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.model.base import CausalLM
 from pagedlm.model.layers import ACTIVATIONS, Linear, RMSNorm, RotaryEmbedding, embedding, prefer_transposed
-from pagedlm.model.llama_decode import FusedLayer, FusedStack, split_bias
+from pagedlm.model.llama_decode import FusedExperts, FusedLayer, FusedStack, split_bias
 
 
 class LlamaAttention(nn.Module):
@@ -118,20 +118,27 @@ class LlamaForCausalLM(CausalLM):
         return x, False, False
 
     def fused_stack(self) -> FusedStack | None:
-        """Plain LLaMA layers, with sliding windows, per-head QK-norm and q/k/v biases (Qwen2) too; not other
-        biases, clamping, experts, norms over the whole q/k projection or activations other than SiLU."""
+        """Plain LLaMA layers, with sliding windows, per-head QK-norm, q/k/v biases (Qwen2) and experts without a
+        shared one (Mixtral, Qwen3-MoE) too; not other biases, clamping, shared experts, norms over the whole q/k
+        projection or activations other than SiLU."""
         c = self.cfg
         if (c.o_bias or c.mlp_bias or c.qk_norm not in (None, "head") or c.clip_qkv is not None
-                or c.is_moe or c.hidden_act != "silu"):
+                or c.shared_expert_intermediate_size or c.hidden_act != "silu"):
             return None
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qk = (attn.q_norm.weight, attn.k_norm.weight) if c.qk_norm else (None, None)
             qkv, bias = split_bias(attn.qkv_proj)
+            if isinstance(mlp, LlamaMLP):
+                gate_up, down, moe = mlp.gate_up_proj, mlp.down_proj, None
+            else:
+                gate_up, down = None, None
+                moe = FusedExperts(mlp.gate.weight, mlp.top_k, mlp.norm_topk_prob, list(mlp.experts),
+                                   mlp.expert_tokens)
             layers.append(FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                     qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, *qk,
-                                     window=attn.sliding_window, qkv_bias=bias))
+                                     qkv, attn.o_proj, gate_up, down, *qk, window=attn.sliding_window,
+                                     qkv_bias=bias, moe=moe))
         return FusedStack(layers, self.norm.weight, c.hidden_act, c.head_dim ** -0.5)
 
     def process_weights_after_loading(self) -> None:

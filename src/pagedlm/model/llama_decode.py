@@ -55,7 +55,9 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
                 ("mlp_out_norm", ctypes.c_void_p), ("window", ctypes.c_int), ("rope", ctypes.c_int),
-                ("group", ctypes.c_int), ("qkv_bias", ctypes.c_void_p)]
+                ("group", ctypes.c_int), ("qkv_bias", ctypes.c_void_p), ("router", ctypes.c_void_p),
+                ("num_experts", ctypes.c_int), ("top_k", ctypes.c_int), ("norm_topk", ctypes.c_int),
+                ("exp_gate_up", ctypes.c_void_p), ("exp_down", ctypes.c_void_p), ("expert_counts", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -72,6 +74,19 @@ class _Group(ctypes.Structure):
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # csrc's Activation
 MAX_ROPES = 2
+
+
+@dataclass
+class FusedExperts:
+    """A mixture-of-experts MLP as the stack runs it (model/moe.py's routing, without a shared expert): router
+    [experts, hidden] fp32 logits, softmax, the top_k (renormalized if norm_topk), each expert a LlamaMLP whose
+    gate_up / down the kernel reads; counts (int64 [experts]) gains the tokens routed to each."""
+
+    router: torch.Tensor
+    top_k: int
+    norm_topk: bool
+    experts: list[nn.Module]
+    counts: torch.Tensor
 
 
 @dataclass
@@ -93,6 +108,7 @@ class FusedLayer:
     window: int | None = None
     rope: int = 0  # which of the step's rotary tables
     qkv_bias: torch.Tensor | None = None  # fp32, added to the q/k/v projection's output (the projection has none)
+    moe: FusedExperts | None = None  # the MLP is a mixture of experts (gate_up and down: None)
 
 
 @dataclass
@@ -163,6 +179,20 @@ def _describe(linear: nn.Module, bias_apart: bool = False) -> _Linear | None:
     return None
 
 
+def _describe_experts(moe: FusedExperts, hidden: int) -> tuple[ctypes.Array, ctypes.Array] | None:
+    """Arrays of every expert's gate_up and down products, as the kernel reads them, or None."""
+    gate_up = [_describe(e.gate_up_proj) for e in moe.experts]
+    down = [_describe(e.down_proj) for e in moe.experts]
+    r, c = moe.router, moe.counts
+    if (any(lin is None for lin in (*gate_up, *down)) or r.dtype != torch.float32 or not r.is_contiguous()
+            or r.shape != (len(moe.experts), hidden) or c.dtype != torch.int64 or c.shape != (len(moe.experts),)
+            or not 0 < moe.top_k <= len(moe.experts)):
+        return None
+    arrays = (_Linear * len(gate_up))(*gate_up), (_Linear * len(down))(*down)
+    arrays[0].described, arrays[1].described = gate_up, down  # a LIN_CONCAT's parts live with its description
+    return arrays
+
+
 def _batch_layout_ok(meta: AttentionMetadata, num_tokens: int) -> bool:
     """The batch tensors have the layout the kernel reads (their contents it checks itself)."""
     tables, slots, seq_lens, qsl = meta.block_tables, meta.slot_mapping, meta.seq_lens, meta.query_start_loc
@@ -183,15 +213,23 @@ class LlamaDecodeKernel:
         self.lib, self.model, self.cfg, self.stack = lib, model, cfg, stack
         self.max_tokens = min((m.kernel_max_rows for m in model.layers.modules() if isinstance(m, QuantLinear)),
                               default=KERNEL_MAX_ROWS)
-        if any(lin.kind == LIN_F32T for lins in weights for lin in lins):
+        described = [lin for lins in weights for item in lins
+                     for lin in (item if isinstance(item, ctypes.Array) else [item]) if lin.K]  # not the MoE layers'
+        if any(lin.kind == LIN_F32T for lin in described):  # empty gate_up / down
             self.max_tokens = min(self.max_tokens, F32_MAX_TOKENS)
         self._weights = weights
         self._layers = (_Layer * cfg.num_layers)()
-        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(stack.layers, weights)):
+        for i, (layer, (qkv, o, gate_up, down, *experts)) in enumerate(zip(stack.layers, weights)):
             self._layers[i] = _Layer(_ptr(layer.input_norm), _ptr(layer.post_norm), qkv, o, gate_up, down, None, None,
                                      _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.attn_out_norm),
                                      _ptr(layer.mlp_out_norm), layer.window or 0, layer.rope, 0,
                                      _ptr(layer.qkv_bias))
+            if layer.moe is not None:
+                moe, (exp_gate_up, exp_down) = layer.moe, experts
+                row = self._layers[i]
+                row.router, row.num_experts, row.top_k = moe.router.data_ptr(), len(moe.experts), moe.top_k
+                row.norm_topk, row.expert_counts = int(moe.norm_topk), moe.counts.data_ptr()
+                row.exp_gate_up, row.exp_down = ctypes.addressof(exp_gate_up), ctypes.addressof(exp_down)
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, 0, 0, KV_F32, cfg.rms_norm_eps, self._layers,
                              _ptr(stack.final_norm), ACTIVATIONS[stack.activation], stack.scale)
@@ -222,8 +260,13 @@ class LlamaDecodeKernel:
             if not 0 <= layer.rope < MAX_ROPES or (layer.qkv_bias is not None and layer.qkv_bias.numel() != (
                     cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim):
                 return None
-            lins = [_describe(layer.qkv, bias_apart=layer.qkv_bias is not None),
-                    *(_describe(m) for m in (layer.o, layer.gate_up, layer.down))]
+            lins = [_describe(layer.qkv, bias_apart=layer.qkv_bias is not None), _describe(layer.o)]
+            if layer.moe is None:
+                lins += [_describe(layer.gate_up), _describe(layer.down)]
+            elif (experts := _describe_experts(layer.moe, cfg.hidden_size)) is None:
+                return None
+            else:
+                lins += [_Linear(), _Linear(), *experts]
             if any(lin is None for lin in lins):
                 return None
             weights.append(tuple(lins))

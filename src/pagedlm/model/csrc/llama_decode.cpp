@@ -37,6 +37,13 @@ struct Layer {
   int rope;    // the rotary table it uses (index into cos / sin)
   int group;   // the batch layout of its KV cache group (index into groups)
   const float* qkv_bias;  // [H * D + 2 * KVH * D]: added to the q/k/v projection's output (Qwen2), or null
+  // A mixture-of-experts MLP in place of gate_up / down (router null: a dense MLP): router [num_experts, hidden]
+  // fp32 logits, softmax, the top_k experts (their weights renormalized to sum to 1 if norm_topk), each expert's
+  // products exp_gate_up[e] / exp_down[e]; expert_counts[e] counts the tokens routed to expert e.
+  const float* router;
+  int num_experts, top_k, norm_topk;
+  const Linear *exp_gate_up, *exp_down;
+  int64_t* expert_counts;
 };
 
 enum Activation { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -56,6 +63,91 @@ struct Group {
   const int32_t *block_tables, *seq_lens, *query_start_loc;
   int max_blocks;
 };
+
+
+int linear(const Linear& l, const float* x, float* y, int M, int nthreads);
+void silu_mul(const float* g, const float* u, float* out, int n);
+void gelu_tanh_mul(const float* g, const float* u, float* out, int n);
+
+// out[M, hidden] = the mixture-of-experts MLP of layer L over h[M, hidden], as model/moe.py computes it: router
+// logits, softmax in fp32, the top k by probability (renormalized where the family says so); the tokens grouped by
+// expert, each chosen expert's products run once over its tokens, its rows weighted and added into their tokens in
+// expert order.
+int moe_mlp(const Layer& L, int hid, int act, const float* h, float* out, int M, int nthreads) {
+  const int E = L.num_experts, k = L.top_k, inter = L.exp_down[0].K;
+  thread_local std::vector<float> logits, w, xs, gu, a, o;
+  thread_local std::vector<int> ids, rows, slot;
+  logits.resize(size_t(M) * E); w.resize(size_t(M) * k); ids.resize(size_t(M) * k);
+  float* const lp = logits.data();  // the team's threads see their own thread_locals: pass the caller's buffer
+  parallel_for(E, nthreads, 8, [&, lp](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) {
+      const float* r = L.router + e * hid;
+      for (int m = 0; m < M; ++m) {
+        const float* hm = h + int64_t(m) * hid;
+        float lane[16] = {};  // 16 independent sums: the loop vectorizes without reordering any one of them
+        int i = 0;
+        for (; i + 16 <= hid; i += 16)
+          for (int l = 0; l < 16; ++l) lane[l] += hm[i + l] * r[i + l];
+        float acc = 0.f;
+        for (int l = 0; l < 16; ++l) acc += lane[l];
+        for (; i < hid; ++i) acc += hm[i] * r[i];
+        lp[size_t(m) * E + e] = acc;
+      }
+    }
+  });
+  for (int m = 0; m < M; ++m) {
+    float* lg = logits.data() + size_t(m) * E;
+    const float mx = *std::max_element(lg, lg + E);
+    float sum = 0.f;
+    for (int e = 0; e < E; ++e) sum += (lg[e] = std::exp(lg[e] - mx));
+    for (int e = 0; e < E; ++e) lg[e] /= sum;
+    int* id = ids.data() + size_t(m) * k;
+    float* wm = w.data() + size_t(m) * k;
+    float chosen = 0.f;
+    for (int j = 0; j < k; ++j) {  // the j-th largest probability (the lowest id among equals)
+      int best = -1;
+      for (int e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int i = 0; i < j; ++i) taken |= id[i] == e;
+        if (!taken && (best < 0 || lg[e] > lg[best])) best = e;
+      }
+      id[j] = best;
+      wm[j] = lg[best];
+      chosen += lg[best];
+    }
+    if (L.norm_topk)
+      for (int j = 0; j < k; ++j) wm[j] /= chosen;
+  }
+  std::fill(out, out + int64_t(M) * hid, 0.f);
+  gu.resize(size_t(M) * 2 * inter); a.resize(size_t(M) * inter); o.resize(size_t(M) * hid);
+  xs.resize(size_t(M) * hid); rows.resize(M); slot.resize(M);
+  for (int e = 0; e < E; ++e) {
+    int n = 0;
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < k; ++j)
+        if (ids[size_t(m) * k + j] == e) { rows[n] = m; slot[n] = j; ++n; }
+    if (n == 0) continue;
+    L.expert_counts[e] += n;
+    for (int r = 0; r < n; ++r) std::memcpy(xs.data() + size_t(r) * hid, h + int64_t(rows[r]) * hid, sizeof(float) * hid);
+    if (int rc = linear(L.exp_gate_up[e], xs.data(), gu.data(), n, nthreads)) return rc;
+    for (int r = 0; r < n; ++r) {
+      const float* g = gu.data() + size_t(r) * 2 * inter;
+      if (act == ACT_GELU_TANH) gelu_tanh_mul(g, g + inter, a.data() + size_t(r) * inter, inter);
+      else silu_mul(g, g + inter, a.data() + size_t(r) * inter, inter);
+    }
+    if (int rc = linear(L.exp_down[e], a.data(), o.data(), n, nthreads)) return rc;
+    for (int r = 0; r < n; ++r) {
+      const float wr = w[size_t(rows[r]) * k + slot[r]];
+      const float* orow = o.data() + size_t(r) * hid;
+      float* dst = out + int64_t(rows[r]) * hid;
+      for (int i = 0; i < hid; ++i) {
+        const volatile float scaled = orow[i] * wr;  // rounded before the sum, as torch's mul_ then index_add_
+        dst[i] += scaled;
+      }
+    }
+  }
+  return 0;
+}
 
 constexpr int CB = 64;  // output columns per work item of the transposed fp32 product (8 accumulators)
 
@@ -310,14 +402,18 @@ int decode_layers(const Model& md, float* x, int M, const float* const* cos, con
     if (rc) return rc;
     if ((rc = linear(L.o, att.data(), tp, M, nthreads))) return rc;
     residual_norm(L.attn_out_norm, L.post_norm);
-    if ((rc = linear(L.gate_up, hp, gup, M, nthreads))) return rc;
-    each_row(md.inter, [&](int m) {
-      const float* g = gup + int64_t(m) * 2 * md.inter;
-      float* out = actp + int64_t(m) * md.inter;
-      if (md.act == ACT_GELU_TANH) gelu_tanh_mul(g, g + md.inter, out, md.inter);
-      else silu_mul(g, g + md.inter, out, md.inter);
-    });
-    if ((rc = linear(L.down, actp, tp, M, nthreads))) return rc;
+    if (L.router) {
+      if ((rc = moe_mlp(L, hid, md.act, hp, tp, M, nthreads))) return rc;
+    } else {
+      if ((rc = linear(L.gate_up, hp, gup, M, nthreads))) return rc;
+      each_row(md.inter, [&](int m) {
+        const float* g = gup + int64_t(m) * 2 * md.inter;
+        float* out = actp + int64_t(m) * md.inter;
+        if (md.act == ACT_GELU_TANH) gelu_tanh_mul(g, g + md.inter, out, md.inter);
+        else silu_mul(g, g + md.inter, out, md.inter);
+      });
+      if ((rc = linear(L.down, actp, tp, M, nthreads))) return rc;
+    }
     const bool last = li + 1 == md.num_layers;
     residual_norm(L.mlp_out_norm, last ? md.final_norm : md.layers[li + 1].input_norm);
   }
