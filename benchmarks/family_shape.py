@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 MAKE_MODEL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "make-scale-model.py"
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ def _scale_tool():
     return module
 
 
-def write_f16(shape: Shape, out: str, tokenizer_from: str) -> None:
+def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None) -> None:
+    """F16, or with `blocks` (Q8_0, Q4_0) those blocks written by gguf-py directly: each tensor shape drawn and
+    quantized once and its bytes repeated in every layer, so a 30B-parameter file takes minutes, not an hour."""
     tool = _scale_tool()
     d = shape.head_dim or shape.hidden // shape.heads
     tok = {k: tool._value(f) for k, f in GGUFReader(tokenizer_from).fields.items() if k.startswith("tokenizer.")}
@@ -76,7 +78,7 @@ def write_f16(shape: Shape, out: str, tokenizer_from: str) -> None:
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.ffn)
         w.add_expert_weights_norm(True)
-    w.add_file_type(1)
+    w.add_file_type({None: 1, "Q4_0": 2, "Q8_0": 7}[blocks])
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
     if "tokenizer.ggml.pre" in tok:
         w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
@@ -91,8 +93,16 @@ def write_f16(shape: Shape, out: str, tokenizer_from: str) -> None:
         w.add_chat_template(tok["tokenizer.chat_template"])
     rng = np.random.default_rng(0)
 
+    drawn: dict[tuple, np.ndarray] = {}
+
     def tensor(name, *dims, scale=0.02, offset=0.0, dtype=np.float16):
-        w.add_tensor(name, (offset + scale * rng.standard_normal(dims, dtype=np.float32)).astype(dtype))
+        if blocks is None or dtype != np.float16:
+            w.add_tensor(name, (offset + scale * rng.standard_normal(dims, dtype=np.float32)).astype(dtype))
+            return
+        kind = GGMLQuantizationType[blocks]
+        if dims not in drawn:
+            drawn[dims] = quants.quantize(scale * rng.standard_normal(dims, dtype=np.float32), kind)
+        w.add_tensor(name, drawn[dims], raw_dtype=kind)
 
     def norm(name, n):
         tensor(name, n, scale=0.01, offset=1.0, dtype=np.float32)
@@ -133,17 +143,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=SHAPES)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model has")
-    ap.add_argument("quant", help="F16, or a llama.cpp quantization type (Q4_K_M, Q8_0, ...)")
+    ap.add_argument("quant", help="F16, Q8_0 or Q4_0 (written by gguf-py, each tensor shape drawn once), or another "
+                    "llama.cpp quantization type (Q4_K_M, ...: F16 first, then llama.cpp's quantizer)")
     ap.add_argument("out")
     ap.add_argument("--tokenizer-from", default=str(Path.home() / ".cache/pagedlm/SmolLM2-135M-Instruct.Q4_1.gguf"))
     a = ap.parse_args()
     shape = SHAPES[a.shape] if a.layers is None else replace(SHAPES[a.shape], layers=a.layers)
-    if a.quant == "F16":
-        write_f16(shape, a.out, a.tokenizer_from)
+    if a.quant in ("F16", "Q8_0", "Q4_0"):
+        write(shape, a.out, a.tokenizer_from, None if a.quant == "F16" else a.quant)
         return
     f16 = a.out + ".f16.tmp"
     try:
-        write_f16(shape, f16, a.tokenizer_from)
+        write(shape, f16, a.tokenizer_from)
         _scale_tool().llama_cpp_quantize(f16, a.out, a.quant)
     finally:
         Path(f16).unlink(missing_ok=True)
