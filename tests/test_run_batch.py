@@ -150,6 +150,12 @@ def test_the_command_line(tiny_2k_model_dir, tmp_path, monkeypatch, capsys):
     assert [r["custom_id"] for r in records] == ["a", None, "b"]
     assert [(r["response"] or {}).get("status_code") for r in records] == [200, None, 200]
     assert records[2]["response"]["body"]["model"] == str(tiny_2k_model_dir)
+    capsys.readouterr()
+    piped = (line("x", "/v1/completions", COMPLETION) + "\n").encode() + b'{"custom_id": "\xff\xfe"}\n'
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(piped)))  # bytes that are no UTF-8 included
+    assert main(["run-batch", "-i", "-", "-o", "-", str(tiny_2k_model_dir), *flags]) == 0
+    piped_out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert piped_out[0]["response"]["status_code"] == 200 and piped_out[1]["custom_id"] == "\ufffd\ufffd"
     assert main(["run-batch", "-i", str(src), "-o", str(src), str(tiny_2k_model_dir)]) == 2
     assert main(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(dst), str(tiny_2k_model_dir)]) == 2
     err = capsys.readouterr().err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import logging
 import sys
@@ -275,7 +276,8 @@ def cmd_run_batch(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse
     if source_path != "-":
         with open(source_path, "rb") as f:
             total = sum(1 for line in f if line.strip())
-    source = sys.stdin if source_path == "-" else open(source_path, encoding="utf-8", errors="replace")  # noqa: SIM115
+    source = (io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace") if source_path == "-"  # noqa: SIM115
+              else open(source_path, encoding="utf-8", errors="replace"))  # bytes that are no UTF-8: U+FFFD
     out = sys.stdout if out_path == "-" else open(out_path, "w", encoding="utf-8")  # noqa: SIM115 - before loading
     try:
         with served_app(cfg, specs) as (app, _), tqdm(total=total, unit="req", desc="run-batch", file=sys.stderr,
@@ -284,7 +286,7 @@ def cmd_run_batch(args: argparse.Namespace, engine_kwargs_fn: Callable[[argparse
             summary = asyncio.run(run_batch(app, source, out, window=window, max_line_chars=cfg.server.max_body_bytes,
                                             progress=lambda: bar.update()))
     finally:
-        if source is not sys.stdin:
+        if source_path != "-":
             source.close()
         if out is not sys.stdout:
             out.close()
