@@ -4,6 +4,7 @@ llama.cpp's own quantizer (`../shared/tools/make-scale-model.py` does the same f
 llama.cpp load the same file. Speed does not depend on the values.
 
 - `qwen2-0.5b`, `qwen2-1.5b`: Qwen2.5 (llama.cpp's `qwen2`: q/k/v biases, a tied embedding of 151,936 rows);
+- `qwen3-0.6b`, `qwen3-4b`: Qwen3 (`qwen3`: QK-norm, head_dim 128, a tied embedding);
 - `qwen3moe-30b-a3b`: Qwen3-30B-A3B (`qwen3moe`: 128 experts of 768, 8 per token, QK-norm, head_dim 128), whose
   48 layers `--layers` may cut (12: a quarter of the weights per token and in the file).
 
@@ -39,6 +40,8 @@ class Shape:
 SHAPES = {
     "qwen2-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864),
     "qwen2-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960),
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 3072, head_dim=128),
+    "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 9728, head_dim=128),
     "qwen3moe-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, head_dim=128, experts=128, experts_used=8,
                               tied=False),
 }
@@ -114,7 +117,7 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
             tensor(f"blk.{i}.attn_{proj}.weight", rows, shape.hidden)
             if shape.arch == "qwen2":
                 tensor(f"blk.{i}.attn_{proj}.bias", rows, scale=0.5, dtype=np.float32)
-        if shape.arch == "qwen3moe":
+        if shape.arch in ("qwen3", "qwen3moe"):
             norm(f"blk.{i}.attn_q_norm.weight", d)
             norm(f"blk.{i}.attn_k_norm.weight", d)
         tensor(f"blk.{i}.attn_output.weight", shape.hidden, shape.heads * d)
