@@ -38,6 +38,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4)),  # layer 3 NoPE
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              dict(max_position_embeddings=128, original_max_position_embeddings=32,
                   rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
@@ -113,10 +114,23 @@ def test_chunked_and_preempted_matches_hf(family):
     assert_matches_hf(outs, reference)
 
 
+def test_nope_layers_match_hf_layer_by_layer(tmp_path):
+    """SmolLM3's NoPE layers through the torch layers too (the fused stack's run is test_batched_matches_hf's)."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_family("smollm3", tmp_path / "smollm3")
+    prompts = [list(range(3 + n, 3 + 2 * n)) for n in PROMPT_LENS]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=4)
+    llm.engine.runner.model._decode_kernel = None  # layer by layer
+    assert_matches_hf(llm.generate(prompts, PARAMS, use_tqdm=False), hf_greedy(hf, prompts, NEW_TOKENS))
+
+
 EXPECTED = {  # what each config must say, beyond the parameter count
     "mistral": dict(layer_sliding_windows=[8, 8], qkv_bias=False),
     "qwen2": dict(qkv_bias=True, o_bias=False, layer_sliding_windows=[None, None]),
     "qwen3": dict(qk_norm="head", head_dim=32),
+    "smollm3": dict(layer_rope=[True, True, True, False], layer_sliding_windows=[None] * 4),
     "olmoe": dict(qk_norm="full", clip_qkv=1.0, num_experts=8, moe_intermediate_size=96, norm_topk_prob=False),
     "qwen2-moe": dict(moe_layers=[False, True], shared_expert_intermediate_size=96, norm_topk_prob=False),
     "qwen3-moe": dict(moe_layers=[True, True], norm_topk_prob=True, qk_norm="head"),
@@ -148,7 +162,8 @@ def test_unsupported_architecture_is_named(tmp_path):
 # --- GGUF: the same tiny models written as llama.cpp's converter writes them ----------------------------------------
 GGUF_ARCH = {"llama": "llama", "rope-linear": "llama", "rope-yarn": "llama", "rope-llama3": "llama",
              "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe", "olmoe": "olmoe"}  # llama.cpp has no dynamic NTK
+             "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe", "olmoe": "olmoe",
+             "smollm3": "smollm3"}  # llama.cpp has no dynamic NTK
 _TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
             "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -234,7 +249,7 @@ def write_gguf(model_dir: Path, out: Path, name: str, quant: str | None = None) 
             _, e, proj = rest.rsplit(".", 2)
             stacks.setdefault(f"blk.{i}.{_EXPERT_TO_GGUF[proj]}.{suffix}", {})[int(e)] = a
             continue
-        if arch == "llama" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+        if arch in ("llama", "smollm3") and rest in ("self_attn.q_proj", "self_attn.k_proj"):
             a = _llama_cpp_permute(a, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
         if rest == "mlp.shared_expert_gate":
             a = a.reshape(-1)  # llama.cpp keeps it as a vector

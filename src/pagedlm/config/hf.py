@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LLAMA_STYLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                     "smollm3")
 SUPPORTED_ARCHITECTURES = ("LLaMA", "Mistral", "Qwen2/2.5", "Qwen3", "Phi-3", "Mixtral", "Qwen2-MoE", "Qwen3-MoE",
-                           "OLMoE", "Gemma 3")
+                           "OLMoE", "SmolLM3", "Gemma 3")
 
 
 def model_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -30,8 +31,12 @@ def _llama_style(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     out: dict[str, Any] = dict(hidden_act=cfg.get("hidden_act") or "silu")
     window = cfg.get("sliding_window") or None
     types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window"):
         window = None
+    if model_type == "smollm3":  # a NoPE layer every no_rope_layer_interval layers unless no_rope_layers says
+        every = cfg.get("no_rope_layer_interval") or 4
+        flags = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+        out["layer_rope"] = [bool(f) for f in flags]
     if window is not None:
         if not types:
             mwl = cfg.get("max_window_layers", n)

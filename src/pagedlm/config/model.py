@@ -55,6 +55,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: list[bool] | None = None
+    # SmolLM3's NoPE layers: layer_rope[i] False where layer i applies no rotary embedding (None: every layer does).
+    layer_rope: list[bool] | None = None
 
     @property
     def layer_sliding_windows(self) -> list[int | None]:

@@ -45,6 +45,7 @@ ARCH_BLOCK_NAMES = {
     "llama": {**_BLOCK_NAMES, **_MOE_NAMES},  # LLaMA, Mistral, Mixtral
     "gemma3": _GEMMA3_BLOCK_NAMES,
     "qwen2": _BLOCK_NAMES,
+    "smollm3": _BLOCK_NAMES,
     "qwen3": {**_BLOCK_NAMES, **_QK_NORM_NAMES},
     "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused as in HF
     "qwen2moe": {**_BLOCK_NAMES, **_MOE_NAMES, **_SHARED_EXPERT_NAMES},

@@ -17,7 +17,7 @@ from pagedlm.hub.registry import ModelLoadError, open_gguf
 __all__ = ["gguf_config", "load_hf_config", "meta"]
 
 _GGUF_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen2moe": "qwen2_moe",
-                     "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+                     "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "smollm3": "smollm3"}  # (llama.cpp: NoPE every 4th)
 
 
 def meta(reader: GGUFFile, key: str, default: Any = None) -> Any:

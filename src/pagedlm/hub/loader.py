@@ -60,9 +60,10 @@ def _iter_gguf(path: Path, dtype: torch.dtype, native: Collection[str] = (),
     reader = open_gguf(path)
     cfg = gguf_config(path, reader)
     arch = meta(reader, "general.architecture")
-    # llama.cpp permutes the Q/K rows of its llama architecture (LLaMA, Mistral, Mixtral) and stores Gemma's
-    # (1 + w) norm weights as 1 + w.
-    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} if arch == "llama" else {}
+    # llama.cpp permutes the Q/K rows of its llama architecture (LLaMA, Mistral, Mixtral) and of smollm3, and stores
+    # Gemma's (1 + w) norm weights as 1 + w.
+    heads = ({"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+             if arch in ("llama", "smollm3") else {})
     for t in reader.tensors:
         name = hf_name(t.name, arch)
         if name is None:

@@ -85,6 +85,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, cfg.layer_sliding_windows[index])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.moe_layers and cfg.moe_layers[index] else LlamaMLP(cfg)
+        self.rope_index = 0 if cfg.layer_rope is None or cfg.layer_rope[index] else 1  # 1: NoPE, an identity table
 
     def forward(self, rope, x, kv_cache, meta, backend: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
@@ -109,12 +110,17 @@ class LlamaForCausalLM(CausalLM):
                    out_qsl: torch.Tensor | None = None) -> tuple[torch.Tensor, bool, bool]:
         """The fused stack (final norm included) where the backend lets it stand in and it takes the batch, else
         layer by layer."""
-        rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, shared by all layers
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # once per step, shared by all layers
+        # NoPE layers (SmolLM3) rotate by 0: cos 1 and sin 0 leave q and k exactly as they are
+        ropes = [(cos, sin)]
+        if self.cfg.layer_rope is not None:
+            ropes.append((torch.ones_like(cos), torch.zeros_like(sin)))
         kernel = self.decode_kernel() if backend.supports_fused_decode else None
-        if kernel is not None and kernel.run(x, *rope, kv_caches, metas, out_qsl):
+        tables = [c for c, _ in ropes], [s for _, s in ropes]
+        if kernel is not None and kernel.run(x, *tables, kv_caches, metas, out_qsl):
             return x, True, out_qsl is not None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
-            x = layer(rope, x, kv_cache, meta, backend)
+            x = layer(ropes[layer.rope_index], x, kv_cache, meta, backend)
         return x, False, False
 
     def fused_stack(self) -> FusedStack | None:
@@ -138,7 +144,7 @@ class LlamaForCausalLM(CausalLM):
                                    mlp.expert_tokens)
             layers.append(FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                      qkv, attn.o_proj, gate_up, down, *qk, window=attn.sliding_window,
-                                     qkv_bias=bias, moe=moe))
+                                     rope=layer.rope_index, qkv_bias=bias, moe=moe))
         return FusedStack(layers, self.norm.weight, c.hidden_act, c.head_dim ** -0.5)
 
     def process_weights_after_loading(self) -> None:
