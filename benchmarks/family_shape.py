@@ -5,6 +5,7 @@ llama.cpp load the same file. Speed does not depend on the values.
 
 - `qwen2-0.5b`, `qwen2-1.5b`: Qwen2.5 (llama.cpp's `qwen2`: q/k/v biases, a tied embedding of 151,936 rows);
 - `qwen3-0.6b`, `qwen3-4b`: Qwen3 (`qwen3`: QK-norm, head_dim 128, a tied embedding);
+- `smollm3-3b`: SmolLM3-3B (`smollm3`: a NoPE layer every 4, a tied embedding of 128,256 rows);
 - `qwen3moe-30b-a3b`: Qwen3-30B-A3B (`qwen3moe`: 128 experts of 768, 8 per token, QK-norm, head_dim 128), whose
   48 layers `--layers` may cut (12: a quarter of the weights per token and in the file).
 
@@ -35,6 +36,8 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     tied: bool = True
+    vocab: int = 151936  # Qwen's
+    rope_theta: float = 1000000.0
 
 
 SHAPES = {
@@ -42,10 +45,10 @@ SHAPES = {
     "qwen2-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 3072, head_dim=128),
     "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 9728, head_dim=128),
+    "smollm3-3b": Shape("smollm3", 2048, 36, 16, 4, 11008, vocab=128256, rope_theta=5000000.0),
     "qwen3moe-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, head_dim=128, experts=128, experts_used=8,
                               tied=False),
 }
-VOCAB = 151936
 UNUSED = 5  # llama.cpp's token type of padding tokens
 
 
@@ -63,7 +66,7 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
     d = shape.head_dim or shape.hidden // shape.heads
     tok = {k: tool._value(f) for k, f in GGUFReader(tokenizer_from).fields.items() if k.startswith("tokenizer.")}
     tokens, types = tok["tokenizer.ggml.tokens"], tok["tokenizer.ggml.token_type"]
-    pad = VOCAB - len(tokens)
+    pad = shape.vocab - len(tokens)
     w = GGUFWriter(out, shape.arch)
     w.add_name(f"random-{shape.arch}")
     w.add_context_length(32768)
@@ -75,7 +78,7 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
     w.add_key_length(d)
     w.add_value_length(d)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1000000.0)
+    w.add_rope_freq_base(shape.rope_theta)
     if shape.experts:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
@@ -110,7 +113,7 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
     def norm(name, n):
         tensor(name, n, scale=0.01, offset=1.0, dtype=np.float32)
 
-    tensor("token_embd.weight", VOCAB, shape.hidden)
+    tensor("token_embd.weight", shape.vocab, shape.hidden)
     for i in range(shape.layers):
         norm(f"blk.{i}.attn_norm.weight", shape.hidden)
         for proj, rows in (("q", shape.heads * d), ("k", shape.kv_heads * d), ("v", shape.kv_heads * d)):
@@ -135,7 +138,7 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
     print(file=sys.stderr)
     norm("output_norm.weight", shape.hidden)
     if not shape.tied:
-        tensor("output.weight", VOCAB, shape.hidden)
+        tensor("output.weight", shape.vocab, shape.hidden)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
