@@ -166,18 +166,23 @@ def test_quantized_moe_with_biases(tiny_moe_dirs, quantization):
 
 
 @pytest.mark.parametrize("quant,kind", [("Q8_0", GGUFLinear), ("Q4_0", Int4Linear)])
-def test_gguf_experts_run_as_stored(tiny_moe_dirs, tmp_path, quant, kind):
+@pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
+def test_gguf_experts_run_as_stored(tiny_moe_dirs, tmp_path, family, quant, kind):
     """A GGUF's stacks of quantized experts run as stored, one kernel per expert (they were dequantized to fp32 and
     requantized to int8: a model of 30B parameters then needed more memory than its file by 2x), with the
     dequantized fp32 model's logprobs (to the Q8 rounding of the activations), and the memory plan counts them at
-    the file's bytes."""
+    the file's bytes. Mixtral's MoE layers run in the fused stack (the prompts' rows too: kernel_max_rows 64),
+    Qwen2-MoE's (a shared expert) layer by layer."""
     from test_families import write_gguf
 
     from pagedlm.model.plan import estimate_weight_bytes
 
-    path = write_gguf(tiny_moe_dirs["qwen2-moe"], tmp_path / f"moe-{quant}.gguf", "qwen2-moe", quant=quant)
-    llm = LLM(str(path), num_kv_blocks=64)
+    path = write_gguf(tiny_moe_dirs[family], tmp_path / f"moe-{quant}.gguf", family, quant=quant)
+    llm = LLM(str(path), num_kv_blocks=64, kernel_max_rows=64)
     runner = llm.engine.runner
+    fused = runner.model.decode_kernel()
+    assert (fused is not None and all(layer.router for layer in fused._layers)) == (
+        family == "mixtral" and load_decode_kernel() is not None)
     experts = [m for e in runner.model.layers[1].mlp.experts for m in (e.gate_up_proj, e.down_proj)]
     assert all(isinstance(m, kind) for m in experts)
     assert estimate_weight_bytes(path, llm.engine.plan) == pytest.approx(runner.weight_bytes(), rel=0.02)
