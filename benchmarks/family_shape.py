@@ -6,6 +6,7 @@ llama.cpp load the same file. Speed does not depend on the values.
 - `qwen2-0.5b`, `qwen2-1.5b`: Qwen2.5 (llama.cpp's `qwen2`: q/k/v biases, a tied embedding of 151,936 rows);
 - `qwen3-0.6b`, `qwen3-4b`: Qwen3 (`qwen3`: QK-norm, head_dim 128, a tied embedding);
 - `smollm3-3b`: SmolLM3-3B (`smollm3`: a NoPE layer every 4, a tied embedding of 128,256 rows);
+- `qwen2moe-a2.7b`: Qwen1.5-MoE-A2.7B (`qwen2moe`: 60 experts of 1,408, 4 a token, a shared expert of 5,632);
 - `qwen3moe-30b-a3b`: Qwen3-30B-A3B (`qwen3moe`: 128 experts of 768, 8 per token, QK-norm, head_dim 128), whose
   48 layers `--layers` may cut (12: a quarter of the weights per token and in the file).
 
@@ -35,6 +36,7 @@ class Shape:
     head_dim: int = 0  # 0: hidden / heads
     experts: int = 0
     experts_used: int = 0
+    shared_ffn: int = 0  # a shared expert of this width (Qwen2-MoE)
     tied: bool = True
     vocab: int = 151936  # Qwen's
     rope_theta: float = 1000000.0
@@ -46,6 +48,8 @@ SHAPES = {
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 3072, head_dim=128),
     "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 9728, head_dim=128),
     "smollm3-3b": Shape("smollm3", 2048, 36, 16, 4, 11008, vocab=128256, rope_theta=5000000.0),
+    "qwen2moe-a2.7b": Shape("qwen2moe", 2048, 24, 16, 16, 1408, experts=60, experts_used=4, shared_ffn=5632,
+                            tied=False),
     "qwen3moe-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, head_dim=128, experts=128, experts_used=8,
                               tied=False),
 }
@@ -83,7 +87,9 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.ffn)
-        w.add_expert_weights_norm(True)
+        w.add_expert_weights_norm(shape.arch != "qwen2moe")
+        if shape.shared_ffn:
+            w.add_expert_shared_feed_forward_length(shape.shared_ffn)
     w.add_file_type({None: 1, "Q4_0": 2, "Q8_0": 7}[blocks])
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
     if "tokenizer.ggml.pre" in tok:
@@ -118,7 +124,7 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
         norm(f"blk.{i}.attn_norm.weight", shape.hidden)
         for proj, rows in (("q", shape.heads * d), ("k", shape.kv_heads * d), ("v", shape.kv_heads * d)):
             tensor(f"blk.{i}.attn_{proj}.weight", rows, shape.hidden)
-            if shape.arch == "qwen2":
+            if shape.arch in ("qwen2", "qwen2moe"):
                 tensor(f"blk.{i}.attn_{proj}.bias", rows, scale=0.5, dtype=np.float32)
         if shape.arch in ("qwen3", "qwen3moe"):
             norm(f"blk.{i}.attn_q_norm.weight", d)
@@ -130,6 +136,11 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
             tensor(f"blk.{i}.ffn_gate_exps.weight", shape.experts, shape.ffn, shape.hidden)
             tensor(f"blk.{i}.ffn_up_exps.weight", shape.experts, shape.ffn, shape.hidden)
             tensor(f"blk.{i}.ffn_down_exps.weight", shape.experts, shape.hidden, shape.ffn)
+            if shape.shared_ffn:
+                tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", shape.hidden, dtype=np.float32)
+                tensor(f"blk.{i}.ffn_gate_shexp.weight", shape.shared_ffn, shape.hidden)
+                tensor(f"blk.{i}.ffn_up_shexp.weight", shape.shared_ffn, shape.hidden)
+                tensor(f"blk.{i}.ffn_down_shexp.weight", shape.hidden, shape.shared_ffn)
         else:
             tensor(f"blk.{i}.ffn_gate.weight", shape.ffn, shape.hidden)
             tensor(f"blk.{i}.ffn_up.weight", shape.ffn, shape.hidden)

@@ -124,12 +124,12 @@ class LlamaForCausalLM(CausalLM):
         return x, False, False
 
     def fused_stack(self) -> FusedStack | None:
-        """Plain LLaMA layers, with sliding windows, per-head QK-norm, q/k/v biases (Qwen2) and experts without a
-        shared one (Mixtral, Qwen3-MoE) too; not other biases, clamping, shared experts, norms over the whole q/k
-        projection or activations other than SiLU."""
+        """Plain LLaMA layers, with sliding windows, per-head QK-norm, q/k/v biases (Qwen2) and experts (Mixtral,
+        Qwen3-MoE, Qwen2-MoE's shared one too); not other biases, clamping, norms over the whole q/k projection or
+        activations other than SiLU."""
         c = self.cfg
         if (c.o_bias or c.mlp_bias or c.qk_norm not in (None, "head") or c.clip_qkv is not None
-                or c.shared_expert_intermediate_size or c.hidden_act != "silu"):
+                or c.hidden_act != "silu"):
             return None
         layers = []
         for layer in self.layers:
@@ -140,8 +140,9 @@ class LlamaForCausalLM(CausalLM):
                 gate_up, down, moe = mlp.gate_up_proj, mlp.down_proj, None
             else:
                 gate_up, down = None, None
+                gate = mlp.shared_expert_gate.weight if mlp.shared_expert is not None else None
                 moe = FusedExperts(mlp.gate.weight, mlp.top_k, mlp.norm_topk_prob, list(mlp.experts),
-                                   mlp.expert_tokens)
+                                   mlp.expert_tokens, mlp.shared_expert, gate)
             layers.append(FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                      qkv, attn.o_proj, gate_up, down, *qk, window=attn.sliding_window,
                                      rope=layer.rope_index, qkv_bias=bias, moe=moe))

@@ -57,7 +57,8 @@ class _Layer(ctypes.Structure):
                 ("mlp_out_norm", ctypes.c_void_p), ("window", ctypes.c_int), ("rope", ctypes.c_int),
                 ("group", ctypes.c_int), ("qkv_bias", ctypes.c_void_p), ("router", ctypes.c_void_p),
                 ("num_experts", ctypes.c_int), ("top_k", ctypes.c_int), ("norm_topk", ctypes.c_int),
-                ("exp_gate_up", ctypes.c_void_p), ("exp_down", ctypes.c_void_p), ("expert_counts", ctypes.c_void_p)]
+                ("exp_gate_up", ctypes.c_void_p), ("exp_down", ctypes.c_void_p), ("expert_counts", ctypes.c_void_p),
+                ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -78,15 +79,18 @@ MAX_ROPES = 2
 
 @dataclass
 class FusedExperts:
-    """A mixture-of-experts MLP as the stack runs it (model/moe.py's routing, without a shared expert): router
-    [experts, hidden] fp32 logits, softmax, the top_k (renormalized if norm_topk), each expert a LlamaMLP whose
-    gate_up / down the kernel reads; counts (int64 [experts]) gains the tokens routed to each."""
+    """A mixture-of-experts MLP as the stack runs it (model/moe.py's routing): router [experts, hidden] fp32
+    logits, softmax, the top_k (renormalized if norm_topk), each expert a LlamaMLP whose gate_up / down the kernel
+    reads; counts (int64 [experts]) gains the tokens routed to each. `shared` (a LlamaMLP, Qwen2-MoE) runs for every
+    token, times sigmoid(shared_gate [1, hidden] . x)."""
 
     router: torch.Tensor
     top_k: int
     norm_topk: bool
     experts: list[nn.Module]
     counts: torch.Tensor
+    shared: nn.Module | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 @dataclass
@@ -183,13 +187,17 @@ def _describe_experts(moe: FusedExperts, hidden: int) -> tuple[ctypes.Array, cty
     """Arrays of every expert's gate_up and down products, as the kernel reads them, or None."""
     gate_up = [_describe(e.gate_up_proj) for e in moe.experts]
     down = [_describe(e.down_proj) for e in moe.experts]
-    r, c = moe.router, moe.counts
-    if (any(lin is None for lin in (*gate_up, *down)) or r.dtype != torch.float32 or not r.is_contiguous()
-            or r.shape != (len(moe.experts), hidden) or c.dtype != torch.int64 or c.shape != (len(moe.experts),)
-            or not 0 < moe.top_k <= len(moe.experts)):
+    r, c, g = moe.router, moe.counts, moe.shared_gate
+    shared = None if moe.shared is None else (_describe(moe.shared.gate_up_proj), _describe(moe.shared.down_proj))
+    if (any(lin is None for lin in (*gate_up, *down, *(shared or ()))) or r.dtype != torch.float32
+            or not r.is_contiguous() or r.shape != (len(moe.experts), hidden) or c.dtype != torch.int64
+            or c.shape != (len(moe.experts),) or not 0 < moe.top_k <= len(moe.experts)
+            or (shared is not None and (g is None or g.dtype != torch.float32 or not g.is_contiguous()
+                                        or g.numel() != hidden))):
         return None
     arrays = (_Linear * len(gate_up))(*gate_up), (_Linear * len(down))(*down)
     arrays[0].described, arrays[1].described = gate_up, down  # a LIN_CONCAT's parts live with its description
+    arrays[0].shared = shared  # kept alive with them too
     return arrays
 
 
@@ -230,6 +238,10 @@ class LlamaDecodeKernel:
                 row.router, row.num_experts, row.top_k = moe.router.data_ptr(), len(moe.experts), moe.top_k
                 row.norm_topk, row.expert_counts = int(moe.norm_topk), moe.counts.data_ptr()
                 row.exp_gate_up, row.exp_down = ctypes.addressof(exp_gate_up), ctypes.addressof(exp_down)
+                if exp_gate_up.shared is not None:
+                    shared_gate_up, shared_down = exp_gate_up.shared
+                    row.shared_gate_up, row.shared_down = map(ctypes.addressof, (shared_gate_up, shared_down))
+                    row.shared_gate = moe.shared_gate.data_ptr()
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, 0, 0, KV_F32, cfg.rms_norm_eps, self._layers,
                              _ptr(stack.final_norm), ACTIVATIONS[stack.activation], stack.scale)

@@ -44,6 +44,10 @@ struct Layer {
   int num_experts, top_k, norm_topk;
   const Linear *exp_gate_up, *exp_down;
   int64_t* expert_counts;
+  // A shared expert beside them (Qwen2-MoE), or null: every token's shared_gate_up / shared_down MLP, times
+  // sigmoid(shared_gate . h), added after the routed experts.
+  const Linear *shared_gate_up, *shared_down;
+  const float* shared_gate;  // [hidden]
 };
 
 enum Activation { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -69,10 +73,46 @@ int linear(const Linear& l, const float* x, float* y, int M, int nthreads);
 void silu_mul(const float* g, const float* u, float* out, int n);
 void gelu_tanh_mul(const float* g, const float* u, float* out, int n);
 
+// sum of a[i] * b[i]: 16 independent partial sums, so the loop vectorizes without reordering any one of them
+float dot16(const float* a, const float* b, int n) {
+  float lane[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lane[l] += a[i + l] * b[i + l];
+  float acc = 0.f;
+  for (int l = 0; l < 16; ++l) acc += lane[l];
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// out[M, hidden] += the shared expert of layer L over h[M, hidden], each row times sigmoid(shared_gate . h[m]).
+int shared_expert(const Layer& L, int hid, int act, const float* h, float* out, int M, int nthreads) {
+  const int inter = L.shared_down->K;
+  thread_local std::vector<float> gu, a, o;
+  gu.resize(size_t(M) * 2 * inter); a.resize(size_t(M) * inter); o.resize(size_t(M) * hid);
+  if (int rc = linear(*L.shared_gate_up, h, gu.data(), M, nthreads)) return rc;
+  for (int m = 0; m < M; ++m) {
+    const float* g = gu.data() + size_t(m) * 2 * inter;
+    if (act == ACT_GELU_TANH) gelu_tanh_mul(g, g + inter, a.data() + size_t(m) * inter, inter);
+    else silu_mul(g, g + inter, a.data() + size_t(m) * inter, inter);
+  }
+  if (int rc = linear(*L.shared_down, a.data(), o.data(), M, nthreads)) return rc;
+  for (int m = 0; m < M; ++m) {
+    const float s = 1.f / (1.f + std::exp(-dot16(h + int64_t(m) * hid, L.shared_gate, hid)));
+    const float* orow = o.data() + size_t(m) * hid;
+    float* dst = out + int64_t(m) * hid;
+    for (int i = 0; i < hid; ++i) {
+      const volatile float scaled = s * orow[i];  // rounded before the sum, as torch's sigmoid(g) * shared(x) + out
+      dst[i] += scaled;
+    }
+  }
+  return 0;
+}
+
 // out[M, hidden] = the mixture-of-experts MLP of layer L over h[M, hidden], as model/moe.py computes it: router
 // logits, softmax in fp32, the top k by probability (renormalized where the family says so); the tokens grouped by
 // expert, each chosen expert's products run once over its tokens, its rows weighted and added into their tokens in
-// expert order.
+// expert order; then the shared expert, if any.
 int moe_mlp(const Layer& L, int hid, int act, const float* h, float* out, int M, int nthreads) {
   const int E = L.num_experts, k = L.top_k, inter = L.exp_down[0].K;
   thread_local std::vector<float> logits, w, xs, gu, a, o;
@@ -83,15 +123,7 @@ int moe_mlp(const Layer& L, int hid, int act, const float* h, float* out, int M,
     for (int64_t e = e0; e < e1; ++e) {
       const float* r = L.router + e * hid;
       for (int m = 0; m < M; ++m) {
-        const float* hm = h + int64_t(m) * hid;
-        float lane[16] = {};  // 16 independent sums: the loop vectorizes without reordering any one of them
-        int i = 0;
-        for (; i + 16 <= hid; i += 16)
-          for (int l = 0; l < 16; ++l) lane[l] += hm[i + l] * r[i + l];
-        float acc = 0.f;
-        for (int l = 0; l < 16; ++l) acc += lane[l];
-        for (; i < hid; ++i) acc += hm[i] * r[i];
-        lp[size_t(m) * E + e] = acc;
+        lp[size_t(m) * E + e] = dot16(h + int64_t(m) * hid, r, hid);
       }
     }
   });
@@ -146,7 +178,7 @@ int moe_mlp(const Layer& L, int hid, int act, const float* h, float* out, int M,
       }
     }
   }
-  return 0;
+  return L.shared_down ? shared_expert(L, hid, act, h, out, M, nthreads) : 0;
 }
 
 constexpr int CB = 64;  // output columns per work item of the transposed fp32 product (8 accumulators)
