@@ -586,7 +586,11 @@ def test_moe_experts_and_router_in_the_terminal_view(tmp_path):
         engine.step()
     snap = build_snapshot(engine)
     assert list(snap.moe_expert_tokens) == [1] and len(snap.moe_expert_tokens[1]) == 8  # layer 1 has 8 experts
-    assert sum(snap.moe_expert_tokens[1]) == (len(prompt) + 2) * 2  # every token passes top-2 experts once
+    # top-2 experts for each token through the (last) layer: every token fed, or in the fused stack, whose last layer
+    # runs its MLP for the rows whose logits are read, one per generated token
+    from pagedlm.model.llama_decode import load_decode_kernel
+
+    assert sum(snap.moe_expert_tokens[1]) == (3 if load_decode_kernel() is not None else len(prompt) + 2) * 2
     router = Router([ModelEntry("small"), ModelEntry("big", strong=True)], HeuristicPolicy(0.5))
     router.record_served(Decision("big", "score 0.700 >= threshold 0.500", 0.7, category="strong",
                                   policy_strong=True))

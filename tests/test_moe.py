@@ -203,13 +203,21 @@ def _expected_routed(prompts: list[list[int]], outs, top_k: int, moe_layers: int
 
 
 def test_engine_stats_count_expert_tokens(tiny_moe_dirs):
-    path = tiny_moe_dirs["qwen2-moe"]  # layer 0 dense, layer 1 with experts
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    path = tiny_moe_dirs["qwen2-moe"]  # layer 0 dense, layer 1 (the last) with experts
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, speculative_config="off")
     prompts = [list(range(3, 3 + n)) for n in (4, 11, 27)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     stats = llm.engine.get_stats().moe_expert_tokens
     assert list(stats) == [1] and len(stats[1]) == 8
-    assert sum(stats[1]) == _expected_routed(prompts, outs, 2, 1)
+    if load_decode_kernel() is None:
+        assert sum(stats[1]) == _expected_routed(prompts, outs, 2, 1)
+    else:  # the fused stack's last layer runs its MLP for the rows whose logits are read: one per generated token
+        assert sum(stats[1]) == sum(len(o.outputs[0].token_ids) for o in outs) * 2
+    llm.engine.runner.model._decode_kernel = None  # layer by layer: every token fed passes the layer
+    before = sum(llm.engine.get_stats().moe_expert_tokens[1])
+    prompts = [list(range(100, 100 + n)) for n in (4, 11, 27)]  # other prompts: none of it in the prefix cache
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert sum(llm.engine.get_stats().moe_expert_tokens[1]) - before == _expected_routed(prompts, outs, 2, 1)
 
 
 def test_metrics_expert_counters_add_up(tiny_moe_dirs):
