@@ -183,12 +183,16 @@ def _describe(linear: nn.Module, bias_apart: bool = False) -> _Linear | None:
     return None
 
 
+def _describe_mlps(mlps: list[nn.Module]) -> tuple[list[_Linear | None], list[_Linear | None]]:
+    """The kernel's view of each gated MLP's (a LlamaMLP's) gate_up and down products (None: one it does not read)."""
+    return [_describe(m.gate_up_proj) for m in mlps], [_describe(m.down_proj) for m in mlps]
+
+
 def _describe_experts(moe: FusedExperts, hidden: int) -> tuple[ctypes.Array, ctypes.Array] | None:
     """Arrays of every expert's gate_up and down products, as the kernel reads them, or None."""
-    gate_up = [_describe(e.gate_up_proj) for e in moe.experts]
-    down = [_describe(e.down_proj) for e in moe.experts]
+    gate_up, down = _describe_mlps(moe.experts)
     r, c, g = moe.router, moe.counts, moe.shared_gate
-    shared = None if moe.shared is None else (_describe(moe.shared.gate_up_proj), _describe(moe.shared.down_proj))
+    shared = None if moe.shared is None else tuple(lins[0] for lins in _describe_mlps([moe.shared]))
     if (any(lin is None for lin in (*gate_up, *down, *(shared or ()))) or r.dtype != torch.float32
             or not r.is_contiguous() or r.shape != (len(moe.experts), hidden) or c.dtype != torch.int64
             or c.shape != (len(moe.experts),) or not 0 < moe.top_k <= len(moe.experts)
@@ -373,8 +377,7 @@ class ExpertsKernel:
         lib = load_decode_kernel()
         if lib is None or activation not in ACTIVATIONS:
             return None
-        gate_up = [_describe(e.gate_up_proj) for e in experts]
-        down = [_describe(e.down_proj) for e in experts]
+        gate_up, down = _describe_mlps(experts)
         if any(lin is None or lin.kind == LIN_F32T for lin in (*gate_up, *down)):
             return None  # fp32 weights: torch's products are as fast, and the stack's would round differently
         return cls(lib, gate_up, down, ACTIVATIONS[activation])

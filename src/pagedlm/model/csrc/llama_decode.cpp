@@ -85,26 +85,36 @@ float dot16(const float* a, const float* b, int n) {
   return acc;
 }
 
+// o[n, down.N] = down(act(gate) * up) of x[n, gate_up.K], (gate, up) = gate_up(x): one expert's gated MLP.
+int expert_rows(const Linear& gate_up, const Linear& down, int act, const float* x, float* o, int n, int nthreads) {
+  const int inter = down.K;
+  thread_local std::vector<float> gu, a;
+  gu.resize(size_t(n) * 2 * inter); a.resize(size_t(n) * inter);
+  if (int rc = linear(gate_up, x, gu.data(), n, nthreads)) return rc;
+  for (int r = 0; r < n; ++r) {
+    const float* g = gu.data() + size_t(r) * 2 * inter;
+    if (act == ACT_GELU_TANH) gelu_tanh_mul(g, g + inter, a.data() + size_t(r) * inter, inter);
+    else silu_mul(g, g + inter, a.data() + size_t(r) * inter, inter);
+  }
+  return linear(down, a.data(), o, n, nthreads);
+}
+
+// dst[i] += w * src[i], each product rounded before the sum (as torch's weighting, then its add)
+void add_weighted(float* dst, const float* src, float w, int n) {
+  for (int i = 0; i < n; ++i) {
+    const volatile float scaled = src[i] * w;
+    dst[i] += scaled;
+  }
+}
+
 // out[M, hidden] += the shared expert of layer L over h[M, hidden], each row times sigmoid(shared_gate . h[m]).
 int shared_expert(const Layer& L, int hid, int act, const float* h, float* out, int M, int nthreads) {
-  const int inter = L.shared_down->K;
-  thread_local std::vector<float> gu, a, o;
-  gu.resize(size_t(M) * 2 * inter); a.resize(size_t(M) * inter); o.resize(size_t(M) * hid);
-  if (int rc = linear(*L.shared_gate_up, h, gu.data(), M, nthreads)) return rc;
-  for (int m = 0; m < M; ++m) {
-    const float* g = gu.data() + size_t(m) * 2 * inter;
-    if (act == ACT_GELU_TANH) gelu_tanh_mul(g, g + inter, a.data() + size_t(m) * inter, inter);
-    else silu_mul(g, g + inter, a.data() + size_t(m) * inter, inter);
-  }
-  if (int rc = linear(*L.shared_down, a.data(), o.data(), M, nthreads)) return rc;
+  thread_local std::vector<float> o;
+  o.resize(size_t(M) * hid);
+  if (int rc = expert_rows(*L.shared_gate_up, *L.shared_down, act, h, o.data(), M, nthreads)) return rc;
   for (int m = 0; m < M; ++m) {
     const float s = 1.f / (1.f + std::exp(-dot16(h + int64_t(m) * hid, L.shared_gate, hid)));
-    const float* orow = o.data() + size_t(m) * hid;
-    float* dst = out + int64_t(m) * hid;
-    for (int i = 0; i < hid; ++i) {
-      const volatile float scaled = s * orow[i];  // rounded before the sum, as torch's sigmoid(g) * shared(x) + out
-      dst[i] += scaled;
-    }
+    add_weighted(out + int64_t(m) * hid, o.data() + size_t(m) * hid, s, hid);
   }
   return 0;
 }
@@ -114,8 +124,8 @@ int shared_expert(const Layer& L, int hid, int act, const float* h, float* out, 
 // expert, each chosen expert's products run once over its tokens, its rows weighted and added into their tokens in
 // expert order; then the shared expert, if any.
 int moe_mlp(const Layer& L, int hid, int act, const float* h, float* out, int M, int nthreads) {
-  const int E = L.num_experts, k = L.top_k, inter = L.exp_down[0].K;
-  thread_local std::vector<float> logits, w, xs, gu, a, o;
+  const int E = L.num_experts, k = L.top_k;
+  thread_local std::vector<float> logits, w, xs, o;
   thread_local std::vector<int> ids, rows, slot;
   logits.resize(size_t(M) * E); w.resize(size_t(M) * k); ids.resize(size_t(M) * k);
   float* const lp = logits.data();  // the team's threads see their own thread_locals: pass the caller's buffer
@@ -151,8 +161,7 @@ int moe_mlp(const Layer& L, int hid, int act, const float* h, float* out, int M,
       for (int j = 0; j < k; ++j) wm[j] /= chosen;
   }
   std::fill(out, out + int64_t(M) * hid, 0.f);
-  gu.resize(size_t(M) * 2 * inter); a.resize(size_t(M) * inter); o.resize(size_t(M) * hid);
-  xs.resize(size_t(M) * hid); rows.resize(M); slot.resize(M);
+  o.resize(size_t(M) * hid); xs.resize(size_t(M) * hid); rows.resize(M); slot.resize(M);
   for (int e = 0; e < E; ++e) {
     int n = 0;
     for (int m = 0; m < M; ++m)
@@ -161,22 +170,9 @@ int moe_mlp(const Layer& L, int hid, int act, const float* h, float* out, int M,
     if (n == 0) continue;
     L.expert_counts[e] += n;
     for (int r = 0; r < n; ++r) std::memcpy(xs.data() + size_t(r) * hid, h + int64_t(rows[r]) * hid, sizeof(float) * hid);
-    if (int rc = linear(L.exp_gate_up[e], xs.data(), gu.data(), n, nthreads)) return rc;
-    for (int r = 0; r < n; ++r) {
-      const float* g = gu.data() + size_t(r) * 2 * inter;
-      if (act == ACT_GELU_TANH) gelu_tanh_mul(g, g + inter, a.data() + size_t(r) * inter, inter);
-      else silu_mul(g, g + inter, a.data() + size_t(r) * inter, inter);
-    }
-    if (int rc = linear(L.exp_down[e], a.data(), o.data(), n, nthreads)) return rc;
-    for (int r = 0; r < n; ++r) {
-      const float wr = w[size_t(rows[r]) * k + slot[r]];
-      const float* orow = o.data() + size_t(r) * hid;
-      float* dst = out + int64_t(rows[r]) * hid;
-      for (int i = 0; i < hid; ++i) {
-        const volatile float scaled = orow[i] * wr;  // rounded before the sum, as torch's mul_ then index_add_
-        dst[i] += scaled;
-      }
-    }
+    if (int rc = expert_rows(L.exp_gate_up[e], L.exp_down[e], act, xs.data(), o.data(), n, nthreads)) return rc;
+    for (int r = 0; r < n; ++r)  // as torch's mul_ by the weights, then index_add_ into the tokens
+      add_weighted(out + int64_t(rows[r]) * hid, o.data() + size_t(r) * hid, w[size_t(rows[r]) * k + slot[r]], hid);
   }
   return L.shared_down ? shared_expert(L, hid, act, h, out, M, nthreads) : 0;
 }
@@ -513,23 +509,15 @@ int pagedlm_moe_experts(const Linear* gate_up, const Linear* down, const float* 
   for (int j = 0; j < k; ++j)
     if (gate_up[j].N != 2 * inter || down[j].K != inter || down[j].N != N || gate_up[j].K != gate_up[0].K)
       return PAGEDLM_BAD_BATCH;
-  thread_local std::vector<float> gu, a, o;
-  gu.resize(size_t(2) * inter); a.resize(inter); o.resize(N);
+  thread_local std::vector<float> o;
+  o.resize(N);
   std::fill(out, out + N, 0.f);
   if (nthreads < 1) nthreads = default_threads();
   int rc = 0;
   with_team(nthreads, [&] {
-    for (int j = 0; j < k && rc == 0; ++j) {
-      if ((rc = linear(gate_up[j], x, gu.data(), 1, nthreads))) break;
-      if (act == ACT_GELU_TANH) gelu_tanh_mul(gu.data(), gu.data() + inter, a.data(), inter);
-      else silu_mul(gu.data(), gu.data() + inter, a.data(), inter);
-      if ((rc = linear(down[j], a.data(), o.data(), 1, nthreads))) break;
-      const float w = weights[j];
-      for (int i = 0; i < N; ++i) {
-        const volatile float scaled = o[i] * w;  // rounded before the sum, as torch's mul_ then +=
-        out[i] += scaled;
-      }
-    }
+    for (int j = 0; j < k && rc == 0; ++j)
+      if ((rc = expert_rows(gate_up[j], down[j], act, x, o.data(), 1, nthreads)) == 0)
+        add_weighted(out, o.data(), weights[j], N);  // as torch's mul_ then +=
   });
   return rc;
 }
