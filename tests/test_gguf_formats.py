@@ -200,9 +200,10 @@ def test_one_row_reads_tiles_in_pairs_or_alone_with_the_same_bits(monkeypatch, m
         variant.pagedlm_row_pairs(before)
 
 
-@pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25)])
+@pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25),
+                                                 ("Q3_K", 14.25)])
 def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
-    """Q8_0 / Q5_0 / Q5_K / Q6_K weights keep the file's codes and scales (about its bytes; no second rounding to
+    """Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K weights keep the file's codes and scales (about its bytes; no second rounding to
     int8): written in one pass (a fused weight, a row permutation), dequantized exactly as gguf-py does, multiplied as
     Q8(x) @ W^T by their kernel, a row's result the same alone or in any batch."""
     lib = _kernel_or_skip()
@@ -264,7 +265,7 @@ def test_a_fused_weight_mixing_kinds_runs_part_by_part():
     assert quant.ConcatLinear.from_blocks(bad) is None  # 8 rows of Q6_K: no whole tile, no native layer
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q3_K"])
 def test_k_quants_take_activations_per_256_values_and_rows_stay_independent(kind):
     """The K-quants' products quantize the activations with one scale per 256 values (llama.cpp's Q8_K) and reduce
     each super-block in integers: within fp32 rounding of that reference, far from the per-32 one (the per-256 path
@@ -287,3 +288,79 @@ def test_k_quants_take_activations_per_256_values_and_rows_stay_independent(kind
     err = (full.double() - per_256).abs()
     assert (err <= 1e-6 * F.linear(x256.abs(), w.abs())).all()  # fp32 rounding of the terms' magnitudes
     assert (per_32 - per_256).abs().max() > 100 * err.max()
+
+
+def quantize_q3_k(a: np.ndarray) -> np.ndarray:
+    """GGUF Q3_K blocks of `a` [rows, cols] (cols a multiple of 256; gguf-py quantizes no K-quant): per 16 values a
+    6-bit scale of the super-block's fp16 d, codes -4..3 (2 low bits, the 3rd in hmask, set meaning no -4)."""
+    rows, cols = a.shape
+    x = a.reshape(rows, cols // 256, 16, 16).astype(np.float32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    group = -peak / 4  # the value of largest magnitude at code -4, as llama.cpp's quantizer places it
+    d = (np.abs(group).max(-1) / 31).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(group, df, out=np.zeros_like(group), where=df > 0)), -32, 31)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -4, 3).astype(np.int32) + 4
+    q = q.reshape(rows, -1, 8, 32)  # [.., block k of 32, value l]
+    hmask = ((q >> 2) << np.arange(8).reshape(1, 1, 8, 1)).sum(2).astype(np.uint8)  # bit k of byte l
+    low = (q & 3).reshape(rows, -1, 2, 4, 32)  # value 128n + 32j + l: byte 32n + l, bits 2j
+    qs = (low << (2 * np.arange(4)).reshape(1, 1, 1, 4, 1)).sum(3).astype(np.uint8).reshape(rows, -1, 64)
+    s6 = (sc + 32).astype(np.uint8)  # [.., 16]
+    scales = np.zeros((rows, cols // 256, 12), np.uint8)
+    scales[..., :8] = (s6[..., :8] & 0x0F) | ((s6[..., 8:] & 0x0F) << 4)
+    for i in range(16):
+        scales[..., 8 + i % 4] |= (s6[..., i] >> 4) << (2 * (i // 4))
+    out = np.concatenate([hmask, qs, scales, d[..., None].view(np.uint8)], -1)
+    return out.reshape(rows, -1)
+
+
+def test_q3_k_reference_quantizer_round_trips():
+    a = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
+    w = reference(quantize_q3_k(a), "Q3_K", 16, 512).numpy()
+    step = np.abs(a.reshape(16, -1, 16)).max(-1, keepdims=True) / 4  # a code's step in each group of 16
+    assert (np.abs(w - a).reshape(16, -1, 16) <= 1.1 * step).all() and np.corrcoef(w.ravel(), a.ravel())[0, 1] > 0.97
+
+
+def test_a_q3_k_model_runs_its_blocks_as_stored(tmp_path):
+    """A LLaMA whose layers' matrices are Q3_K (Q3_K_M's main kind) runs them as stored, in their own kernel and in
+    the fused decode stack (they were requantized to int8: about twice the file's bytes a token), with the
+    dequantized fp32 model's log-probabilities (to the Q8 rounding of the activations), the prompts' and each decoded
+    token's, and the memory plan counts them at their layout's bytes."""
+    from test_families import write_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import build_tiny_tokenizer
+    from pagedlm import LLM, SamplingParams
+    from pagedlm.model.llama_decode import load_decode_kernel
+    from pagedlm.model.plan import estimate_weight_bytes
+
+    _kernel_or_skip()
+    tok = build_tiny_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=None, bos_token_id=None,
+                      hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "hf"
+    LlamaForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)
+    tok.save_pretrained(model_dir)
+    path = write_gguf(model_dir, tmp_path / "q3_k.gguf", "llama", quant="Q3_K")
+    llm = LLM(str(path), num_kv_blocks=64, speculative_config="off")
+    runner = llm.engine.runner
+    assert "Q3_K blocks run as stored" in llm.engine.plan.describe()
+    layers = [m for m in runner.model.modules() if isinstance(m, quant.GGUFLinear)]
+    assert len(layers) == 2 * 4 and all(m.kind == "Q3_K" for m in layers)  # q/k/v, o, gate/up, down
+    assert estimate_weight_bytes(path, llm.engine.plan) == pytest.approx(runner.weight_bytes(), rel=0.02)
+    assert (runner.model.decode_kernel() is not None) == (load_decode_kernel() is not None)
+    ref = LLM(str(path), dtype="float32", num_kv_blocks=64, speculative_config="off")  # dequantized, fp32 products
+    prompts = [[5, 9, 30, 41, 17], list(range(100, 140))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    whole = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]  # our decoded tokens, scored by ref
+    refs = ref.generate(whole, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    for ours, theirs, seq, prompt in zip(outs, refs, whole, prompts):
+        ours_lp = [ours.prompt_logprobs[pos][seq[pos]].logprob for pos in range(1, len(prompt))]
+        ours_lp += [step[tid].logprob for step, tid in zip(ours.outputs[0].logprobs, ours.outputs[0].token_ids)]
+        theirs_lp = [theirs.prompt_logprobs[pos][seq[pos]].logprob for pos in range(1, len(seq))]
+        assert len(ours_lp) == len(theirs_lp) == len(seq) - 1
+        assert max(abs(a - b) for a, b in zip(ours_lp, theirs_lp)) < 0.03

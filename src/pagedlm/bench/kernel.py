@@ -154,6 +154,6 @@ def random_gguf_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray
     small = (rng.random((rows, cols // block, 2)) * 0.004 + 1e-4).astype(np.float16).view(np.uint8)
     if kind in ("Q4_K", "Q5_K"):  # d, dmin (fp16) lead the super-block
         raw[..., 0:4] = small
-    elif kind == "Q6_K":  # d (fp16) ends it
-        raw[..., 208:210] = small[..., 0:2]
+    elif kind in ("Q6_K", "Q3_K"):  # d (fp16) ends it
+        raw[..., size - 2:size] = small[..., 0:2]
     return raw.reshape(rows, -1)

@@ -3,7 +3,7 @@ matmul path serves a step of a given size. Decided once at start-up from the CPU
 user's settings; `ExecutionPlan.describe()` says what was chosen and why.
 
 The default (`dtype="auto"`, no `quantization`) on a CPU:
-- a GGUF whose linear weights are Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 blocks runs them as the file stores
+- a GGUF whose linear weights are Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 blocks runs them as the file stores
   them, each kind in a kernel of its own (model/quant/: int4.py, gguf.py; no weight is rounded a second time and
   decode reads about the file's bytes), with fp32 activations, so decode steps take the fused C++ decoder stack, and
   a 2-byte KV cache (unless `kv_cache_dtype` says otherwise): half the bytes of fp32, so twice the tokens fit;
@@ -41,7 +41,7 @@ from pagedlm.cpu import cpu_features
 
 # GGUF block formats model/quant/ runs as stored: int4 (int4.py) and 5- to 8-bit (gguf.py).
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-NATIVE_TYPES = (*NATIVE_INT4_TYPES, "Q5_0", "Q5_K", "Q6_K", "Q8_0")
+NATIVE_TYPES = (*NATIVE_INT4_TYPES, "Q3_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 DENSE_COPY_MEMORY_FRACTION = 1 / 32  # the most of the machine's memory a dense copy of the weights may take
 
@@ -172,7 +172,7 @@ def estimate_weight_bytes(path: Path, plan: ExecutionPlan) -> int:
     as stored, other linear weights in the plan's format (int4: half a byte and an fp16 scale and minimum per group;
     int8: a byte and an fp32 scale per row; bf16), the embedding table int8 per row (bf16 for bf16) and shared by a
     tied LM head, the rest in the activations' dtype. The dense copies for big steps are not weights here either."""
-    from pagedlm.model.quant.gguf import GGUF_KINDS
+    from pagedlm.model.quant.gguf import GGUF_KINDS, layout_bytes
 
     q, dense = plan.quantization, torch.empty(0, dtype=plan.dtype).element_size()
     native = set(NATIVE_TYPES if plan.native_types else NATIVE_INT4_TYPES) \
@@ -186,7 +186,7 @@ def estimate_weight_bytes(path: Path, plan: ExecutionPlan) -> int:
         if q is None or len(shape) not in (2, 3):  # 3: a stack of experts' matrices
             total += n * dense * (2 if table and tied and q is None else 1)  # unquantized, a tied head is a copy
         elif kind in native and (not (table or head) or kind in GGUF_KINDS):
-            total += stored
+            total += layout_bytes(kind, n // shape[-1], shape[-1]) if kind in GGUF_KINDS else stored
         elif q == "bf16":
             total += 2 * n
         elif table or (plan.fallback or q) == "int8":

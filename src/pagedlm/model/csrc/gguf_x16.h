@@ -1,5 +1,5 @@
-// GGUF's 5-, 6- and 8-bit block formats multiplied as the file stores them (no requantization): Q8_0, Q5_0, Q5_K
-// and Q6_K, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output rows and 32-value
+// GGUF's 3-, 5-, 6- and 8-bit block formats multiplied as the file stores them (no requantization): Q8_0, Q5_0,
+// Q5_K, Q6_K and Q3_K, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output rows and 32-value
 // block, chunk c = 0..3 holding, for row j, bytes 4c..4c+3 of that row's 16 nibble bytes, inputs 4c + i in the low
 // nibbles and 16 + 4c + i in the high ones; Q8_0: the int8 x16 layout, 8 chunks of 4 values). Per tile and block:
 //   Q8_0  codes 512 B (int8); scales fp16 d [nblk, 16]                         w = d * q
@@ -8,15 +8,18 @@
 //                                                                               w = (d * sc) * q - dmin * m
 //   Q6_K  codes 256 B, planes 128 B (bits 4-5); scales fp16 d [nblk / 8, 16]; aux int8 sc of inputs 0-15 and 16-31
 //         [nblk, 2, 16]                                                         w = (d * sc) * (q - 32)
+//   Q3_K  codes 128 B (2-bit), planes 64 B (the 3rd bit); scales and aux as Q6_K's  w = (d * sc) * (q - 4)
 // Planes, per chunk c and half h (rows 8h .. 8h + 7) of a block, for register byte p = 4 * (j % 8) + i (as the
 // codes' 32 bytes of that chunk and half are ordered): Q5, 8 bytes: bit p of the first 32-bit word is the 5th bit
 // of input 4c + i, bit p of the second that of input 16 + 4c + i; Q6_K, 16 bytes: byte p % 16 holds in bits 2f..2f+1
-// the high bits of field f = (p >= 16) for input 4c + i and f = 2 + (p >= 16) for input 16 + 4c + i.
+// the high bits of field f = (p >= 16) for input 4c + i and f = 2 + (p >= 16) for input 16 + 4c + i. Q3_K's planes
+// are Q5's (the 3rd bit), its codes 2 bits: byte 64g + 4j + i of a block holds, from bit 0, the codes of inputs
+// 4g + i, 4(g + 2) + i, 16 + 4g + i and 16 + 4(g + 2) + i (g = 0, 1), so chunk c is field c / 2 of group c % 2.
 // Q8_0's and Q5_0's activations are Q8 per 32-value block (quantize_act) and every path computes each block's exact
 // integer dot products, then the same fp32 operations: f = fma(dot, scale * d_x, f). The K-quants' activations are
 // Q8 per 256 values (llama.cpp's Q8_K), so a super-block reduces in integers: Q5_K as Q4_K (q4k_rows: sums of sc x
-// dot and of m x the activations' block sums, then Q4KSuper's finish), Q6_K the sum of sc x dot over its 16
-// half-blocks, then q6k_finish. On AVX-512 VNNI machines the products run gguf_x16_rows16, q5k_rows16 and q6k_rows16
+// dot and of m x the activations' block sums, then Q4KSuper's finish), Q6_K and Q3_K the sum of sc x dot over their
+// 16 half-blocks, then q6k_finish. On AVX-512 VNNI machines the products run gguf_x16_rows16, q5k_rows16 and q6k_rows16
 // (16 outputs a pass, vpdpbusd: 2.6-3.6x the AVX2 code's rate at 8-256 rows on a Zen 4, 1.2-1.3x at one row of cold
 // weights), but Q8_0's single rows, which take a VNNI kernel of their own (gguf_q8_0_row_tiles); elsewhere AVX2's
 // gguf_x16_rows, compiled per kind.
@@ -24,7 +27,12 @@
 
 #include <atomic>
 
-enum GgufKind { GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3 };
+enum GgufKind { GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3, GK_Q3_K = 4 };
+
+// The K-quants: super-blocks of 256 values, activations quantized per 256.
+constexpr bool gguf_super(int kind) { return kind == GK_Q5_K || kind == GK_Q6_K || kind == GK_Q3_K; }
+// Q6_K's and Q3_K's shape: an fp16 d per super-block, an int8 scale per 16 values.
+constexpr bool gguf_q6_shaped(int kind) { return kind == GK_Q6_K || kind == GK_Q3_K; }
 
 // A Q6_K output's super-block: is the sum of its 16 half-blocks' scale x dot (exact), dw its fp16 d, a the
 // activations' scale; every build's fp32 operations.
@@ -37,12 +45,12 @@ struct GgufX16 {
   const uint16_t* scales;
   const uint8_t* aux;
 
-  int code_bytes() const { return kind == GK_Q8_0 ? 512 : 256; }
+  int code_bytes() const { return kind == GK_Q8_0 ? 512 : kind == GK_Q3_K ? 128 : 256; }
   int plane_bytes() const { return kind == GK_Q6_K ? 128 : kind == GK_Q8_0 ? 0 : 64; }
   int scales_per_tile() const {
-    return kind == GK_Q5_K ? nblk / 8 * 32 : kind == GK_Q6_K ? nblk / 8 * 16 : nblk * 16;
+    return kind == GK_Q5_K ? nblk / 8 * 32 : gguf_q6_shaped(kind) ? nblk / 8 * 16 : nblk * 16;
   }
-  bool split() const { return kind == GK_Q6_K; }  // two scales per block
+  bool split() const { return gguf_q6_shaped(kind); }  // two scales per block
   int q6_scale(int b, int half, int j) const { return int8_t(aux[b * 32 + 16 * half + j]); }
   KScales kscales() const { return {scales, aux, nblk}; }  // Q5_K's: Q4_K's layout (q4k_rows)
 
@@ -53,12 +61,13 @@ struct GgufX16 {
   }
 
   // The code of input v (0..31) of block b for row j (0..15) of this tile, as it multiplies the activation: Q8_0's
-  // q, Q5_0's q - 16, Q5_K's q (0..31), Q6_K's q - 32.
+  // q, Q5_0's q - 16, Q5_K's q (0..31), Q6_K's q - 32, Q3_K's q - 4.
   int code(int b, int j, int v) const {
     const int c = (v % 16) / 4, i = v % 4, hi = v >= 16, h = j / 8, p = 4 * (j % 8) + i;
     if (kind == GK_Q8_0) return int8_t(codes[int64_t(b) * 512 + 64 * (v / 4) + 4 * j + i]);
-    const uint8_t nib = codes[int64_t(b) * 256 + 64 * c + 4 * j + i];
-    int q = hi ? nib >> 4 : nib & 0x0f;
+    const uint8_t nib = kind == GK_Q3_K ? uint8_t(codes[int64_t(b) * 128 + 64 * (c % 2) + 4 * j + i] >> (2 * (c / 2)))
+                                        : codes[int64_t(b) * 256 + 64 * c + 4 * j + i];
+    int q = kind == GK_Q3_K ? (nib >> (4 * hi)) & 3 : hi ? nib >> 4 : nib & 0x0f;
     if (kind == GK_Q6_K) {
       const uint8_t pb = planes[int64_t(b) * 128 + (2 * c + h) * 16 + p % 16];
       const int f = 2 * hi + (p >= 16);
@@ -66,6 +75,7 @@ struct GgufX16 {
     }
     uint32_t bits;
     std::memcpy(&bits, planes + int64_t(b) * 64 + (2 * c + h) * 8 + 4 * hi, 4);
+    if (kind == GK_Q3_K) return (q | int((bits >> p) & 1) << 2) - 4;
     q |= int((bits >> p) & 1) << 4;
     return kind == GK_Q5_0 ? q - 16 : q;
   }
@@ -73,7 +83,8 @@ struct GgufX16 {
   float scale(int b, int half, int j) const {
     switch (kind) {
       case GK_Q5_K: return half_to_float(scales[(b / 8) * 32 + j]) * float(aux[b * 32 + j]);
-      case GK_Q6_K: return half_to_float(scales[(b / 8) * 16 + j]) * float(int8_t(aux[b * 32 + 16 * half + j]));
+      case GK_Q6_K:
+      case GK_Q3_K: return half_to_float(scales[(b / 8) * 16 + j]) * float(int8_t(aux[b * 32 + 16 * half + j]));
       default: return half_to_float(scales[b * 16 + j]);
     }
   }
@@ -93,6 +104,17 @@ struct GgufX16 {
       const uint8_t* p = codes + int64_t(b) * 512 + 32 * h;
       lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
       hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (c + 4)));
+      return;
+    }
+    if constexpr (KIND == GK_Q3_K) {
+      const __m128i shift = _mm_cvtsi32_si128(2 * (c / 2));
+      const __m256i v = _mm256_srl_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + int64_t(b) * 128 + 64 * (c % 2) + 32 * h)), shift);
+      const __m256i m3 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(4);
+      const uint8_t* pl = planes + int64_t(b) * 64 + (2 * c + h) * 8;
+      lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, m3), _mm256_srli_epi16(bit4(pl), 2)), off);
+      hi = _mm256_sub_epi8(
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m3), _mm256_srli_epi16(bit4(pl + 4), 2)), off);
       return;
     }
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + int64_t(b) * 256 + 64 * c + 32 * h));
@@ -144,13 +166,30 @@ struct GgufX16 {
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
   // Block b's codes for the tile's 16 rows as vpdpbusd's unsigned multipliers, q[c] of inputs 4c..4c+3 (c = 0..7):
-  // Q8_0's q + 128, Q5_0's and Q5_K's q (0..31), Q6_K's q (0..63). The dot then lacks kKindOffset<KIND> times the
-  // activations' sum (of each half for Q6_K).
+  // Q8_0's q + 128, Q5_0's and Q5_K's q (0..31), Q6_K's q (0..63), Q3_K's q (0..7). The dot then lacks
+  // kKindOffset<KIND> times the activations' sum (of each half for Q6_K and Q3_K).
   template <int KIND>
   void load16(int b, __m512i* q) const {
     if constexpr (KIND == GK_Q8_0) {
       const __m512i flip = _mm512_set1_epi8(char(0x80));
       for (int c = 0; c < 8; ++c) q[c] = _mm512_xor_si512(_mm512_loadu_si512(codes + int64_t(b) * 512 + 64 * c), flip);
+      return;
+    }
+    if constexpr (KIND == GK_Q3_K) {
+      const __m512i m3 = _mm512_set1_epi8(3), bit = _mm512_set1_epi8(0x04);
+      for (int g = 0; g < 2; ++g) {
+        const __m512i v = _mm512_loadu_si512(codes + int64_t(b) * 128 + 64 * g);
+        q[g] = _mm512_and_si512(v, m3);
+        q[g + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 2), m3);
+        q[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m3);
+        q[g + 6] = _mm512_and_si512(_mm512_srli_epi16(v, 6), m3);
+      }
+      for (int c = 0; c < 4; ++c) {  // Q5's planes (below), the 3rd bit
+        uint32_t w[4];
+        std::memcpy(w, planes + int64_t(b) * 64 + 16 * c, 16);
+        q[c] = _mm512_or_si512(q[c], _mm512_maskz_mov_epi8(w[0] | uint64_t(w[2]) << 32, bit));
+        q[4 + c] = _mm512_or_si512(q[4 + c], _mm512_maskz_mov_epi8(w[1] | uint64_t(w[3]) << 32, bit));
+      }
       return;
     }
     const __m512i m4 = _mm512_set1_epi8(0x0f);
@@ -193,6 +232,7 @@ void with_kind(int kind, F&& f) {
     case GK_Q8_0: return f(std::integral_constant<int, GK_Q8_0>{});
     case GK_Q5_0: return f(std::integral_constant<int, GK_Q5_0>{});
     case GK_Q5_K: return f(std::integral_constant<int, GK_Q5_K>{});
+    case GK_Q3_K: return f(std::integral_constant<int, GK_Q3_K>{});
     default: return f(std::integral_constant<int, GK_Q6_K>{});
   }
 }
@@ -206,7 +246,7 @@ template <int KIND, int R, int H>
 void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bpair, float* y, int N, int n0,
                    int m0, int i0, int h0, int b0, int b1) {
   const int nblk = w.nblk;
-  constexpr bool wide = KIND == GK_Q8_0, q5k = KIND == GK_Q5_K, split = KIND == GK_Q6_K || q5k;
+  constexpr bool wide = KIND == GK_Q8_0, q5k = KIND == GK_Q5_K, split = gguf_q6_shaped(KIND) || q5k;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xg = xq + int64_t(m0) * nblk * 32;
   const float* dg = d + int64_t(m0) * nblk;
@@ -265,7 +305,7 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
             is[i][h] = _mm256_setzero_si256();
           }
         }
-      } else if constexpr (split) {  // Q6_K: the halves' pair sums times their scales, in integers
+      } else if constexpr (split) {  // Q6_K, Q3_K: the halves' pair sums times their scales, in integers
         const __m256i sc0 = w.scale_pairs8(b, 0, h0 + h), sc1 = w.scale_pairs8(b, 1, h0 + h);
         for (int i = 0; i < R; ++i)
           is[i][h] = _mm256_add_epi32(is[i][h], _mm256_add_epi32(_mm256_madd_epi16(a0[i][h], sc0),
@@ -296,7 +336,7 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
 std::atomic<int64_t> gguf_vnni_products{0};  // products that ran gguf_x16_rows16 (tests see the path)
 
 template <int KIND>
-constexpr int kKindOffset = KIND == GK_Q8_0 ? 128 : 16;
+constexpr int kKindOffset = KIND == GK_Q8_0 ? 128 : KIND == GK_Q6_K ? 32 : KIND == GK_Q3_K ? 4 : 16;
 
 // The sum of four vpdpbusd of codes q[c0..c0+3] with the activations at xb + 4 * c0, from `init`.
 inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
@@ -353,10 +393,11 @@ void q5k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
   q4k_rows_of<R>(xq, d, bpair, codes, w.kscales(), y, w.nblk * 32, N, n0, m0);
 }
 
-// Q6_K: rows m0 .. m0 + R (activations per 256 values) against tile n0 / 16, each super-block reduced in integers:
-// per block the two halves' exact dots (vpdpbusd on q, chains starting from hoff's -32 x the halves' sums) times
-// their int8 scales, summed over the super-block; then its fp32 operations (q6k_finish's), as every build does.
-template <int R>
+// Q6_K and Q3_K: rows m0 .. m0 + R (activations per 256 values) against tile n0 / 16, each super-block reduced in
+// integers: per block the two halves' exact dots (vpdpbusd on q, chains starting from hoff's -kKindOffset x the
+// halves' sums) times their int8 scales, summed over the super-block; then its fp32 operations (q6k_finish's), as
+// every build does.
+template <int KIND, int R>
 void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* hoff, float* y, int N, int n0,
                 int m0) {
   const int64_t g0 = int64_t(m0) * w.nblk;
@@ -365,11 +406,11 @@ void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
   };
   auto add = [&](int b, __m512i* is) {
     if (m0 == 0) {
-      prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 256, 256);
-      prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * 128, 128);
+      prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
+      prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
     }
     __m512i q[8];
-    w.load16<GK_Q6_K>(b, q);
+    w.load16<KIND>(b, q);
     const __m512i sc0 = sc(b, 0), sc1 = sc(b, 1);
     const int64_t mb = g0 + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
@@ -393,7 +434,7 @@ void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const i
                      float* y, int M, int N, int n0) {
   for_row_groups(M, [&](auto r, int m0) {
     constexpr int R = decltype(r)::value;
-    if constexpr (KIND == GK_Q6_K) q6k_rows16<R>(w, xq, d, hoff, y, N, n0, m0);
+    if constexpr (gguf_q6_shaped(KIND)) q6k_rows16<KIND, R>(w, xq, d, hoff, y, N, n0, m0);
     else if constexpr (KIND == GK_Q5_K) q5k_rows16<R>(w, xq, d, bsum, y, N, n0, m0);
     else gguf_x16_rows16<KIND, R>(w, xq, d, bsum, y, N, n0, m0);
   });
@@ -401,8 +442,8 @@ void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const i
 #endif
 
 // Tile t of a GGUF x16 weight against every row of x (packed activations, blocks of 32; the K-quants' per 256
-// values): bsum their block sums (Q5_K: quantize_act's bpair); hoff, for Q6_K on AVX-512 VNNI: per block [nblk, 8, 2]
-// -32 x the sum of its first and of its last 16 activations, read by the dot products' first instruction as a
+// values): bsum their block sums (Q5_K: quantize_act's bpair); hoff, for Q6_K and Q3_K on AVX-512 VNNI: per block
+// [nblk, 8, 2] -kKindOffset x the sum of its first and of its last 16 activations, read by the dot products' first instruction as a
 // broadcast from memory, with no integer work per row.
 void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
                    float* y, int M, int N, int t) {
@@ -414,6 +455,7 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
     case GK_Q8_0: return gguf_x16_tile16<GK_Q8_0>(w, xq, d, bsum, hoff, y, M, N, n0);
     case GK_Q5_0: return gguf_x16_tile16<GK_Q5_0>(w, xq, d, bsum, hoff, y, M, N, n0);
     case GK_Q5_K: return gguf_x16_tile16<GK_Q5_K>(w, xq, d, bsum, hoff, y, M, N, n0);
+    case GK_Q3_K: return gguf_x16_tile16<GK_Q3_K>(w, xq, d, bsum, hoff, y, M, N, n0);
     default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hoff, y, M, N, n0);
   }
 #elif defined(PAGEDLM_AVX2)
@@ -533,7 +575,7 @@ struct RawBlock {
   int8_t q8[32];
   uint8_t q[32];
   uint16_t d, dmin;  // fp16 as stored
-  uint8_t sc[2], m;  // Q5_K: sc[0], m (6-bit); Q6_K: sc[0], sc[1] (int8 bits)
+  uint8_t sc[2], m;  // Q5_K: sc[0], m (6-bit); Q6_K, Q3_K: sc[0], sc[1] (int8 bits)
 };
 
 inline int gguf_block_bytes(int kind) {  // per 32 values (K-quants: per super-block of 256)
@@ -542,6 +584,7 @@ inline int gguf_block_bytes(int kind) {  // per 32 values (K-quants: per super-b
     case GK_Q5_0: return 22;
     case GK_Q5_K: return 176;
     case GK_Q6_K: return 210;
+    case GK_Q3_K: return 110;
     default: return 0;
   }
 }
@@ -591,6 +634,19 @@ inline void gguf_read_block(int kind, const uint8_t* row, int b, RawBlock& o) {
       }
       return;
     }
+    case GK_Q3_K: {  // hmask[32], qs[64], 12 bytes of 6-bit scales (+32), d; the 3rd bit set means no -4
+      const uint8_t* sb = row + int64_t(b / 8) * 110;
+      const int k = b % 8;
+      const uint8_t *hm = sb, *qs = sb + 32 + 32 * (k / 4), *s = sb + 96;
+      std::memcpy(&o.d, sb + 108, 2);
+      for (int half = 0; half < 2; ++half) {
+        const int i = 2 * k + half;
+        const int lo4 = i < 8 ? s[i] & 0x0f : s[i - 8] >> 4, hi2 = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+        o.sc[half] = uint8_t(int8_t((lo4 | hi2 << 4) - 32));
+      }
+      for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(((qs[l] >> (2 * (k % 4))) & 3) | ((hm[l] >> k) & 1) << 2);
+      return;
+    }
   }
 }
 
@@ -619,10 +675,27 @@ inline void gguf_write_row(const GgufX16& g, const uint8_t* row, int64_t dst) {
         aux[b * 32 + 16 + j] = o.m;
         break;
       case GK_Q6_K:
+      case GK_Q3_K:
         if (b % 8 == 0) scales[(b / 8) * 16 + j] = o.d;
         aux[b * 32 + j] = o.sc[0];
         aux[b * 32 + 16 + j] = o.sc[1];
         break;
+    }
+    if (g.kind == GK_Q3_K) {
+      for (int grp = 0; grp < 2; ++grp)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t* q = o.q + 4 * grp + i;  // inputs 4g + i, 4(g + 2) + i, 16 + 4g + i, 16 + 4(g + 2) + i
+          codes[int64_t(b) * 128 + 64 * grp + 4 * j + i] =
+              uint8_t((q[0] & 3) | (q[8] & 3) << 2 | (q[16] & 3) << 4 | (q[24] & 3) << 6);
+        }
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 4; ++i) {
+          const int p = 4 * (j % 8) + i;
+          uint8_t* word = planes + int64_t(b) * 64 + (2 * c + h) * 8;
+          __atomic_fetch_or(word + p / 8, uint8_t(((o.q[4 * c + i] >> 2) & 1) << (p % 8)), __ATOMIC_RELAXED);
+          __atomic_fetch_or(word + 4 + p / 8, uint8_t(((o.q[16 + 4 * c + i] >> 2) & 1) << (p % 8)), __ATOMIC_RELAXED);
+        }
+      continue;
     }
     for (int c = 0; c < 4; ++c)
       for (int i = 0; i < 4; ++i) {

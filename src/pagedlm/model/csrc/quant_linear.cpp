@@ -1787,7 +1787,7 @@ int64_t pagedlm_q8_0_row_passes() { return q8_0_row_passes.load(); }
 // Products that have run on AMX tiles in this process.
 int64_t pagedlm_amx_products() { return amx_products.load(); }
 
-// Products of a GGUF Q8_0 (several rows) / Q5_0 / Q5_K / Q6_K weight that ran gguf_x16_rows16, the AVX-512 VNNI
+// Products of a GGUF Q8_0 (several rows) / Q5_0 / Q5_K / Q6_K / Q3_K weight that ran gguf_x16_rows16, the AVX-512 VNNI
 // kernel (0 in builds without it).
 int64_t pagedlm_gguf_vnni_products() {
 #ifdef PAGEDLM_AVX512_VNNI
@@ -1953,8 +1953,8 @@ int pagedlm_gguf_q8_0_to_int8(const uint8_t* raw, int rows, int K, int8_t* q, fl
 // kind: a GgufKind; K % 32 == 0 (K-quants: % 256), N % 16 == 0; planes / aux as the kind has them (else null).
 
 static bool gguf_shape_ok(int kind, int K, int N) {
-  if (kind < GK_Q8_0 || kind > GK_Q6_K || K <= 0 || N % X16 != 0) return false;
-  return (kind == GK_Q5_K || kind == GK_Q6_K) ? K % 256 == 0 : K % 32 == 0;
+  if (kind < GK_Q8_0 || kind > GK_Q3_K || K <= 0 || N % X16 != 0) return false;
+  return gguf_super(kind) ? K % 256 == 0 : K % 32 == 0;
 }
 
 // Raw GGUF rows of `kind` written into the x16 layout as rows row0 .. row0 + rows (source row perm[r], perm may
@@ -1962,8 +1962,7 @@ static bool gguf_shape_ok(int kind, int K, int N) {
 int pagedlm_gguf_to_x16(const uint8_t* raw, int kind, int rows, int K, const int64_t* perm, int row0, uint8_t* codes,
                         uint8_t* planes, uint16_t* scales, uint8_t* aux, int nthreads) {
   if (!gguf_shape_ok(kind, K, X16)) return 1;
-  const int per = gguf_block_bytes(kind), superblocks = kind == GK_Q5_K || kind == GK_Q6_K;
-  const int64_t row_bytes = int64_t(superblocks ? K / 256 : K / 32) * per;
+  const int64_t row_bytes = int64_t(gguf_super(kind) ? K / 256 : K / 32) * gguf_block_bytes(kind);
   const GgufX16 g{kind, K / 32, codes, planes, scales, aux};
   parallel_for(rows, nthreads, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) gguf_write_row(g, raw + (perm ? perm[r] : r) * row_bytes, row0 + r);
@@ -1985,14 +1984,15 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   int8_t* const xqp = xq.data();
   float *const dp = d.data(), *const gp = gsum.data();
   int32_t* const bp = bsum.data();
-  const bool q5k = kind == GK_Q5_K, ksuper = q5k || kind == GK_Q6_K;  // activations per 256 values
+  const bool q5k = kind == GK_Q5_K, ksuper = gguf_super(kind);  // activations per 256 values
   if (q5k) quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, nullptr, lay, 8, bp);  // bp: pairs of block sums
   else if (ksuper) quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay, 8);
   else quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay);  // sblk a constant at each call
   int32_t* hp = nullptr;
 #ifdef PAGEDLM_AVX512_VNNI
   thread_local std::vector<int32_t> hoff;
-  if (kind == GK_Q6_K) {  // Q6_K's offsets of each block's halves (q6k_rows16 corrects them apart)
+  if (gguf_q6_shaped(kind)) {  // the offsets of each block's halves (q6k_rows16 corrects them apart)
+    const int32_t off = kind == GK_Q6_K ? kKindOffset<GK_Q6_K> : kKindOffset<GK_Q3_K>;
     hoff.resize(size_t(Mr) * nblk * 2);
     int32_t* const hop = hp = hoff.data();
     parallel_for(M, int64_t(M) * K >= 65536 ? nthreads : 1, 8, [&](int64_t m0, int64_t m1) {
@@ -2002,8 +2002,8 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
           int32_t sum = 0;
           for (int v = 0; v < 16; ++v) sum += xb[v];
           const int64_t at = lay.blk(m, b, nblk);
-          hop[2 * at] = -32 * sum;
-          hop[2 * at + 1] = -32 * (bp[at] - sum);
+          hop[2 * at] = -off * sum;
+          hop[2 * at + 1] = -off * (bp[at] - sum);
         }
     });
   }
