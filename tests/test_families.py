@@ -232,10 +232,10 @@ def write_gguf(model_dir: Path, out: Path, name: str, quant: str | None = None) 
     def add(gname: str, a: np.ndarray) -> None:
         if quant and gname.startswith("blk.") and gname.endswith(".weight") and a.ndim >= 2 and "gate_inp" not in gname:
             qt = gguf.GGMLQuantizationType[quant]
-            if quant == "Q3_K":  # gguf-py quantizes no K-quant
-                from test_gguf_formats import quantize_q3_k
+            from test_gguf_formats import QUANTIZERS  # kinds gguf-py cannot quantize
 
-                blocks = quantize_q3_k(a.reshape(-1, a.shape[-1])).reshape(*a.shape[:-1], -1)
+            if quant in QUANTIZERS:
+                blocks = QUANTIZERS[quant](a.reshape(-1, a.shape[-1])).reshape(*a.shape[:-1], -1)
             else:
                 blocks = gguf.quants.quantize(a, qt)
             w.add_tensor(gname, blocks, raw_dtype=qt)

@@ -201,9 +201,9 @@ def test_one_row_reads_tiles_in_pairs_or_alone_with_the_same_bits(monkeypatch, m
 
 
 @pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25),
-                                                 ("Q3_K", 14.25)])
+                                                 ("Q3_K", 14.25), ("IQ4_NL", 18), ("IQ4_XS", 17.25)])
 def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
-    """Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K weights keep the file's codes and scales (about its bytes; no second rounding to
+    """Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4_NL / IQ4_XS weights keep the file's codes and scales (about its bytes; no second rounding to
     int8): written in one pass (a fused weight, a row permutation), dequantized exactly as gguf-py does, multiplied as
     Q8(x) @ W^T by their kernel, a row's result the same alone or in any batch."""
     lib = _kernel_or_skip()
@@ -265,7 +265,7 @@ def test_a_fused_weight_mixing_kinds_runs_part_by_part():
     assert quant.ConcatLinear.from_blocks(bad) is None  # 8 rows of Q6_K: no whole tile, no native layer
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q3_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS"])
 def test_k_quants_take_activations_per_256_values_and_rows_stay_independent(kind):
     """The K-quants' products quantize the activations with one scale per 256 values (llama.cpp's Q8_K) and reduce
     each super-block in integers: within fp32 rounding of that reference, far from the per-32 one (the per-256 path
@@ -315,16 +315,48 @@ def quantize_q3_k(a: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-def test_q3_k_reference_quantizer_round_trips():
+IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+
+
+def quantize_iq4_xs(a: np.ndarray) -> np.ndarray:
+    """GGUF IQ4_XS blocks of `a` [rows, cols] (cols a multiple of 256): per 32 values a 6-bit scale of the
+    super-block's fp16 d, each value the nearest of IQ4's 16 levels."""
+    rows, cols = a.shape
+    x = a.reshape(rows, cols // 256, 8, 32).astype(np.float32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    block = peak / IQ4_VALUES[0]  # the value of largest magnitude at level 0 (-127)
+    d = (np.abs(block).max(-1) / 31).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(block, df, out=np.zeros_like(block), where=df > 0)), -32, 31)
+    step = (df * sc)[..., None]
+    q = np.abs(np.divide(x, step, out=np.zeros_like(x), where=step != 0)[..., None] - IQ4_VALUES).argmin(-1)
+    ls = (sc + 32).astype(np.uint16)  # [.., 8]
+    high = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1).astype(np.uint16)
+    low = (ls & 15).astype(np.uint8).reshape(rows, -1, 4, 2)
+    qs = (q[..., :16] | q[..., 16:] << 4).astype(np.uint8).reshape(rows, -1, 128)
+    out = np.concatenate([d[..., None].view(np.uint8), high[..., None].view(np.uint8),
+                          (low[..., 0] | low[..., 1] << 4), qs], -1)
+    return out.reshape(rows, -1)
+
+
+QUANTIZERS = {"Q3_K": quantize_q3_k, "IQ4_XS": quantize_iq4_xs}  # gguf-py quantizes neither
+
+
+@pytest.mark.parametrize("kind, group, step", [("Q3_K", 16, 1 / 4), ("IQ4_XS", 32, 16 / 127)])
+def test_reference_quantizers_round_trip(kind, group, step):
+    """The tests' quantizers write valid blocks: gguf-py dequantizes them to within a level's step of the input
+    (a step relative to the largest value of its group of `group`, where the levels are widest apart)."""
     a = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
-    w = reference(quantize_q3_k(a), "Q3_K", 16, 512).numpy()
-    step = np.abs(a.reshape(16, -1, 16)).max(-1, keepdims=True) / 4  # a code's step in each group of 16
-    assert (np.abs(w - a).reshape(16, -1, 16) <= 1.1 * step).all() and np.corrcoef(w.ravel(), a.ravel())[0, 1] > 0.97
+    w = reference(QUANTIZERS[kind](a), kind, 16, 512).numpy()
+    bound = np.abs(a.reshape(16, -1, group)).max(-1, keepdims=True) * step
+    assert (np.abs(w - a).reshape(16, -1, group) <= 1.1 * bound).all()
+    assert np.corrcoef(w.ravel(), a.ravel())[0, 1] > 0.97
 
 
-def test_a_q3_k_model_runs_its_blocks_as_stored(tmp_path):
-    """A LLaMA whose layers' matrices are Q3_K (Q3_K_M's main kind) runs them as stored, in their own kernel and in
-    the fused decode stack (they were requantized to int8: about twice the file's bytes a token), with the
+@pytest.mark.parametrize("kind", list(QUANTIZERS))
+def test_a_model_of_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
+    """A LLaMA whose layers' matrices are Q3_K (Q3_K_M's main kind) or IQ4_XS runs them as stored, in their own
+    kernel and in the fused decode stack (they were requantized to int8: about twice the file's bytes), with the
     dequantized fp32 model's log-probabilities (to the Q8 rounding of the activations), the prompts' and each decoded
     token's, and the memory plan counts them at their layout's bytes."""
     from test_families import write_gguf
@@ -344,12 +376,12 @@ def test_a_q3_k_model_runs_its_blocks_as_stored(tmp_path):
     model_dir = tmp_path / "hf"
     LlamaForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)
     tok.save_pretrained(model_dir)
-    path = write_gguf(model_dir, tmp_path / "q3_k.gguf", "llama", quant="Q3_K")
+    path = write_gguf(model_dir, tmp_path / f"{kind}.gguf", "llama", quant=kind)
     llm = LLM(str(path), num_kv_blocks=64, speculative_config="off")
     runner = llm.engine.runner
-    assert "Q3_K blocks run as stored" in llm.engine.plan.describe()
+    assert f"{kind} blocks run as stored" in llm.engine.plan.describe()
     layers = [m for m in runner.model.modules() if isinstance(m, quant.GGUFLinear)]
-    assert len(layers) == 2 * 4 and all(m.kind == "Q3_K" for m in layers)  # q/k/v, o, gate/up, down
+    assert len(layers) == 2 * 4 and all(m.kind == kind for m in layers)  # q/k/v, o, gate/up, down
     assert estimate_weight_bytes(path, llm.engine.plan) == pytest.approx(runner.weight_bytes(), rel=0.02)
     assert (runner.model.decode_kernel() is not None) == (load_decode_kernel() is not None)
     ref = LLM(str(path), dtype="float32", num_kv_blocks=64, speculative_config="off")  # dequantized, fp32 products

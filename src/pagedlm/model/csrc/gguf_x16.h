@@ -1,5 +1,5 @@
-// GGUF's 3-, 5-, 6- and 8-bit block formats multiplied as the file stores them (no requantization): Q8_0, Q5_0,
-// Q5_K, Q6_K and Q3_K, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output rows and 32-value
+// GGUF's 3- to 8-bit block formats multiplied as the file stores them (no requantization): Q8_0, Q5_0, Q5_K, Q6_K,
+// Q3_K, IQ4_NL and IQ4_XS, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output rows and 32-value
 // block, chunk c = 0..3 holding, for row j, bytes 4c..4c+3 of that row's 16 nibble bytes, inputs 4c + i in the low
 // nibbles and 16 + 4c + i in the high ones; Q8_0: the int8 x16 layout, 8 chunks of 4 values). Per tile and block:
 //   Q8_0  codes 512 B (int8); scales fp16 d [nblk, 16]                         w = d * q
@@ -9,6 +9,8 @@
 //   Q6_K  codes 256 B, planes 128 B (bits 4-5); scales fp16 d [nblk / 8, 16]; aux int8 sc of inputs 0-15 and 16-31
 //         [nblk, 2, 16]                                                         w = (d * sc) * (q - 32)
 //   Q3_K  codes 128 B (2-bit), planes 64 B (the 3rd bit); scales and aux as Q6_K's  w = (d * sc) * (q - 4)
+//   IQ4_NL codes 256 B (indices into kIq4 of 16 int8 values); scales fp16 d [nblk, 16]  w = d * kIq4[q]
+//   IQ4_XS codes 256 B; scales fp16 d [nblk / 8, 16]; aux int8 sc [nblk, 16]        w = (d * sc) * kIq4[q]
 // Planes, per chunk c and half h (rows 8h .. 8h + 7) of a block, for register byte p = 4 * (j % 8) + i (as the
 // codes' 32 bytes of that chunk and half are ordered): Q5, 8 bytes: bit p of the first 32-bit word is the 5th bit
 // of input 4c + i, bit p of the second that of input 16 + 4c + i; Q6_K, 16 bytes: byte p % 16 holds in bits 2f..2f+1
@@ -27,12 +29,15 @@
 
 #include <atomic>
 
-enum GgufKind { GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3, GK_Q3_K = 4 };
+enum GgufKind { GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3, GK_Q3_K = 4, GK_IQ4_NL = 5, GK_IQ4_XS = 6 };
 
-// The K-quants: super-blocks of 256 values, activations quantized per 256.
-constexpr bool gguf_super(int kind) { return kind == GK_Q5_K || kind == GK_Q6_K || kind == GK_Q3_K; }
-// Q6_K's and Q3_K's shape: an fp16 d per super-block, an int8 scale per 16 values.
-constexpr bool gguf_q6_shaped(int kind) { return kind == GK_Q6_K || kind == GK_Q3_K; }
+// The K-quants (IQ4_XS too): super-blocks of 256 values, activations quantized per 256.
+constexpr bool gguf_super(int kind) { return kind == GK_Q5_K || kind == GK_Q6_K || kind == GK_Q3_K || kind == GK_IQ4_XS; }
+// Q6_K's shape: an fp16 d per super-block, an int8 scale per 16 values (Q3_K) or per 32 (IQ4_XS, both halves').
+constexpr bool gguf_q6_shaped(int kind) { return kind == GK_Q6_K || kind == GK_Q3_K || kind == GK_IQ4_XS; }
+constexpr bool gguf_iq4(int kind) { return kind == GK_IQ4_NL || kind == GK_IQ4_XS; }
+// IQ4's 16 non-uniform values (llama.cpp's kvalues_iq4nl).
+constexpr int8_t kIq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // A Q6_K output's super-block: is the sum of its 16 half-blocks' scale x dot (exact), dw its fp16 d, a the
 // activations' scale; every build's fp32 operations.
@@ -46,28 +51,32 @@ struct GgufX16 {
   const uint8_t* aux;
 
   int code_bytes() const { return kind == GK_Q8_0 ? 512 : kind == GK_Q3_K ? 128 : 256; }
-  int plane_bytes() const { return kind == GK_Q6_K ? 128 : kind == GK_Q8_0 ? 0 : 64; }
+  int plane_bytes() const { return kind == GK_Q6_K ? 128 : kind == GK_Q8_0 || gguf_iq4(kind) ? 0 : 64; }
+  int aux_bytes() const { return kind == GK_IQ4_XS ? 16 : gguf_super(kind) ? 32 : 0; }  // per block of a tile
   int scales_per_tile() const {
     return kind == GK_Q5_K ? nblk / 8 * 32 : gguf_q6_shaped(kind) ? nblk / 8 * 16 : nblk * 16;
   }
   bool split() const { return gguf_q6_shaped(kind); }  // two scales per block
-  int q6_scale(int b, int half, int j) const { return int8_t(aux[b * 32 + 16 * half + j]); }
+  int q6_scale(int b, int half, int j) const {
+    return int8_t(kind == GK_IQ4_XS ? aux[b * 16 + j] : aux[b * 32 + 16 * half + j]);
+  }
   KScales kscales() const { return {scales, aux, nblk}; }  // Q5_K's: Q4_K's layout (q4k_rows)
 
   GgufX16 tile(int t) const {
     return {kind, nblk, codes + int64_t(t) * nblk * code_bytes(),
             planes ? planes + int64_t(t) * nblk * plane_bytes() : nullptr,
-            scales + int64_t(t) * scales_per_tile(), aux ? aux + int64_t(t) * nblk * 32 : nullptr};
+            scales + int64_t(t) * scales_per_tile(), aux ? aux + int64_t(t) * nblk * aux_bytes() : nullptr};
   }
 
   // The code of input v (0..31) of block b for row j (0..15) of this tile, as it multiplies the activation: Q8_0's
-  // q, Q5_0's q - 16, Q5_K's q (0..31), Q6_K's q - 32, Q3_K's q - 4.
+  // q, Q5_0's q - 16, Q5_K's q (0..31), Q6_K's q - 32, Q3_K's q - 4, IQ4's kIq4[q].
   int code(int b, int j, int v) const {
     const int c = (v % 16) / 4, i = v % 4, hi = v >= 16, h = j / 8, p = 4 * (j % 8) + i;
     if (kind == GK_Q8_0) return int8_t(codes[int64_t(b) * 512 + 64 * (v / 4) + 4 * j + i]);
     const uint8_t nib = kind == GK_Q3_K ? uint8_t(codes[int64_t(b) * 128 + 64 * (c % 2) + 4 * j + i] >> (2 * (c / 2)))
                                         : codes[int64_t(b) * 256 + 64 * c + 4 * j + i];
     int q = kind == GK_Q3_K ? (nib >> (4 * hi)) & 3 : hi ? nib >> 4 : nib & 0x0f;
+    if (gguf_iq4(kind)) return kIq4[q];
     if (kind == GK_Q6_K) {
       const uint8_t pb = planes[int64_t(b) * 128 + (2 * c + h) * 16 + p % 16];
       const int f = 2 * hi + (p >= 16);
@@ -84,7 +93,8 @@ struct GgufX16 {
     switch (kind) {
       case GK_Q5_K: return half_to_float(scales[(b / 8) * 32 + j]) * float(aux[b * 32 + j]);
       case GK_Q6_K:
-      case GK_Q3_K: return half_to_float(scales[(b / 8) * 16 + j]) * float(int8_t(aux[b * 32 + 16 * half + j]));
+      case GK_Q3_K:
+      case GK_IQ4_XS: return half_to_float(scales[(b / 8) * 16 + j]) * float(q6_scale(b, half, j));
       default: return half_to_float(scales[b * 16 + j]);
     }
   }
@@ -121,6 +131,12 @@ struct GgufX16 {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
     lo = _mm256_and_si256(v, m4);
     hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if constexpr (gguf_iq4(KIND)) {
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4)));
+      lo = _mm256_shuffle_epi8(table, lo);
+      hi = _mm256_shuffle_epi8(table, hi);
+      return;
+    }
     if constexpr (KIND == GK_Q6_K) {
       const __m256i pb = _mm256_broadcastsi128_si256(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + int64_t(b) * 128 + (2 * c + h) * 16)));
@@ -161,12 +177,16 @@ struct GgufX16 {
   __m256 scales8(int b, int h) const {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16 + 8 * h)));
   }
+  // IQ4_XS's int8 scales of block b, rows 8h .. 8h + 7, as int32.
+  __m256i iq4xs_scales8(int b, int h) const {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(aux + b * 16 + 8 * h)));
+  }
   // Q5_K's 6-bit scales of block b, rows 8h .. 8h + 7, as int16 pairs.
   __m256i q5k_scale_pairs8(int b, int h) const { return pairs16(bytes8(aux + b * 32 + 8 * h)); }
 #endif
 #ifdef PAGEDLM_AVX512_VNNI
   // Block b's codes for the tile's 16 rows as vpdpbusd's unsigned multipliers, q[c] of inputs 4c..4c+3 (c = 0..7):
-  // Q8_0's q + 128, Q5_0's and Q5_K's q (0..31), Q6_K's q (0..63), Q3_K's q (0..7). The dot then lacks
+  // Q8_0's q + 128, Q5_0's and Q5_K's q (0..31), Q6_K's q (0..63), Q3_K's q (0..7), IQ4's kIq4[q] + 128. The dot then lacks
   // kKindOffset<KIND> times the activations' sum (of each half for Q6_K and Q3_K).
   template <int KIND>
   void load16(int b, __m512i* q) const {
@@ -197,7 +217,12 @@ struct GgufX16 {
       const __m512i v = _mm512_loadu_si512(codes + int64_t(b) * 256 + 64 * c);
       q[c] = _mm512_and_si512(v, m4);
       q[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      if constexpr (KIND == GK_Q6_K) {  // byte 32h + p: plane byte (2c + h) * 16 + p % 16, fields shifted by p >= 16
+      if constexpr (gguf_iq4(KIND)) {  // kIq4 + 128, each lane's table the same
+        const __m512i table = _mm512_xor_si512(
+            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4))), _mm512_set1_epi8(char(0x80)));
+        q[c] = _mm512_shuffle_epi8(table, q[c]);
+        q[4 + c] = _mm512_shuffle_epi8(table, q[4 + c]);
+      } else if constexpr (KIND == GK_Q6_K) {  // byte 32h + p: plane byte (2c + h) * 16 + p % 16, fields shifted by p >= 16
         const __m256i pb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + int64_t(b) * 128 + 32 * c));
         const __m512i z =
             _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(pb));
@@ -233,6 +258,8 @@ void with_kind(int kind, F&& f) {
     case GK_Q5_0: return f(std::integral_constant<int, GK_Q5_0>{});
     case GK_Q5_K: return f(std::integral_constant<int, GK_Q5_K>{});
     case GK_Q3_K: return f(std::integral_constant<int, GK_Q3_K>{});
+    case GK_IQ4_NL: return f(std::integral_constant<int, GK_IQ4_NL>{});
+    case GK_IQ4_XS: return f(std::integral_constant<int, GK_IQ4_XS>{});
     default: return f(std::integral_constant<int, GK_Q6_K>{});
   }
 }
@@ -246,7 +273,9 @@ template <int KIND, int R, int H>
 void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bpair, float* y, int N, int n0,
                    int m0, int i0, int h0, int b0, int b1) {
   const int nblk = w.nblk;
-  constexpr bool wide = KIND == GK_Q8_0, q5k = KIND == GK_Q5_K, split = gguf_q6_shaped(KIND) || q5k;
+  // wide: products that may pass 16 bits over a block (|w| up to 127) go to 32 bits at once
+  constexpr bool wide = KIND == GK_Q8_0 || gguf_iq4(KIND), q5k = KIND == GK_Q5_K;
+  constexpr bool split = KIND == GK_Q6_K || KIND == GK_Q3_K || q5k, iq4xs = KIND == GK_IQ4_XS;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xg = xq + int64_t(m0) * nblk * 32;
   const float* dg = d + int64_t(m0) * nblk;
@@ -305,6 +334,17 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
             is[i][h] = _mm256_setzero_si256();
           }
         }
+      } else if constexpr (iq4xs) {  // the block's dot times its scale, in integers; q6k_finish per super-block
+        const __m256i sc = w.iq4xs_scales8(b, h0 + h);
+        for (int i = 0; i < R; ++i) is[i][h] = _mm256_add_epi32(is[i][h], _mm256_mullo_epi32(a0[i][h], sc));
+        if (b % 8 == 7) {
+          const __m256 dw = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (b / 8) * 16 + 8 * (h0 + h))));
+          for (int i = 0; i < R; ++i) {
+            f[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is[i][h]), dw), _mm256_set1_ps(db[i]), f[i][h]);
+            is[i][h] = _mm256_setzero_si256();
+          }
+        }
       } else if constexpr (split) {  // Q6_K, Q3_K: the halves' pair sums times their scales, in integers
         const __m256i sc0 = w.scale_pairs8(b, 0, h0 + h), sc1 = w.scale_pairs8(b, 1, h0 + h);
         for (int i = 0; i < R; ++i)
@@ -336,7 +376,7 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
 std::atomic<int64_t> gguf_vnni_products{0};  // products that ran gguf_x16_rows16 (tests see the path)
 
 template <int KIND>
-constexpr int kKindOffset = KIND == GK_Q8_0 ? 128 : KIND == GK_Q6_K ? 32 : KIND == GK_Q3_K ? 4 : 16;
+constexpr int kKindOffset = KIND == GK_Q8_0 || gguf_iq4(KIND) ? 128 : KIND == GK_Q6_K ? 32 : KIND == GK_Q3_K ? 4 : 16;
 
 // The sum of four vpdpbusd of codes q[c0..c0+3] with the activations at xb + 4 * c0, from `init`.
 inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
@@ -359,7 +399,7 @@ __attribute__((always_inline)) inline void gguf_x16_rows16(const GgufX16& w, con
   for (int b = 0; b < nblk; ++b) {
     if (m0 == 0) {
       prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
-      if constexpr (KIND != GK_Q8_0)
+      if constexpr (KIND != GK_Q8_0 && !gguf_iq4(KIND))
         prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
     }
     __m512i q[8];
@@ -402,22 +442,27 @@ void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
                 int m0) {
   const int64_t g0 = int64_t(m0) * w.nblk;
   auto sc = [&](int b, int h) {
-    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.aux + b * 32 + 16 * h)));
+    const uint8_t* p = KIND == GK_IQ4_XS ? w.aux + b * 16 : w.aux + b * 32 + 16 * h;
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   };
   auto add = [&](int b, __m512i* is) {
     if (m0 == 0) {
       prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * w.code_bytes(), w.code_bytes());
-      prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
+      if constexpr (KIND != GK_IQ4_XS)
+        prefetch_lines(w.planes + int64_t(b + PF_BLOCKS) * w.plane_bytes(), w.plane_bytes());
     }
     __m512i q[8];
     w.load16<KIND>(b, q);
-    const __m512i sc0 = sc(b, 0), sc1 = sc(b, 1);
+    const __m512i sc0 = sc(b, 0), sc1 = KIND == GK_IQ4_XS ? sc0 : sc(b, 1);
     const int64_t mb = g0 + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
       const int8_t* xi = xq + (mb + i) * 32;
       const __m512i d0 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i)]), q, xi);
       const __m512i d1 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i) + 1]), q + 4, xi + 16);
-      is[i] = _mm512_add_epi32(is[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
+      if constexpr (KIND == GK_IQ4_XS)  // one scale a block
+        is[i] = _mm512_add_epi32(is[i], _mm512_mullo_epi32(_mm512_add_epi32(d0, d1), sc0));
+      else
+        is[i] = _mm512_add_epi32(is[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
     }
   };
   auto finish = [&](int s0, const __m512i* is, __m512* f) {  // q6k_finish
@@ -456,6 +501,8 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
     case GK_Q5_0: return gguf_x16_tile16<GK_Q5_0>(w, xq, d, bsum, hoff, y, M, N, n0);
     case GK_Q5_K: return gguf_x16_tile16<GK_Q5_K>(w, xq, d, bsum, hoff, y, M, N, n0);
     case GK_Q3_K: return gguf_x16_tile16<GK_Q3_K>(w, xq, d, bsum, hoff, y, M, N, n0);
+    case GK_IQ4_NL: return gguf_x16_tile16<GK_IQ4_NL>(w, xq, d, bsum, hoff, y, M, N, n0);
+    case GK_IQ4_XS: return gguf_x16_tile16<GK_IQ4_XS>(w, xq, d, bsum, hoff, y, M, N, n0);
     default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hoff, y, M, N, n0);
   }
 #elif defined(PAGEDLM_AVX2)
@@ -575,7 +622,7 @@ struct RawBlock {
   int8_t q8[32];
   uint8_t q[32];
   uint16_t d, dmin;  // fp16 as stored
-  uint8_t sc[2], m;  // Q5_K: sc[0], m (6-bit); Q6_K, Q3_K: sc[0], sc[1] (int8 bits)
+  uint8_t sc[2], m;  // Q5_K: sc[0], m (6-bit); Q6_K, Q3_K: sc[0], sc[1] (int8 bits); IQ4_XS: sc[0]
 };
 
 inline int gguf_block_bytes(int kind) {  // per 32 values (K-quants: per super-block of 256)
@@ -585,6 +632,8 @@ inline int gguf_block_bytes(int kind) {  // per 32 values (K-quants: per super-b
     case GK_Q5_K: return 176;
     case GK_Q6_K: return 210;
     case GK_Q3_K: return 110;
+    case GK_IQ4_NL: return 18;
+    case GK_IQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -647,6 +696,24 @@ inline void gguf_read_block(int kind, const uint8_t* row, int b, RawBlock& o) {
       for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(((qs[l] >> (2 * (k % 4))) & 3) | ((hm[l] >> k) & 1) << 2);
       return;
     }
+    case GK_IQ4_NL:
+    case GK_IQ4_XS: {  // IQ4_XS: d, 2 bytes of the scales' high bits, 4 of their low nibbles, 128 of codes
+      const uint8_t* qs;
+      if (kind == GK_IQ4_NL) {
+        std::memcpy(&o.d, row + int64_t(b) * 18, 2);
+        qs = row + int64_t(b) * 18 + 2;
+      } else {
+        const uint8_t* sb = row + int64_t(b / 8) * 136;
+        const int k = b % 8;
+        uint16_t high;
+        std::memcpy(&o.d, sb, 2);
+        std::memcpy(&high, sb + 2, 2);
+        o.sc[0] = uint8_t(int8_t((((sb[4 + k / 2] >> (4 * (k % 2))) & 0x0f) | ((high >> (2 * k)) & 3) << 4) - 32));
+        qs = sb + 8 + 16 * k;
+      }
+      for (int l = 0; l < 32; ++l) o.q[l] = l < 16 ? qs[l] & 0x0f : qs[l - 16] >> 4;
+      return;
+    }
   }
 }
 
@@ -668,7 +735,12 @@ inline void gguf_write_row(const GgufX16& g, const uint8_t* row, int64_t dst) {
         for (int v = 0; v < 32; ++v) codes[int64_t(b) * 512 + 64 * (v / 4) + 4 * j + v % 4] = uint8_t(o.q8[v]);
         scales[b * 16 + j] = o.d;
         continue;
-      case GK_Q5_0: scales[b * 16 + j] = o.d; break;
+      case GK_Q5_0:
+      case GK_IQ4_NL: scales[b * 16 + j] = o.d; break;
+      case GK_IQ4_XS:
+        if (b % 8 == 0) scales[(b / 8) * 16 + j] = o.d;
+        aux[b * 16 + j] = o.sc[0];
+        break;
       case GK_Q5_K:
         if (b % 8 == 0) scales[(b / 8) * 32 + j] = o.d, scales[(b / 8) * 32 + 16 + j] = o.dmin;
         aux[b * 32 + j] = o.sc[0];
@@ -701,6 +773,7 @@ inline void gguf_write_row(const GgufX16& g, const uint8_t* row, int64_t dst) {
       for (int i = 0; i < 4; ++i) {
         const uint8_t ql = o.q[4 * c + i], qh = o.q[16 + 4 * c + i];
         codes[int64_t(b) * 256 + 64 * c + 4 * j + i] = uint8_t((ql & 0x0f) | (qh & 0x0f) << 4);
+        if (!planes) continue;  // IQ4: 4-bit indices
         const int p = 4 * (j % 8) + i;
         if (g.kind == GK_Q6_K) {
           uint8_t* pb = planes + int64_t(b) * 128 + (2 * c + h) * 16 + p % 16;

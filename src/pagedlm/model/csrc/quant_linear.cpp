@@ -1787,7 +1787,7 @@ int64_t pagedlm_q8_0_row_passes() { return q8_0_row_passes.load(); }
 // Products that have run on AMX tiles in this process.
 int64_t pagedlm_amx_products() { return amx_products.load(); }
 
-// Products of a GGUF Q8_0 (several rows) / Q5_0 / Q5_K / Q6_K / Q3_K weight that ran gguf_x16_rows16, the AVX-512 VNNI
+// Products of a GGUF Q8_0 (several rows) / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4 weight that ran gguf_x16_rows16, the AVX-512 VNNI
 // kernel (0 in builds without it).
 int64_t pagedlm_gguf_vnni_products() {
 #ifdef PAGEDLM_AVX512_VNNI
@@ -1953,7 +1953,7 @@ int pagedlm_gguf_q8_0_to_int8(const uint8_t* raw, int rows, int K, int8_t* q, fl
 // kind: a GgufKind; K % 32 == 0 (K-quants: % 256), N % 16 == 0; planes / aux as the kind has them (else null).
 
 static bool gguf_shape_ok(int kind, int K, int N) {
-  if (kind < GK_Q8_0 || kind > GK_Q3_K || K <= 0 || N % X16 != 0) return false;
+  if (kind < GK_Q8_0 || kind > GK_IQ4_XS || K <= 0 || N % X16 != 0) return false;
   return gguf_super(kind) ? K % 256 == 0 : K % 32 == 0;
 }
 
@@ -1992,7 +1992,8 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
 #ifdef PAGEDLM_AVX512_VNNI
   thread_local std::vector<int32_t> hoff;
   if (gguf_q6_shaped(kind)) {  // the offsets of each block's halves (q6k_rows16 corrects them apart)
-    const int32_t off = kind == GK_Q6_K ? kKindOffset<GK_Q6_K> : kKindOffset<GK_Q3_K>;
+    const int32_t off = kind == GK_Q6_K ? kKindOffset<GK_Q6_K> : kind == GK_Q3_K ? kKindOffset<GK_Q3_K>
+                                                                                 : kKindOffset<GK_IQ4_XS>;
     hoff.resize(size_t(Mr) * nblk * 2);
     int32_t* const hop = hp = hoff.data();
     parallel_for(M, int64_t(M) * K >= 65536 ? nthreads : 1, 8, [&](int64_t m0, int64_t m1) {
