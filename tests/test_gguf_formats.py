@@ -203,9 +203,9 @@ def test_one_row_reads_tiles_in_pairs_or_alone_with_the_same_bits(monkeypatch, m
 @pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25),
                                                  ("Q3_K", 14.25), ("IQ4_NL", 18), ("IQ4_XS", 17.25)])
 def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
-    """Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4_NL / IQ4_XS weights keep the file's codes and scales (about its bytes; no second rounding to
-    int8): written in one pass (a fused weight, a row permutation), dequantized exactly as gguf-py does, multiplied as
-    Q8(x) @ W^T by their kernel, a row's result the same alone or in any batch."""
+    """Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4_NL / IQ4_XS weights keep the file's codes and scales (about its bytes;
+    no second rounding to int8): written in one pass (a fused weight, a row permutation), dequantized exactly as
+    gguf-py does, multiplied as Q8(x) @ W^T by their kernel, a row's result the same alone or in any batch."""
     lib = _kernel_or_skip()
     rows, cols = (32, 16, 48), 512
     raws = [random_blocks(kind, r, cols, seed) for seed, r in enumerate(rows)]
@@ -359,10 +359,10 @@ def test_a_model_of_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
     kernel and in the fused decode stack (they were requantized to int8: about twice the file's bytes), with the
     dequantized fp32 model's log-probabilities (to the Q8 rounding of the activations), the prompts' and each decoded
     token's, and the memory plan counts them at their layout's bytes."""
+    from conftest import build_tiny_tokenizer
     from test_families import write_gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conftest import build_tiny_tokenizer
     from pagedlm import LLM, SamplingParams
     from pagedlm.model.llama_decode import load_decode_kernel
     from pagedlm.model.plan import estimate_weight_bytes

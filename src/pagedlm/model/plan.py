@@ -3,12 +3,13 @@ matmul path serves a step of a given size. Decided once at start-up from the CPU
 user's settings; `ExecutionPlan.describe()` says what was chosen and why.
 
 The default (`dtype="auto"`, no `quantization`) on a CPU:
-- a GGUF whose linear weights are Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 / IQ4_NL / IQ4_XS blocks runs them as the file stores
-  them, each kind in a kernel of its own (model/quant/: int4.py, gguf.py; no weight is rounded a second time and
-  decode reads about the file's bytes), with fp32 activations, so decode steps take the fused C++ decoder stack, and
-  a 2-byte KV cache (unless `kv_cache_dtype` says otherwise): half the bytes of fp32, so twice the tokens fit;
-  bf16 where AVX512-BF16 reads it in place, else fp16 (`default_kv_cache_dtype`: converted to fp32 as fast as bf16
-  and 8x finer; against an fp32 cache, fp32 weights, perplexity +0.16% for bf16 and -0.02% for fp16 on Gemma 3);
+- a GGUF whose linear weights are Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 / IQ4_NL / IQ4_XS blocks
+  runs them as the file stores them, each kind in a kernel of its own (model/quant/: int4.py, gguf.py; no weight is
+  rounded a second time and decode reads about the file's bytes), with fp32 activations, so decode steps take the
+  fused C++ decoder stack, and a 2-byte KV cache (unless `kv_cache_dtype` says otherwise): half the bytes of fp32,
+  so twice the tokens fit; bf16 where AVX512-BF16 reads it in place, else fp16 (`default_kv_cache_dtype`: converted
+  to fp32 as fast as bf16 and 8x finer; against an fp32 cache, fp32 weights, perplexity +0.16% for bf16 and -0.02%
+  for fp16 on Gemma 3);
 - a fused q/k/v or gate/up whose parts mix kinds (Q4_K_M's Q6_K v beside Q4_K q and k; Gemma 3's Q8_0 v beside
   Q5_0 q and k) runs part by part, each in its own kernel (`ConcatLinear`); a weight that has no such kernel (another
   block type) is requantized to int8 per channel (8 bits: at least as many as any of those formats holds), said at

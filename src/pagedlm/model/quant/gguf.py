@@ -36,9 +36,9 @@ def layout_bytes(kind: str, n: int, k: int) -> int:
 
 
 class GGUFLinear(QuantLinear):
-    """A GGUF Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4_NL / IQ4_XS weight [out, in] in its x16 layout (`supports` says where one can be built):
-    `qweight` the codes' low bits (Q8_0: the int8 codes), `planes` their high bits, `scale` the fp16 factors, `aux`
-    the K-quants' per-block scale bytes."""
+    """A GGUF Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4_NL / IQ4_XS weight [out, in] in its x16 layout (`supports`
+    says where one can be built): `qweight` the codes' low bits (Q8_0: the int8 codes; IQ4: the level indices),
+    `planes` their high bits, `scale` the fp16 factors, `aux` the K-quants' per-block scale bytes."""
 
     def __init__(self, weight: RawBlocks) -> None:
         if not self.supports(weight):
