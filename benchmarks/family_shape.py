@@ -8,7 +8,11 @@ llama.cpp load the same file. Speed does not depend on the values.
 - `smollm3-3b`: SmolLM3-3B (`smollm3`: a NoPE layer every 4, a tied embedding of 128,256 rows);
 - `qwen2moe-a2.7b`: Qwen1.5-MoE-A2.7B (`qwen2moe`: 60 experts of 1,408, 4 a token, a shared expert of 5,632);
 - `qwen3moe-30b-a3b`: Qwen3-30B-A3B (`qwen3moe`: 128 experts of 768, 8 per token, QK-norm, head_dim 128), whose
-  48 layers `--layers` may cut (12: a quarter of the weights per token and in the file).
+  48 layers `--layers` may cut (12: a quarter of the weights per token and in the file);
+- `gemma3-1b`, `gemma3-4b`: Gemma 3 (`gemma3`: head_dim 256, QK-norm, norms after attention and MLP, GELU, five
+  sliding-window layers to one global, a tied embedding of 262,144 rows), with Gemma 3 270M's tokenizer
+  (`--tokenizer-from` defaults to it); the 4B's linear RoPE scaling of its global layers is left out (speed does not
+  depend on it).
 
     .venv/bin/python benchmarks/family_shape.py qwen2-0.5b Q4_K_M ~/.cache/pagedlm/scale/random-qwen2-0.5b-Q4_K_M.gguf
     .venv/bin/python benchmarks/decode_duel.py ~/.cache/pagedlm/scale/random-qwen2-0.5b-Q4_K_M.gguf --rounds 6
@@ -40,6 +44,7 @@ class Shape:
     tied: bool = True
     vocab: int = 151936  # Qwen's
     rope_theta: float = 1000000.0
+    window: int = 0  # Gemma 3's sliding window
 
 
 SHAPES = {
@@ -52,6 +57,8 @@ SHAPES = {
                             tied=False),
     "qwen3moe-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, head_dim=128, experts=128, experts_used=8,
                               tied=False),
+    "gemma3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, head_dim=256, vocab=262144, window=512),
+    "gemma3-4b": Shape("gemma3", 2560, 34, 8, 4, 10240, head_dim=256, vocab=262144, window=1024),
 }
 UNUSED = 5  # llama.cpp's token type of padding tokens
 
@@ -83,6 +90,8 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
     w.add_value_length(d)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(shape.rope_theta)
+    if shape.window:
+        w.add_sliding_window(shape.window)
     if shape.experts:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
@@ -96,11 +105,18 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
         w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
     w.add_token_list([*tokens, *(f"[PAD{i}]" for i in range(pad))])
     w.add_token_types([*types, *([UNUSED] * pad)])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    if "tokenizer.ggml.merges" in tok:  # BPE
+        w.add_token_merges(tok["tokenizer.ggml.merges"])
+    if "tokenizer.ggml.scores" in tok:  # SentencePiece
+        w.add_token_scores([*tok["tokenizer.ggml.scores"], *([0.0] * pad)])
     for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
-                     ("padding_token_id", w.add_pad_token_id)):
+                     ("padding_token_id", w.add_pad_token_id), ("unknown_token_id", w.add_unk_token_id)):
         if f"tokenizer.ggml.{key}" in tok:
             add(int(tok[f"tokenizer.ggml.{key}"]))
+    for key, add in (("add_bos_token", w.add_add_bos_token), ("add_eos_token", w.add_add_eos_token),
+                     ("add_space_prefix", w.add_add_space_prefix)):
+        if f"tokenizer.ggml.{key}" in tok:
+            add(bool(tok[f"tokenizer.ggml.{key}"]))
     if "tokenizer.chat_template" in tok:
         w.add_chat_template(tok["tokenizer.chat_template"])
     rng = np.random.default_rng(0)
@@ -126,10 +142,13 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
             tensor(f"blk.{i}.attn_{proj}.weight", rows, shape.hidden)
             if shape.arch in ("qwen2", "qwen2moe"):
                 tensor(f"blk.{i}.attn_{proj}.bias", rows, scale=0.5, dtype=np.float32)
-        if shape.arch in ("qwen3", "qwen3moe"):
+        if shape.arch in ("qwen3", "qwen3moe", "gemma3"):
             norm(f"blk.{i}.attn_q_norm.weight", d)
             norm(f"blk.{i}.attn_k_norm.weight", d)
         tensor(f"blk.{i}.attn_output.weight", shape.hidden, shape.heads * d)
+        if shape.arch == "gemma3":
+            norm(f"blk.{i}.post_attention_norm.weight", shape.hidden)
+            norm(f"blk.{i}.post_ffw_norm.weight", shape.hidden)
         norm(f"blk.{i}.ffn_norm.weight", shape.hidden)
         if shape.experts:
             tensor(f"blk.{i}.ffn_gate_inp.weight", shape.experts, shape.hidden, dtype=np.float32)
@@ -163,8 +182,12 @@ def main() -> None:
     ap.add_argument("quant", help="F16, Q8_0 or Q4_0 (written by gguf-py, each tensor shape drawn once), or another "
                     "llama.cpp quantization type (Q4_K_M, ...: F16 first, then llama.cpp's quantizer)")
     ap.add_argument("out")
-    ap.add_argument("--tokenizer-from", default=str(Path.home() / ".cache/pagedlm/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--tokenizer-from", default=None, help="a GGUF whose tokenizer the file takes (default: "
+                    "SmolLM2's, Gemma 3 270M's for Gemma 3 shapes)")
     a = ap.parse_args()
+    cache = Path.home() / ".cache/pagedlm"
+    a.tokenizer_from = a.tokenizer_from or str(cache / ("gemma-3-270m-q4_k_m.gguf" if a.shape.startswith("gemma3")
+                                                        else "SmolLM2-135M-Instruct.Q4_1.gguf"))
     shape = SHAPES[a.shape] if a.layers is None else replace(SHAPES[a.shape], layers=a.layers)
     if a.quant in ("F16", "Q8_0", "Q4_0"):
         write(shape, a.out, a.tokenizer_from, None if a.quant == "F16" else a.quant)
