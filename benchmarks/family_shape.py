@@ -9,6 +9,8 @@ llama.cpp load the same file. Speed does not depend on the values.
 - `qwen2moe-a2.7b`: Qwen1.5-MoE-A2.7B (`qwen2moe`: 60 experts of 1,408, 4 a token, a shared expert of 5,632);
 - `qwen3moe-30b-a3b`: Qwen3-30B-A3B (`qwen3moe`: 128 experts of 768, 8 per token, QK-norm, head_dim 128), whose
   48 layers `--layers` may cut (12: a quarter of the weights per token and in the file);
+- `olmoe-1b-7b`: OLMoE-1B-7B (`olmoe`: 64 experts of 1,024, 8 per token, not renormalized; QK-norm over the whole
+  q / k projections);
 - `gemma3-1b`, `gemma3-4b`: Gemma 3 (`gemma3`: head_dim 256, QK-norm, norms after attention and MLP, GELU, five
   sliding-window layers to one global, a tied embedding of 262,144 rows), with Gemma 3 270M's tokenizer
   (`--tokenizer-from` defaults to it); the 4B's linear RoPE scaling of its global layers is left out (speed does not
@@ -57,6 +59,8 @@ SHAPES = {
                             tied=False),
     "qwen3moe-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, head_dim=128, experts=128, experts_used=8,
                               tied=False),
+    "olmoe-1b-7b": Shape("olmoe", 2048, 16, 16, 16, 1024, experts=64, experts_used=8, tied=False, vocab=50304,
+                         rope_theta=10000.0),
     "gemma3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, head_dim=256, vocab=262144, window=512),
     "gemma3-4b": Shape("gemma3", 2560, 34, 8, 4, 10240, head_dim=256, vocab=262144, window=1024),
 }
@@ -96,7 +100,7 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.ffn)
-        w.add_expert_weights_norm(shape.arch != "qwen2moe")
+        w.add_expert_weights_norm(shape.arch not in ("qwen2moe", "olmoe"))
         if shape.shared_ffn:
             w.add_expert_shared_feed_forward_length(shape.shared_ffn)
     w.add_file_type({None: 1, "Q4_0": 2, "Q8_0": 7}[blocks])
@@ -145,6 +149,9 @@ def write(shape: Shape, out: str, tokenizer_from: str, blocks: str | None = None
         if shape.arch in ("qwen3", "qwen3moe", "gemma3"):
             norm(f"blk.{i}.attn_q_norm.weight", d)
             norm(f"blk.{i}.attn_k_norm.weight", d)
+        elif shape.arch == "olmoe":  # over the whole projections
+            norm(f"blk.{i}.attn_q_norm.weight", shape.heads * d)
+            norm(f"blk.{i}.attn_k_norm.weight", shape.kv_heads * d)
         tensor(f"blk.{i}.attn_output.weight", shape.hidden, shape.heads * d)
         if shape.arch == "gemma3":
             norm(f"blk.{i}.post_attention_norm.weight", shape.hidden)

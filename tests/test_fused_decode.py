@@ -79,12 +79,12 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "qwen2-moe", "olmoe"])
 def test_fused_decode_routes_experts(family, quantization, tmp_path_factory, count_runs):
     """Mixture-of-experts layers run in the stack: the router's softmax and top k, each chosen expert's products
     over its tokens, weighted and summed in expert order, and Qwen2-MoE's shared expert behind its sigmoid gate, as
     model/moe.py does, with the torch layers' results; the expert counters count what the stack routed (Qwen2-MoE:
-    its first layer is dense)."""
+    its first layer is dense). OLMoE's QK-norms over the whole q / k projections and its q/k/v clamping too."""
     from test_families import build_family
 
     path = build_family(family, tmp_path_factory.mktemp(f"tiny_{family}_fused"))
@@ -104,7 +104,7 @@ def _check_fused_equals_torch(path, family, quantization, kv_cache_dtype, count_
     prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
     kw = dict(dtype="auto" if bf16 else "float32", num_kv_blocks=64, block_size=8,
               quantization=None if bf16 else quantization, kv_cache_dtype=kv_cache_dtype, kernel_max_rows=MAX_TOKENS)
-    if family in ("mixtral", "qwen3-moe", "qwen2-moe"):
+    if family in ("mixtral", "qwen3-moe", "qwen2-moe", "olmoe"):
         kw["speculative_config"] = "off"  # no draft rows: the expert counters count the tokens below exactly
     fused_llm = LLM(str(path), max_num_batched_tokens=MAX_TOKENS, **kw)
     assert (fused_llm.engine.plan.quantization == "bf16") == bf16
@@ -117,6 +117,9 @@ def _check_fused_equals_torch(path, family, quantization, kv_cache_dtype, count_
         model = fused_llm.engine.runner.model
         dense, moe = model.decode_kernel()._layers
         assert not dense.router and moe.router and moe.shared_down and moe.shared_gate
+    if family == "olmoe":
+        layers = fused_llm.engine.runner.model.decode_kernel()._layers
+        assert all(layer.router and layer.qk_norm_whole and layer.clip_qkv == 1.0 for layer in layers)
     if family in ("mixtral", "qwen3-moe"):
         model = fused_llm.engine.runner.model
         assert all(layer.router and layer.num_experts == 8 for layer in model.decode_kernel()._layers)

@@ -124,12 +124,11 @@ class LlamaForCausalLM(CausalLM):
         return x, False, False
 
     def fused_stack(self) -> FusedStack | None:
-        """Plain LLaMA layers, with sliding windows, per-head QK-norm, q/k/v biases (Qwen2) and experts (Mixtral,
-        Qwen3-MoE, Qwen2-MoE's shared one too); not other biases, clamping, norms over the whole q/k projection or
-        activations other than SiLU."""
+        """Plain LLaMA layers, with sliding windows, QK-norm per head or over the whole q/k projection and q/k/v
+        clamping (OLMoE), q/k/v biases (Qwen2) and experts (Mixtral, Qwen3-MoE, Qwen2-MoE's shared one too); not
+        other biases or activations other than SiLU."""
         c = self.cfg
-        if (c.o_bias or c.mlp_bias or c.qk_norm not in (None, "head") or c.clip_qkv is not None
-                or c.hidden_act != "silu"):
+        if c.o_bias or c.mlp_bias or c.hidden_act != "silu":
             return None
         layers = []
         for layer in self.layers:
@@ -145,7 +144,8 @@ class LlamaForCausalLM(CausalLM):
                                    mlp.expert_tokens, mlp.shared_expert, gate)
             layers.append(FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                      qkv, attn.o_proj, gate_up, down, *qk, window=attn.sliding_window,
-                                     rope=layer.rope_index, qkv_bias=bias, moe=moe))
+                                     rope=layer.rope_index, qkv_bias=bias, moe=moe,
+                                     qk_norm_whole=c.qk_norm not in (None, "head"), clip_qkv=c.clip_qkv))
         return FusedStack(layers, self.norm.weight, c.hidden_act, c.head_dim ** -0.5)
 
     def process_weights_after_loading(self) -> None:

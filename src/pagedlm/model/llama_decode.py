@@ -58,7 +58,8 @@ class _Layer(ctypes.Structure):
                 ("group", ctypes.c_int), ("qkv_bias", ctypes.c_void_p), ("router", ctypes.c_void_p),
                 ("num_experts", ctypes.c_int), ("top_k", ctypes.c_int), ("norm_topk", ctypes.c_int),
                 ("exp_gate_up", ctypes.c_void_p), ("exp_down", ctypes.c_void_p), ("expert_counts", ctypes.c_void_p),
-                ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p)]
+                ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p),
+                ("qk_norm_whole", ctypes.c_int), ("clip_qkv", ctypes.c_float)]
 
 
 class _Model(ctypes.Structure):
@@ -105,7 +106,7 @@ class FusedLayer:
     o: nn.Module
     gate_up: nn.Module
     down: nn.Module
-    q_norm: torch.Tensor | None = None  # per head, before RoPE
+    q_norm: torch.Tensor | None = None  # per head, before RoPE (qk_norm_whole: over the whole projection)
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
@@ -113,6 +114,8 @@ class FusedLayer:
     rope: int = 0  # which of the step's rotary tables
     qkv_bias: torch.Tensor | None = None  # fp32, added to the q/k/v projection's output (the projection has none)
     moe: FusedExperts | None = None  # the MLP is a mixture of experts (gate_up and down: None)
+    qk_norm_whole: bool = False  # q_norm / k_norm over the whole q / k projection (OLMoE)
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after the norms (OLMoE)
 
 
 @dataclass
@@ -236,6 +239,7 @@ class LlamaDecodeKernel:
                                      _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.attn_out_norm),
                                      _ptr(layer.mlp_out_norm), layer.window or 0, layer.rope, 0,
                                      _ptr(layer.qkv_bias))
+            self._layers[i].qk_norm_whole, self._layers[i].clip_qkv = int(layer.qk_norm_whole), layer.clip_qkv or 0.0
             if layer.moe is not None:
                 moe, (exp_gate_up, exp_down) = layer.moe, experts
                 row = self._layers[i]

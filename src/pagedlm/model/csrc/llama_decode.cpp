@@ -31,7 +31,8 @@ struct Layer {
   const float *input_norm, *post_norm;  // [hidden]: before attention, before the MLP
   Linear qkv, o, gate_up, down;
   void *k_cache, *v_cache;  // [blocks, BS, KVH, D] fp32, bf16 or fp16, or [blocks, BS, KVH, D + 4] int8 entries (kv_kind)
-  const float *q_norm, *k_norm;  // [D]: RMSNorm of each q / k head before RoPE, or null
+  const float *q_norm, *k_norm;  // [D]: RMSNorm of each q / k head before RoPE ([H * D], [KVH * D]: of the
+                                 // whole projection, qk_norm_whole), or null
   const float *attn_out_norm, *mlp_out_norm;  // [hidden]: RMSNorm of the attention / MLP output, or null
   int window;  // sliding window (<= 0: none)
   int rope;    // the rotary table it uses (index into cos / sin)
@@ -48,6 +49,8 @@ struct Layer {
   // sigmoid(shared_gate . h), added after the routed experts.
   const Linear *shared_gate_up, *shared_down;
   const float* shared_gate;  // [hidden]
+  int qk_norm_whole;  // q_norm / k_norm normalize the whole q / k projection (OLMoE), not each head
+  float clip_qkv;     // q, k and v clamped to [-clip_qkv, clip_qkv] after the norms (OLMoE), or 0: not clamped
 };
 
 enum Activation { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -395,10 +398,15 @@ int decode_layers(const Model& md, float* x, int M, const float* const* cos, con
       float* row = qkvp + int64_t(m) * qkvd;
       if (L.qkv_bias)
         for (int i = 0; i < qkvd; ++i) row[i] += L.qkv_bias[i];
-      if (L.q_norm) {
+      if (L.q_norm && L.qk_norm_whole) {
+        rms_norm(row, L.q_norm, row, 1, qd, md.eps);
+        rms_norm(row + qd, L.k_norm, row + qd, 1, md.KVH * D, md.eps);
+      } else if (L.q_norm) {
         rms_norm(row, L.q_norm, row, md.H, D, md.eps);
         rms_norm(row + qd, L.k_norm, row + qd, md.KVH, D, md.eps);
       }
+      if (L.clip_qkv > 0.f)
+        for (int i = 0; i < qkvd; ++i) row[i] = std::min(std::max(row[i], -L.clip_qkv), L.clip_qkv);
       // An fp32 cache takes the rotated K/V as they are; bf16, fp16 and int8 ones are written here.
       const bool f32 = md.kv_kind == KV_F32;
       rope_write_kv(row, cs + int64_t(m) * (D / 2), sn + int64_t(m) * (D / 2), 1, md.H, md.KVH, D, slots + m,
