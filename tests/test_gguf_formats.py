@@ -201,11 +201,12 @@ def test_one_row_reads_tiles_in_pairs_or_alone_with_the_same_bits(monkeypatch, m
 
 
 @pytest.mark.parametrize("kind, bytes_per_32", [("Q8_0", 34), ("Q5_0", 22), ("Q5_K", 22.5), ("Q6_K", 26.25),
-                                                 ("Q3_K", 14.25), ("IQ4_NL", 18), ("IQ4_XS", 17.25)])
+                                                 ("Q3_K", 14.25), ("Q2_K", 12.5), ("IQ4_NL", 18), ("IQ4_XS", 17.25)])
 def test_gguf_blocks_run_in_their_own_layout(monkeypatch, kind, bytes_per_32):
-    """Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4_NL / IQ4_XS weights keep the file's codes and scales (about its bytes;
-    no second rounding to int8): written in one pass (a fused weight, a row permutation), dequantized exactly as
-    gguf-py does, multiplied as Q8(x) @ W^T by their kernel, a row's result the same alone or in any batch."""
+    """Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / Q2_K / IQ4_NL / IQ4_XS weights keep the file's codes and scales (about
+    their bytes; no second rounding to int8): written in one pass (a fused weight, a row permutation), dequantized
+    exactly as gguf-py does, multiplied as Q8(x) @ W^T by their kernel, a row's result the same alone or in any
+    batch."""
     lib = _kernel_or_skip()
     rows, cols = (32, 16, 48), 512
     raws = [random_blocks(kind, r, cols, seed) for seed, r in enumerate(rows)]
@@ -265,7 +266,7 @@ def test_a_fused_weight_mixing_kinds_runs_part_by_part():
     assert quant.ConcatLinear.from_blocks(bad) is None  # 8 rows of Q6_K: no whole tile, no native layer
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"])
 def test_k_quants_take_activations_per_256_values_and_rows_stay_independent(kind):
     """The K-quants' products quantize the activations with one scale per 256 values (llama.cpp's Q8_K) and reduce
     each super-block in integers: within fp32 rounding of that reference, far from the per-32 one (the per-256 path
@@ -339,23 +340,46 @@ def quantize_iq4_xs(a: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-QUANTIZERS = {"Q3_K": quantize_q3_k, "IQ4_XS": quantize_iq4_xs}  # gguf-py quantizes neither
+def quantize_q2_k(a: np.ndarray) -> np.ndarray:
+    """GGUF Q2_K blocks of `a` [rows, cols] (cols a multiple of 256): per 16 values a 4-bit scale of the super-block's
+    fp16 d and a 4-bit minimum of its dmin, codes 0..3 (Q3_K's order of the 2-bit codes)."""
+    rows, cols = a.shape
+    x = a.reshape(rows, cols // 256, 16, 16).astype(np.float32)
+    low = np.minimum(x.min(-1), 0)
+    step, floor = (x.max(-1) - low) / 3, -low
+    d = (step.max(-1) / 15).astype(np.float16)
+    dmin = (floor.max(-1) / 15).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(step, df, out=np.zeros_like(step), where=df > 0)), 0, 15)
+    m = np.clip(np.round(np.divide(floor, dminf, out=np.zeros_like(floor), where=dminf > 0)), 0, 15)
+    unit = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(x + (dminf * m)[..., None], unit, out=np.zeros_like(x), where=unit > 0)), 0, 3)
+    low2 = q.astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # value 128n + 32j + l: byte 32n + l, bits 2j
+    qs = (low2 << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)).sum(3).astype(np.uint8)
+    scales = (sc.astype(np.uint8) | m.astype(np.uint8) << 4)
+    out = np.concatenate([scales, qs.reshape(rows, -1, 64), d[..., None].view(np.uint8),
+                          dmin[..., None].view(np.uint8)], -1)
+    return out.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind, group, step", [("Q3_K", 16, 1 / 4), ("IQ4_XS", 32, 16 / 127)])
-def test_reference_quantizers_round_trip(kind, group, step):
+QUANTIZERS = {"Q3_K": quantize_q3_k, "IQ4_XS": quantize_iq4_xs, "Q2_K": quantize_q2_k}  # gguf-py quantizes none
+
+
+@pytest.mark.parametrize("kind, group, step, corr", [("Q3_K", 16, 1 / 4, 0.97), ("IQ4_XS", 32, 16 / 127, 0.99),
+                                                    ("Q2_K", 16, 1 / 3, 0.93)])
+def test_reference_quantizers_round_trip(kind, group, step, corr):
     """The tests' quantizers write valid blocks: gguf-py dequantizes them to within a level's step of the input
     (a step relative to the largest value of its group of `group`, where the levels are widest apart)."""
     a = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
     w = reference(QUANTIZERS[kind](a), kind, 16, 512).numpy()
     bound = np.abs(a.reshape(16, -1, group)).max(-1, keepdims=True) * step
     assert (np.abs(w - a).reshape(16, -1, group) <= 1.1 * bound).all()
-    assert np.corrcoef(w.ravel(), a.ravel())[0, 1] > 0.97
+    assert np.corrcoef(w.ravel(), a.ravel())[0, 1] > corr
 
 
 @pytest.mark.parametrize("kind", list(QUANTIZERS))
-def test_a_model_of_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
-    """A LLaMA whose layers' matrices are Q3_K (Q3_K_M's main kind) or IQ4_XS runs them as stored, in their own
+def test_a_model_of_2_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
+    """A LLaMA whose layers' matrices are Q3_K (Q3_K_M's main kind), Q2_K or IQ4_XS runs them as stored, in their own
     kernel and in the fused decode stack (they were requantized to int8: about twice the file's bytes), with the
     dequantized fp32 model's log-probabilities (to the Q8 rounding of the activations), the prompts' and each decoded
     token's, and the memory plan counts them at their layout's bytes."""

@@ -156,6 +156,8 @@ def random_gguf_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray
         raw[..., 0:4] = small
     elif kind in ("Q6_K", "Q3_K"):  # d (fp16) ends it
         raw[..., size - 2:size] = small[..., 0:2]
+    elif kind == "Q2_K":  # d, dmin (fp16) end it
+        raw[..., size - 4:size] = small
     elif kind in ("IQ4_NL", "IQ4_XS"):  # d (fp16) leads it
         raw[..., 0:2] = small[..., 0:2]
     return raw.reshape(rows, -1)

@@ -3,7 +3,7 @@ matmul path serves a step of a given size. Decided once at start-up from the CPU
 user's settings; `ExecutionPlan.describe()` says what was chosen and why.
 
 The default (`dtype="auto"`, no `quantization`) on a CPU:
-- a GGUF whose linear weights are Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 / IQ4_NL / IQ4_XS blocks
+- a GGUF whose linear weights are Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 / IQ4_NL / IQ4_XS blocks
   runs them as the file stores them, each kind in a kernel of its own (model/quant/: int4.py, gguf.py; no weight is
   rounded a second time and decode reads about the file's bytes), with fp32 activations, so decode steps take the
   fused C++ decoder stack, and a 2-byte KV cache (unless `kv_cache_dtype` says otherwise): half the bytes of fp32,
@@ -42,7 +42,7 @@ from pagedlm.cpu import cpu_features
 
 # GGUF block formats model/quant/ runs as stored: int4 (int4.py) and 5- to 8-bit (gguf.py).
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-NATIVE_TYPES = (*NATIVE_INT4_TYPES, "Q3_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
+NATIVE_TYPES = (*NATIVE_INT4_TYPES, "Q2_K", "Q3_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 DENSE_COPY_MEMORY_FRACTION = 1 / 32  # the most of the machine's memory a dense copy of the weights may take
 

@@ -1,5 +1,5 @@
-// GGUF's 3- to 8-bit block formats multiplied as the file stores them (no requantization): Q8_0, Q5_0, Q5_K, Q6_K,
-// Q3_K, IQ4_NL and IQ4_XS, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output rows and 32-value
+// GGUF's 2- to 8-bit block formats multiplied as the file stores them (no requantization): Q8_0, Q5_0, Q5_K, Q6_K,
+// Q3_K, Q2_K, IQ4_NL and IQ4_XS, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output rows and 32-value
 // block, chunk c = 0..3 holding, for row j, bytes 4c..4c+3 of that row's 16 nibble bytes, inputs 4c + i in the low
 // nibbles and 16 + 4c + i in the high ones; Q8_0: the int8 x16 layout, 8 chunks of 4 values). Per tile and block:
 //   Q8_0  codes 512 B (int8); scales fp16 d [nblk, 16]                         w = d * q
@@ -9,6 +9,8 @@
 //   Q6_K  codes 256 B, planes 128 B (bits 4-5); scales fp16 d [nblk / 8, 16]; aux int8 sc of inputs 0-15 and 16-31
 //         [nblk, 2, 16]                                                         w = (d * sc) * (q - 32)
 //   Q3_K  codes 128 B (2-bit), planes 64 B (the 3rd bit); scales and aux as Q6_K's  w = (d * sc) * (q - 4)
+//   Q2_K  codes 128 B (2-bit, Q3_K's layout); scales fp16 (d, dmin) [nblk / 8, 2, 16]; aux (sc, m) 4-bit values of
+//         inputs 0-15 and 16-31 [nblk, 2 halves, 2, 16]                            w = (d * sc) * q - dmin * m
 //   IQ4_NL codes 256 B (indices into kIq4 of 16 int8 values); scales fp16 d [nblk, 16]  w = d * kIq4[q]
 //   IQ4_XS codes 256 B; scales fp16 d [nblk / 8, 16]; aux int8 sc [nblk, 16]        w = (d * sc) * kIq4[q]
 // Planes, per chunk c and half h (rows 8h .. 8h + 7) of a block, for register byte p = 4 * (j % 8) + i (as the
@@ -29,10 +31,16 @@
 
 #include <atomic>
 
-enum GgufKind { GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3, GK_Q3_K = 4, GK_IQ4_NL = 5, GK_IQ4_XS = 6 };
+enum GgufKind {
+  GK_Q8_0 = 0, GK_Q5_0 = 1, GK_Q5_K = 2, GK_Q6_K = 3, GK_Q3_K = 4, GK_IQ4_NL = 5, GK_IQ4_XS = 6, GK_Q2_K = 7
+};
 
 // The K-quants (IQ4_XS too): super-blocks of 256 values, activations quantized per 256.
-constexpr bool gguf_super(int kind) { return kind == GK_Q5_K || kind == GK_Q6_K || kind == GK_Q3_K || kind == GK_IQ4_XS; }
+constexpr bool gguf_super(int kind) {
+  return kind == GK_Q5_K || kind == GK_Q6_K || kind == GK_Q3_K || kind == GK_IQ4_XS || kind == GK_Q2_K;
+}
+// 2-bit codes (Q3_K's third bit in planes).
+constexpr bool gguf_2bit(int kind) { return kind == GK_Q3_K || kind == GK_Q2_K; }
 // Q6_K's shape: an fp16 d per super-block, an int8 scale per 16 values (Q3_K) or per 32 (IQ4_XS, both halves').
 constexpr bool gguf_q6_shaped(int kind) { return kind == GK_Q6_K || kind == GK_Q3_K || kind == GK_IQ4_XS; }
 constexpr bool gguf_iq4(int kind) { return kind == GK_IQ4_NL || kind == GK_IQ4_XS; }
@@ -50,12 +58,19 @@ struct GgufX16 {
   const uint16_t* scales;
   const uint8_t* aux;
 
-  int code_bytes() const { return kind == GK_Q8_0 ? 512 : kind == GK_Q3_K ? 128 : 256; }
-  int plane_bytes() const { return kind == GK_Q6_K ? 128 : kind == GK_Q8_0 || gguf_iq4(kind) ? 0 : 64; }
-  int aux_bytes() const { return kind == GK_IQ4_XS ? 16 : gguf_super(kind) ? 32 : 0; }  // per block of a tile
-  int scales_per_tile() const {
-    return kind == GK_Q5_K ? nblk / 8 * 32 : gguf_q6_shaped(kind) ? nblk / 8 * 16 : nblk * 16;
+  int code_bytes() const { return kind == GK_Q8_0 ? 512 : gguf_2bit(kind) ? 128 : 256; }
+  int plane_bytes() const {
+    return kind == GK_Q6_K ? 128 : kind == GK_Q8_0 || kind == GK_Q2_K || gguf_iq4(kind) ? 0 : 64;
   }
+  int aux_bytes() const {  // per block of a tile
+    return kind == GK_IQ4_XS ? 16 : kind == GK_Q2_K ? 64 : gguf_super(kind) ? 32 : 0;
+  }
+  int scales_per_tile() const {
+    return kind == GK_Q5_K || kind == GK_Q2_K ? nblk / 8 * 32 : gguf_q6_shaped(kind) ? nblk / 8 * 16 : nblk * 16;
+  }
+  // Q2_K's 4-bit scale and minimum of block b's inputs 0-15 (half 0) or 16-31 (half 1) for row j
+  int q2_scale(int b, int half, int j) const { return aux[b * 64 + 32 * half + j]; }
+  int q2_min(int b, int half, int j) const { return aux[b * 64 + 32 * half + 16 + j]; }
   bool split() const { return gguf_q6_shaped(kind); }  // two scales per block
   int q6_scale(int b, int half, int j) const {
     return int8_t(kind == GK_IQ4_XS ? aux[b * 16 + j] : aux[b * 32 + 16 * half + j]);
@@ -73,9 +88,10 @@ struct GgufX16 {
   int code(int b, int j, int v) const {
     const int c = (v % 16) / 4, i = v % 4, hi = v >= 16, h = j / 8, p = 4 * (j % 8) + i;
     if (kind == GK_Q8_0) return int8_t(codes[int64_t(b) * 512 + 64 * (v / 4) + 4 * j + i]);
-    const uint8_t nib = kind == GK_Q3_K ? uint8_t(codes[int64_t(b) * 128 + 64 * (c % 2) + 4 * j + i] >> (2 * (c / 2)))
+    const uint8_t nib = gguf_2bit(kind) ? uint8_t(codes[int64_t(b) * 128 + 64 * (c % 2) + 4 * j + i] >> (2 * (c / 2)))
                                         : codes[int64_t(b) * 256 + 64 * c + 4 * j + i];
-    int q = kind == GK_Q3_K ? (nib >> (4 * hi)) & 3 : hi ? nib >> 4 : nib & 0x0f;
+    int q = gguf_2bit(kind) ? (nib >> (4 * hi)) & 3 : hi ? nib >> 4 : nib & 0x0f;
+    if (kind == GK_Q2_K) return q;
     if (gguf_iq4(kind)) return kIq4[q];
     if (kind == GK_Q6_K) {
       const uint8_t pb = planes[int64_t(b) * 128 + (2 * c + h) * 16 + p % 16];
@@ -92,6 +108,7 @@ struct GgufX16 {
   float scale(int b, int half, int j) const {
     switch (kind) {
       case GK_Q5_K: return half_to_float(scales[(b / 8) * 32 + j]) * float(aux[b * 32 + j]);
+      case GK_Q2_K: return half_to_float(scales[(b / 8) * 32 + j]) * float(q2_scale(b, half, j));
       case GK_Q6_K:
       case GK_Q3_K:
       case GK_IQ4_XS: return half_to_float(scales[(b / 8) * 16 + j]) * float(q6_scale(b, half, j));
@@ -102,6 +119,8 @@ struct GgufX16 {
   float weight(int b, int j, int v) const {  // the dequantized weight, as gguf-py computes it
     const int q = code(b, j, v);
     if (kind == GK_Q5_K) return scale(b, 0, j) * float(q) - (-min(b, j));
+    if (kind == GK_Q2_K)
+      return scale(b, v >= 16, j) * float(q) - half_to_float(scales[(b / 8) * 32 + 16 + j]) * float(q2_min(b, v >= 16, j));
     return scale(b, v >= 16, j) * float(q);
   }
 
@@ -114,6 +133,15 @@ struct GgufX16 {
       const uint8_t* p = codes + int64_t(b) * 512 + 32 * h;
       lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
       hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (c + 4)));
+      return;
+    }
+    if constexpr (KIND == GK_Q2_K) {  // unsigned, 0..3
+      const __m256i v = _mm256_srl_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + int64_t(b) * 128 + 64 * (c % 2) + 32 * h)),
+          _mm_cvtsi32_si128(2 * (c / 2)));
+      const __m256i m3 = _mm256_set1_epi8(3);
+      lo = _mm256_and_si256(v, m3);
+      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
       return;
     }
     if constexpr (KIND == GK_Q3_K) {
@@ -195,7 +223,7 @@ struct GgufX16 {
       for (int c = 0; c < 8; ++c) q[c] = _mm512_xor_si512(_mm512_loadu_si512(codes + int64_t(b) * 512 + 64 * c), flip);
       return;
     }
-    if constexpr (KIND == GK_Q3_K) {
+    if constexpr (gguf_2bit(KIND)) {
       const __m512i m3 = _mm512_set1_epi8(3), bit = _mm512_set1_epi8(0x04);
       for (int g = 0; g < 2; ++g) {
         const __m512i v = _mm512_loadu_si512(codes + int64_t(b) * 128 + 64 * g);
@@ -204,6 +232,7 @@ struct GgufX16 {
         q[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m3);
         q[g + 6] = _mm512_and_si512(_mm512_srli_epi16(v, 6), m3);
       }
+      if constexpr (KIND == GK_Q2_K) return;
       for (int c = 0; c < 4; ++c) {  // Q5's planes (below), the 3rd bit
         uint32_t w[4];
         std::memcpy(w, planes + int64_t(b) * 64 + 16 * c, 16);
@@ -260,6 +289,7 @@ void with_kind(int kind, F&& f) {
     case GK_Q3_K: return f(std::integral_constant<int, GK_Q3_K>{});
     case GK_IQ4_NL: return f(std::integral_constant<int, GK_IQ4_NL>{});
     case GK_IQ4_XS: return f(std::integral_constant<int, GK_IQ4_XS>{});
+    case GK_Q2_K: return f(std::integral_constant<int, GK_Q2_K>{});
     default: return f(std::integral_constant<int, GK_Q6_K>{});
   }
 }
@@ -274,17 +304,18 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
                    int m0, int i0, int h0, int b0, int b1) {
   const int nblk = w.nblk;
   // wide: products that may pass 16 bits over a block (|w| up to 127) go to 32 bits at once
-  constexpr bool wide = KIND == GK_Q8_0 || gguf_iq4(KIND), q5k = KIND == GK_Q5_K;
-  constexpr bool split = KIND == GK_Q6_K || KIND == GK_Q3_K || q5k, iq4xs = KIND == GK_IQ4_XS;
+  constexpr bool wide = KIND == GK_Q8_0 || gguf_iq4(KIND), q5k = KIND == GK_Q5_K, q2k = KIND == GK_Q2_K;
+  constexpr bool split = KIND == GK_Q6_K || KIND == GK_Q3_K || q5k || q2k, iq4xs = KIND == GK_IQ4_XS;
+  constexpr bool uns = q5k || q2k;  // unsigned codes: no sign trick
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xg = xq + int64_t(m0) * nblk * 32;
   const float* dg = d + int64_t(m0) * nblk;
   __m256 f[R][H];
-  __m256i is[R][H];  // the K-quants' super-block sums
+  __m256i is[R][H], ms[R][H];  // the K-quants' super-block sums (ms: Q2_K's minimums x the halves' sums)
   for (int i = 0; i < R; ++i)
     for (int h = 0; h < H; ++h) {
       f[i][h] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + int64_t(m0 + i0 + i) * N + n0 + 8 * (h0 + h));
-      is[i][h] = _mm256_setzero_si256();
+      is[i][h] = ms[i][h] = _mm256_setzero_si256();
     }
   for (int b = b0; b < b1; ++b) {
     if (i0 == 0 && h0 == 0) {  // the block PF_BLOCKS ahead, every line of its codes and high bits
@@ -301,10 +332,10 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
       for (int h = 0; h < H; ++h) {
         __m256i lo, hi;
         w.load8<KIND>(b, c, h0 + h, lo, hi);
-        const __m256i al = q5k ? lo : _mm256_abs_epi8(lo), ah = q5k ? hi : _mm256_abs_epi8(hi);
+        const __m256i al = uns ? lo : _mm256_abs_epi8(lo), ah = uns ? hi : _mm256_abs_epi8(hi);
         for (int i = 0; i < R; ++i) {
-          const __m256i pl = _mm256_maddubs_epi16(al, q5k ? xl[i] : _mm256_sign_epi8(xl[i], lo));
-          const __m256i ph = _mm256_maddubs_epi16(ah, q5k ? xh[i] : _mm256_sign_epi8(xh[i], hi));
+          const __m256i pl = _mm256_maddubs_epi16(al, uns ? xl[i] : _mm256_sign_epi8(xl[i], lo));
+          const __m256i ph = _mm256_maddubs_epi16(ah, uns ? xh[i] : _mm256_sign_epi8(xh[i], hi));
           if constexpr (wide) {
             a0[i][h] = _mm256_add_epi32(a0[i][h], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
                                                                    _mm256_madd_epi16(ph, ones)));
@@ -332,6 +363,29 @@ void gguf_x16_rows(const GgufX16& w, const int8_t* xq, const float* d, const int
           for (int i = 0; i < R; ++i) {
             f[i][h] = sup.finish(is[i][h], pg + i, db[i], f[i][h]);
             is[i][h] = _mm256_setzero_si256();
+          }
+        }
+      } else if constexpr (q2k) {  // sc x the halves' dots and m x their activation sums (bpair: hsum); q4k_finish
+        const uint8_t* a = w.aux + b * 64 + 8 * (h0 + h);
+        const __m256i sc0 = GgufX16::pairs16(bytes8(a)), sc1 = GgufX16::pairs16(bytes8(a + 32));
+        const __m256i mn0 = bytes8(a + 16), mn1 = bytes8(a + 48);
+        const int32_t* hs = bpair + 2 * (int64_t(m0) * nblk + int64_t(b) * 8 + i0);
+        for (int i = 0; i < R; ++i) {
+          is[i][h] = _mm256_add_epi32(is[i][h], _mm256_add_epi32(_mm256_madd_epi16(a0[i][h], sc0),
+                                                                 _mm256_madd_epi16(a1[i][h], sc1)));
+          ms[i][h] = _mm256_add_epi32(ms[i][h], _mm256_add_epi32(_mm256_mullo_epi32(mn0, _mm256_set1_epi32(hs[2 * i])),
+                                                                 _mm256_mullo_epi32(mn1, _mm256_set1_epi32(hs[2 * i + 1]))));
+        }
+        if (b % 8 == 7) {
+          const uint16_t* dd = w.scales + (b / 8) * 32 + 8 * (h0 + h);
+          const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd)));
+          const __m256 nmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 16))),
+                                            _mm256_set1_ps(-0.f));
+          for (int i = 0; i < R; ++i) {
+            const __m256 inner = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i][h]), dw,
+                                                 _mm256_mul_ps(_mm256_cvtepi32_ps(ms[i][h]), nmin));
+            f[i][h] = _mm256_fmadd_ps(inner, _mm256_set1_ps(db[i]), f[i][h]);
+            is[i][h] = ms[i][h] = _mm256_setzero_si256();
           }
         }
       } else if constexpr (iq4xs) {  // the block's dot times its scale, in integers; q6k_finish per super-block
@@ -474,12 +528,54 @@ void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
   ksuper_rows<R>(w.nblk, add, finish, y, N, n0, m0);
 }
 
+// Q2_K: per block the two halves' dots of the unsigned codes times their scales, and their minimums times the
+// halves' activation sums (hsum: [nblk, 8, 2] per row group), each summed over the super-block in integers; then
+// q4k_finish's fp32 operations, as every build does.
+template <int R>
+void q2k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* hsum, float* y, int N, int n0,
+                int m0) {
+  const int64_t g0 = int64_t(m0) * w.nblk;
+  __m512i ms[R];
+  for (int i = 0; i < R; ++i) ms[i] = _mm512_setzero_si512();
+  auto bytes16 = [&](int b, int at) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.aux + b * 64 + at)));
+  };
+  auto add = [&](int b, __m512i* is) {
+    if (m0 == 0) prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 128, 128);
+    __m512i q[8];
+    w.load16<GK_Q2_K>(b, q);
+    const __m512i sc0 = bytes16(b, 0), mn0 = bytes16(b, 16), sc1 = bytes16(b, 32), mn1 = bytes16(b, 48);
+    const int64_t mb = g0 + int64_t(b) * 8;
+    for (int i = 0; i < R; ++i) {
+      const int8_t* xi = xq + (mb + i) * 32;
+      const __m512i d0 = dot_chunks4(_mm512_setzero_si512(), q, xi);
+      const __m512i d1 = dot_chunks4(_mm512_setzero_si512(), q + 4, xi + 16);
+      is[i] = _mm512_add_epi32(is[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
+      ms[i] = _mm512_add_epi32(ms[i], _mm512_add_epi32(_mm512_mullo_epi32(mn0, _mm512_set1_epi32(hsum[2 * (mb + i)])),
+                                                       _mm512_mullo_epi32(mn1, _mm512_set1_epi32(hsum[2 * (mb + i) + 1]))));
+    }
+  };
+  auto finish = [&](int s0, const __m512i* is, __m512* f) {  // q4k_finish
+    const uint16_t* dd = w.scales + (s0 / 8) * 32;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
+    const __m512 nmin = _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + 16))),
+                                      _mm512_set1_ps(-0.f));
+    for (int i = 0; i < R; ++i) {
+      const __m512 inner = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), dw, _mm512_mul_ps(_mm512_cvtepi32_ps(ms[i]), nmin));
+      f[i] = _mm512_fmadd_ps(inner, _mm512_set1_ps(d[g0 + int64_t(s0) * 8 + i]), f[i]);
+      ms[i] = _mm512_setzero_si512();
+    }
+  };
+  ksuper_rows<R>(w.nblk, add, finish, y, N, n0, m0);
+}
+
 template <int KIND>
 void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
                      float* y, int M, int N, int n0) {
   for_row_groups(M, [&](auto r, int m0) {
     constexpr int R = decltype(r)::value;
     if constexpr (gguf_q6_shaped(KIND)) q6k_rows16<KIND, R>(w, xq, d, hoff, y, N, n0, m0);
+    else if constexpr (KIND == GK_Q2_K) q2k_rows16<R>(w, xq, d, hoff, y, N, n0, m0);
     else if constexpr (KIND == GK_Q5_K) q5k_rows16<R>(w, xq, d, bsum, y, N, n0, m0);
     else gguf_x16_rows16<KIND, R>(w, xq, d, bsum, y, N, n0, m0);
   });
@@ -503,9 +599,11 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
     case GK_Q3_K: return gguf_x16_tile16<GK_Q3_K>(w, xq, d, bsum, hoff, y, M, N, n0);
     case GK_IQ4_NL: return gguf_x16_tile16<GK_IQ4_NL>(w, xq, d, bsum, hoff, y, M, N, n0);
     case GK_IQ4_XS: return gguf_x16_tile16<GK_IQ4_XS>(w, xq, d, bsum, hoff, y, M, N, n0);
+    case GK_Q2_K: return gguf_x16_tile16<GK_Q2_K>(w, xq, d, bsum, hoff, y, M, N, n0);
     default: return gguf_x16_tile16<GK_Q6_K>(w, xq, d, bsum, hoff, y, M, N, n0);
   }
 #elif defined(PAGEDLM_AVX2)
+  if (w.kind == GK_Q2_K) bsum = hoff;  // its halves' activation sums
   with_kind(w.kind, [&](auto k) {
     constexpr int KIND = decltype(k)::value;
     for_row_groups(M, [&](auto r, int m0) {
@@ -537,7 +635,15 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
         const int64_t mb = kPack8.blk(m, b, nblk);
         int dot[2] = {0, 0};
         for (int v = 0; v < 32; ++v) dot[v >= 16] += w.code(b, j, v) * xb[v];
-        if (w.kind == GK_Q5_K) {  // as q4k_tile
+        if (w.kind == GK_Q2_K) {
+          const int64_t at = kPack8.blk(m, b, nblk);
+          is += w.q2_scale(b, 0, j) * dot[0] + w.q2_scale(b, 1, j) * dot[1];
+          ms += w.q2_min(b, 0, j) * hoff[2 * at] + w.q2_min(b, 1, j) * hoff[2 * at + 1];
+          if (b % 8 == 7) {
+            const uint16_t* dd = w.scales + (b / 8) * 32;
+            f = q4k_finish(is, ms, half_to_float(dd[j]), half_to_float(dd[16 + j]), d[mb], f), is = ms = 0;
+          }
+        } else if (w.kind == GK_Q5_K) {  // as q4k_tile
           is += int(w.aux[b * 32 + j]) * (dot[0] + dot[1]);
           ms += int(w.aux[b * 32 + 16 + j]) * bpair_sum(bsum[kPack8.blk(m, b / 2, nblk / 2)], b);
           if (b % 8 == 7) {
@@ -555,6 +661,7 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
     }
 #endif
   (void)hoff;
+  (void)bsum;
 }
 
 #ifdef PAGEDLM_AVX2
@@ -634,6 +741,7 @@ inline int gguf_block_bytes(int kind) {  // per 32 values (K-quants: per super-b
     case GK_Q3_K: return 110;
     case GK_IQ4_NL: return 18;
     case GK_IQ4_XS: return 136;
+    case GK_Q2_K: return 84;
     default: return 0;
   }
 }
@@ -696,6 +804,16 @@ inline void gguf_read_block(int kind, const uint8_t* row, int b, RawBlock& o) {
       for (int l = 0; l < 32; ++l) o.q[l] = uint8_t(((qs[l] >> (2 * (k % 4))) & 3) | ((hm[l] >> k) & 1) << 2);
       return;
     }
+    case GK_Q2_K: {  // 16 bytes of (sc | m << 4) per 16 values, qs[64] (Q3_K's order), d, dmin
+      const uint8_t* sb = row + int64_t(b / 8) * 84;
+      const int k = b % 8;
+      const uint8_t* qs = sb + 16 + 32 * (k / 4);
+      std::memcpy(&o.d, sb + 80, 2);
+      std::memcpy(&o.dmin, sb + 82, 2);
+      o.sc[0] = sb[2 * k], o.sc[1] = sb[2 * k + 1];  // both nibbles: write_row splits them
+      for (int l = 0; l < 32; ++l) o.q[l] = (qs[l] >> (2 * (k % 4))) & 3;
+      return;
+    }
     case GK_IQ4_NL:
     case GK_IQ4_XS: {  // IQ4_XS: d, 2 bytes of the scales' high bits, 4 of their low nibbles, 128 of codes
       const uint8_t* qs;
@@ -741,6 +859,13 @@ inline void gguf_write_row(const GgufX16& g, const uint8_t* row, int64_t dst) {
         if (b % 8 == 0) scales[(b / 8) * 16 + j] = o.d;
         aux[b * 16 + j] = o.sc[0];
         break;
+      case GK_Q2_K:
+        if (b % 8 == 0) scales[(b / 8) * 32 + j] = o.d, scales[(b / 8) * 32 + 16 + j] = o.dmin;
+        for (int half = 0; half < 2; ++half) {
+          aux[b * 64 + 32 * half + j] = o.sc[half] & 0x0f;
+          aux[b * 64 + 32 * half + 16 + j] = o.sc[half] >> 4;
+        }
+        break;
       case GK_Q5_K:
         if (b % 8 == 0) scales[(b / 8) * 32 + j] = o.d, scales[(b / 8) * 32 + 16 + j] = o.dmin;
         aux[b * 32 + j] = o.sc[0];
@@ -753,13 +878,14 @@ inline void gguf_write_row(const GgufX16& g, const uint8_t* row, int64_t dst) {
         aux[b * 32 + 16 + j] = o.sc[1];
         break;
     }
-    if (g.kind == GK_Q3_K) {
+    if (gguf_2bit(g.kind)) {
       for (int grp = 0; grp < 2; ++grp)
         for (int i = 0; i < 4; ++i) {
           const uint8_t* q = o.q + 4 * grp + i;  // inputs 4g + i, 4(g + 2) + i, 16 + 4g + i, 16 + 4(g + 2) + i
           codes[int64_t(b) * 128 + 64 * grp + 4 * j + i] =
               uint8_t((q[0] & 3) | (q[8] & 3) << 2 | (q[16] & 3) << 4 | (q[24] & 3) << 6);
         }
+      if (!planes) continue;  // Q2_K
       for (int c = 0; c < 4; ++c)
         for (int i = 0; i < 4; ++i) {
           const int p = 4 * (j % 8) + i;

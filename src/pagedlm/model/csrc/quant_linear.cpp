@@ -1953,7 +1953,7 @@ int pagedlm_gguf_q8_0_to_int8(const uint8_t* raw, int rows, int K, int8_t* q, fl
 // kind: a GgufKind; K % 32 == 0 (K-quants: % 256), N % 16 == 0; planes / aux as the kind has them (else null).
 
 static bool gguf_shape_ok(int kind, int K, int N) {
-  if (kind < GK_Q8_0 || kind > GK_IQ4_XS || K <= 0 || N % X16 != 0) return false;
+  if (kind < GK_Q8_0 || kind > GK_Q2_K || K <= 0 || N % X16 != 0) return false;
   return gguf_super(kind) ? K % 256 == 0 : K % 32 == 0;
 }
 
@@ -1989,11 +1989,16 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
   else if (ksuper) quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay, 8);
   else quantize_act(x, M, K, 32, xqp, dp, gp, nthreads, bp, lay);  // sblk a constant at each call
   int32_t* hp = nullptr;
+  // Per block [.., 2]: Q2_K's sums of its halves' activations (for the minimums, every build), or on AVX-512 VNNI
+  // the offsets of the Q6_K-shaped kinds' halves (q6k_rows16 corrects them apart).
+  int32_t off = 0;
+  if (kind == GK_Q2_K) off = -1;
 #ifdef PAGEDLM_AVX512_VNNI
+  if (gguf_q6_shaped(kind))
+    off = kind == GK_Q6_K ? kKindOffset<GK_Q6_K> : kind == GK_Q3_K ? kKindOffset<GK_Q3_K> : kKindOffset<GK_IQ4_XS>;
+#endif
   thread_local std::vector<int32_t> hoff;
-  if (gguf_q6_shaped(kind)) {  // the offsets of each block's halves (q6k_rows16 corrects them apart)
-    const int32_t off = kind == GK_Q6_K ? kKindOffset<GK_Q6_K> : kind == GK_Q3_K ? kKindOffset<GK_Q3_K>
-                                                                                 : kKindOffset<GK_IQ4_XS>;
+  if (off) {
     hoff.resize(size_t(Mr) * nblk * 2);
     int32_t* const hop = hp = hoff.data();
     parallel_for(M, int64_t(M) * K >= 65536 ? nthreads : 1, 8, [&](int64_t m0, int64_t m1) {
@@ -2008,6 +2013,7 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
         }
     });
   }
+#ifdef PAGEDLM_AVX512_VNNI
   gguf_vnni_products.fetch_add(!amx && (M > 1 || kind != GK_Q8_0), std::memory_order_relaxed);
 #endif
   const GgufX16 g{kind, nblk, codes, planes, scales, aux};
@@ -2039,7 +2045,7 @@ int pagedlm_linear_gguf(const float* x, int kind, const uint8_t* codes, const ui
       for (; q8_0_rows && t < t1; ++t) gguf_q8_0_row_tiles<1>(g, xm, dm, bm, ym, t);  // 1.13x gguf_x16_tile's rate
 #endif
 #if defined(PAGEDLM_AVX2) && !defined(PAGEDLM_AVX512_VNNI)
-      for (; pairs && t + 2 <= t1; t += 2) gguf_x16_row_pair(g, xm, dm, bm, ym, N, t);
+      for (; pairs && t + 2 <= t1; t += 2) gguf_x16_row_pair(g, xm, dm, kind == GK_Q2_K ? hm : bm, ym, N, t);
 #endif
       for (; t < t1; ++t) gguf_x16_tile(g, xm, dm, bm, hm, ym, rows, N, t);
     });

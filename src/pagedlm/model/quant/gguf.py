@@ -1,5 +1,5 @@
-"""GGUF's 3- to 8-bit block formats but Q4_0/Q4_1/Q4_K (int4.py's) run as the file stores them (Q8_0, Q5_0, Q5_K,
-Q6_K, Q3_K, IQ4_NL, IQ4_XS): the x16 layouts of csrc/gguf_x16.h, written in one pass from the file's rows,
+"""GGUF's 2- to 8-bit block formats but Q4_0/Q4_1/Q4_K (int4.py's) run as the file stores them (Q8_0, Q5_0, Q5_K,
+Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS): the x16 layouts of csrc/gguf_x16.h, written in one pass from the file's rows,
 multiplied by its kernel against Q8 activations, so a weight is never rounded a second time and decode reads about
 the file's bytes (Q6_K 6.56 bits a weight, Q3_K 3.56, IQ4_XS 4.31; not int8's 8)."""
 from __future__ import annotations
@@ -16,18 +16,19 @@ from pagedlm.model.quant.formats import X16, quantize_activations_q8
 from pagedlm.model.quant.kernel import scratch
 from pagedlm.model.quant.linear import QuantLinear
 
-GGUF_KINDS = {"Q8_0": 0, "Q5_0": 1, "Q5_K": 2, "Q6_K": 3, "Q3_K": 4, "IQ4_NL": 5, "IQ4_XS": 6}  # csrc's GgufKind
-_SUPER = ("Q5_K", "Q6_K", "Q3_K", "IQ4_XS")  # super-blocks of 256 values
+GGUF_KINDS = {"Q8_0": 0, "Q5_0": 1, "Q5_K": 2, "Q6_K": 3, "Q3_K": 4, "IQ4_NL": 5, "IQ4_XS": 6,
+              "Q2_K": 7}  # csrc's GgufKind
+_SUPER = ("Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "Q2_K")  # super-blocks of 256 values
 
 
 def _sizes(kind: str, n: int, k: int) -> dict[str, tuple[int, torch.dtype]]:
     """Elements and dtype of each buffer of an [n, k] weight (see gguf_x16.h)."""
     blocks = n * k // 32
-    return {"qweight": (blocks * {"Q8_0": 32, "Q3_K": 8}.get(kind, 16), torch.uint8),
+    return {"qweight": (blocks * {"Q8_0": 32, "Q3_K": 8, "Q2_K": 8}.get(kind, 16), torch.uint8),
             "planes": (blocks * {"Q5_0": 4, "Q5_K": 4, "Q6_K": 8, "Q3_K": 4}.get(kind, 0), torch.uint8),
-            "scale": ({"Q5_K": blocks // 4, "Q6_K": blocks // 8, "Q3_K": blocks // 8, "IQ4_XS": blocks // 8}
-                      .get(kind, blocks), torch.float16),
-            "aux": (blocks * (1 if kind == "IQ4_XS" else 2) if kind in _SUPER else 0, torch.uint8)}
+            "scale": ({"Q5_K": blocks // 4, "Q6_K": blocks // 8, "Q3_K": blocks // 8, "IQ4_XS": blocks // 8,
+                       "Q2_K": blocks // 4}.get(kind, blocks), torch.float16),
+            "aux": (blocks * {"IQ4_XS": 1, "Q2_K": 4}.get(kind, 2) if kind in _SUPER else 0, torch.uint8)}
 
 
 def layout_bytes(kind: str, n: int, k: int) -> int:
@@ -36,7 +37,7 @@ def layout_bytes(kind: str, n: int, k: int) -> int:
 
 
 class GGUFLinear(QuantLinear):
-    """A GGUF Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4_NL / IQ4_XS weight [out, in] in its x16 layout (`supports`
+    """A GGUF Q8_0 / Q5_0 / Q5_K / Q6_K / Q3_K / Q2_K / IQ4_NL / IQ4_XS weight [out, in] in its x16 layout (`supports`
     says where one can be built): `qweight` the codes' low bits (Q8_0: the int8 codes; IQ4: the level indices),
     `planes` their high bits, `scale` the fp16 factors, `aux` the K-quants' per-block scale bytes."""
 
