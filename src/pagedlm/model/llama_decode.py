@@ -1,12 +1,11 @@
 """The decoder stack in one compiled call for steps with few new tokens (csrc/llama_decode.cpp): LLaMA-style layers
-(QK-norm per head and sliding windows included) and Gemma 3's.
+(QK-norms, sliding windows, q/k/v biases and clamping, experts) and Gemma 3's.
 
-A single-stream decode step runs about 40 small torch ops per layer; with quantized weights their dispatch costs
-as much as the matmuls. This path hands the residual stream, the layers' weights and the batch layout to one
-C++ function instead. It is taken only where it gives the same results as the torch path (CPU, fp32 activations,
-an fp32, bf16 or int8 KV cache, the compiled attention backend, at most `max_tokens` new tokens: the quantized
-layers' `kernel_max_rows`, above which their dense GEMMs win) and skipped otherwise. A model describes its layers
-to it as a `FusedStack` (`CausalLM.fused_stack`).
+A single-stream decode step runs about 40 small torch ops per layer; with quantized weights their dispatch costs as
+much as the matmuls. This path hands the residual stream, the layers' weights and the batch layout to one C++
+function instead, where it gives the torch path's results (CPU, fp32 activations, an fp32, bf16, fp16 or int8 KV
+cache, the compiled attention backend, at most `max_tokens` new tokens: the quantized layers' `kernel_max_rows`) and
+is skipped otherwise. A model describes its layers to it as a `FusedStack` (`CausalLM.fused_stack`).
 """
 from __future__ import annotations
 
@@ -55,11 +54,11 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
                 ("mlp_out_norm", ctypes.c_void_p), ("window", ctypes.c_int), ("rope", ctypes.c_int),
-                ("group", ctypes.c_int), ("qkv_bias", ctypes.c_void_p), ("router", ctypes.c_void_p),
+                ("group", ctypes.c_int), ("qkv_bias", ctypes.c_void_p), ("qk_norm_whole", ctypes.c_int),
+                ("clip_qkv", ctypes.c_float), ("router", ctypes.c_void_p),
                 ("num_experts", ctypes.c_int), ("top_k", ctypes.c_int), ("norm_topk", ctypes.c_int),
                 ("exp_gate_up", ctypes.c_void_p), ("exp_down", ctypes.c_void_p), ("expert_counts", ctypes.c_void_p),
-                ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p),
-                ("qk_norm_whole", ctypes.c_int), ("clip_qkv", ctypes.c_float)]
+                ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -163,9 +162,8 @@ def _describe(linear: nn.Module, bias_apart: bool = False) -> _Linear | None:
         return _Linear(kind, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(),
                        linear.scale.data_ptr(), None)
     if isinstance(linear, Bf16Linear):
-        if not linear.x16:
-            return None
-        return _Linear(LIN_BF16_X16, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(), None, None)
+        return _Linear(LIN_BF16_X16, linear.in_features, linear.out_features, 0, linear.qweight.data_ptr(), None,
+                       None) if linear.x16 else None
     if isinstance(linear, ConcatLinear):
         parts = [_describe(p) for p in linear.parts]
         if any(p is None or p.kind == LIN_CONCAT for p in parts):
@@ -238,8 +236,7 @@ class LlamaDecodeKernel:
             self._layers[i] = _Layer(_ptr(layer.input_norm), _ptr(layer.post_norm), qkv, o, gate_up, down, None, None,
                                      _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.attn_out_norm),
                                      _ptr(layer.mlp_out_norm), layer.window or 0, layer.rope, 0,
-                                     _ptr(layer.qkv_bias))
-            self._layers[i].qk_norm_whole, self._layers[i].clip_qkv = int(layer.qk_norm_whole), layer.clip_qkv or 0.0
+                                     _ptr(layer.qkv_bias), int(layer.qk_norm_whole), layer.clip_qkv or 0.0)
             if layer.moe is not None:
                 moe, (exp_gate_up, exp_down) = layer.moe, experts
                 row = self._layers[i]

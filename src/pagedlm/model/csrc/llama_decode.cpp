@@ -38,6 +38,8 @@ struct Layer {
   int rope;    // the rotary table it uses (index into cos / sin)
   int group;   // the batch layout of its KV cache group (index into groups)
   const float* qkv_bias;  // [H * D + 2 * KVH * D]: added to the q/k/v projection's output (Qwen2), or null
+  int qk_norm_whole;  // q_norm / k_norm normalize the whole q / k projection (OLMoE), not each head
+  float clip_qkv;     // q, k and v clamped to [-clip_qkv, clip_qkv] after the norms (OLMoE), or 0: not clamped
   // A mixture-of-experts MLP in place of gate_up / down (router null: a dense MLP): router [num_experts, hidden]
   // fp32 logits, softmax, the top_k experts (their weights renormalized to sum to 1 if norm_topk), each expert's
   // products exp_gate_up[e] / exp_down[e]; expert_counts[e] counts the tokens routed to expert e.
@@ -49,8 +51,6 @@ struct Layer {
   // sigmoid(shared_gate . h), added after the routed experts.
   const Linear *shared_gate_up, *shared_down;
   const float* shared_gate;  // [hidden]
-  int qk_norm_whole;  // q_norm / k_norm normalize the whole q / k projection (OLMoE), not each head
-  float clip_qkv;     // q, k and v clamped to [-clip_qkv, clip_qkv] after the norms (OLMoE), or 0: not clamped
 };
 
 enum Activation { ACT_SILU = 0, ACT_GELU_TANH = 1 };
