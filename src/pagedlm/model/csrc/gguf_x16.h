@@ -432,6 +432,9 @@ std::atomic<int64_t> gguf_vnni_products{0};  // products that ran gguf_x16_rows1
 template <int KIND>
 constexpr int kKindOffset = KIND == GK_Q8_0 || gguf_iq4(KIND) ? 128 : KIND == GK_Q6_K ? 32 : KIND == GK_Q3_K ? 4 : 16;
 
+// 16 int32 lanes of a and b (each within int16) as int16 pairs (a, b): vpmaddwd's operands.
+inline __m512i pair16(__m512i a, __m512i b) { return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16)); }
+
 // The sum of four vpdpbusd of codes q[c0..c0+3] with the activations at xb + 4 * c0, from `init`.
 inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
   for (int c = 0; c < 4; ++c) init = dpbusd_bcast(init, q[c], xb + 4 * c);
@@ -507,7 +510,7 @@ void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
     }
     __m512i q[8];
     w.load16<KIND>(b, q);
-    const __m512i sc0 = sc(b, 0), sc1 = KIND == GK_IQ4_XS ? sc0 : sc(b, 1);
+    const __m512i sc0 = sc(b, 0), sc1 = KIND == GK_IQ4_XS ? sc0 : sc(b, 1), scp = pair16(sc0, sc1);
     const int64_t mb = g0 + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
       const int8_t* xi = xq + (mb + i) * 32;
@@ -515,6 +518,8 @@ void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
       const __m512i d1 = dot_chunks4(_mm512_set1_epi32(hoff[2 * (mb + i) + 1]), q + 4, xi + 16);
       if constexpr (KIND == GK_IQ4_XS)  // one scale a block
         is[i] = _mm512_add_epi32(is[i], _mm512_mullo_epi32(_mm512_add_epi32(d0, d1), sc0));
+      else if constexpr (KIND == GK_Q3_K)  // |d| <= 16 x 4 x 127: both halves' products in one vpmaddwd
+        is[i] = _mm512_add_epi32(is[i], _mm512_madd_epi16(pair16(d0, d1), scp));
       else
         is[i] = _mm512_add_epi32(is[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
     }
@@ -544,15 +549,17 @@ void q2k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
     if (m0 == 0) prefetch_lines(w.codes + int64_t(b + PF_BLOCKS) * 128, 128);
     __m512i q[8];
     w.load16<GK_Q2_K>(b, q);
-    const __m512i sc0 = bytes16(b, 0), mn0 = bytes16(b, 16), sc1 = bytes16(b, 32), mn1 = bytes16(b, 48);
+    // int16 pairs for vpmaddwd: the halves' dots (|d| <= 16 x 3 x 127) by their scales, their activation sums
+    // (|s| <= 16 x 127) by their minimums
+    const __m512i scp = pair16(bytes16(b, 0), bytes16(b, 32)), mnp = pair16(bytes16(b, 16), bytes16(b, 48));
     const int64_t mb = g0 + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
       const int8_t* xi = xq + (mb + i) * 32;
       const __m512i d0 = dot_chunks4(_mm512_setzero_si512(), q, xi);
       const __m512i d1 = dot_chunks4(_mm512_setzero_si512(), q + 4, xi + 16);
-      is[i] = _mm512_add_epi32(is[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
-      ms[i] = _mm512_add_epi32(ms[i], _mm512_add_epi32(_mm512_mullo_epi32(mn0, _mm512_set1_epi32(hsum[2 * (mb + i)])),
-                                                       _mm512_mullo_epi32(mn1, _mm512_set1_epi32(hsum[2 * (mb + i) + 1]))));
+      const int32_t* hs = hsum + 2 * (mb + i);
+      is[i] = _mm512_add_epi32(is[i], _mm512_madd_epi16(pair16(d0, d1), scp));
+      ms[i] = _mm512_add_epi32(ms[i], _mm512_madd_epi16(mnp, _mm512_set1_epi32((hs[0] & 0xffff) | hs[1] * 65536)));
     }
   };
   auto finish = [&](int s0, const __m512i* is, __m512* f) {  // q4k_finish
