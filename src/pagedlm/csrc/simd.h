@@ -10,6 +10,8 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #include <simde/x86/f16c.h>
+#undef _mm512_madd_epi16  // SIMDe's alias takes the masked form's four arguments
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
 
 #include <cmath>
 #include <cstdint>

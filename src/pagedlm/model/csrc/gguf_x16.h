@@ -433,7 +433,9 @@ template <int KIND>
 constexpr int kKindOffset = KIND == GK_Q8_0 || gguf_iq4(KIND) ? 128 : KIND == GK_Q6_K ? 32 : KIND == GK_Q3_K ? 4 : 16;
 
 // 16 int32 lanes of a and b (each within int16) as int16 pairs (a, b): vpmaddwd's operands.
-inline __m512i pair16(__m512i a, __m512i b) { return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16)); }
+inline __m512i pair16(__m512i a, __m512i b) {
+  return _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(b, 16));
+}
 
 // The sum of four vpdpbusd of codes q[c0..c0+3] with the activations at xb + 4 * c0, from `init`.
 inline __m512i dot_chunks4(__m512i init, const __m512i* q, const int8_t* xb) {
