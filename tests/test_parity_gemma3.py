@@ -12,6 +12,7 @@ from hf_reference import assert_matches_hf, hf_greedy
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import ModelConfig
 from pagedlm.hub.loader import iter_weights, load_hf_config
+from pagedlm.model.gemma3 import Rotary
 
 NEW_TOKENS = 24
 
@@ -31,12 +32,28 @@ def tiny_gemma_dir(tmp_path_factory):
     return build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3"), sliding_window=8, max_position_embeddings=256)
 
 
-def test_tiny_gemma3_matches_hf_across_the_sliding_window(tiny_gemma_dir):
+@pytest.fixture(scope="module")
+def tiny_gemma_scaled_dir(tmp_path_factory):
+    """The same shape with Gemma 3 4B-27B's linear RoPE scaling of the global layers (factor 8)."""
+    from conftest import build_tiny_gemma3
+
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_scaled"), sliding_window=8,
+                             max_position_embeddings=256, rope_scaling={"rope_type": "linear", "factor": 8.0})
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_tiny_gemma3_matches_hf_across_the_sliding_window(tiny_gemma_dir, tiny_gemma_scaled_dir, scaled):
+    """Greedy tokens and logprobs as HF's, past the window; with linear RoPE scaling of the global layers too (it was
+    refused from an HF config and ignored in a GGUF)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma_dir, dtype=torch.float32).eval()
-    llm = LLM(str(tiny_gemma_dir), dtype="float32", num_kv_blocks=384, block_size=4)  # blocks of 1 of 6 layers
+    path = tiny_gemma_scaled_dir if scaled else tiny_gemma_dir
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=384, block_size=4)  # blocks of 1 of 6 layers
     assert llm.engine.runner.model.layer_sliding_windows == [8, 8, 8, 8, 8, None]
+    model = llm.engine.runner.model
+    assert torch.equal(model.rotary_global.inv_freq * (8.0 if scaled else 1.0),
+                       Rotary(model.cfg.head_dim, model.cfg.rope_theta).inv_freq)
     prompts = [list(range(5, 35)), list(range(100, 105)), list(range(200, 221))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -175,3 +192,29 @@ def test_default_plan_runs_the_files_blocks_and_stays_near_fp32(gemma3_path, llm
     # values, as llama.cpp takes them (llama.cpp on the same file: 0.173; Q6_K's per 32 values: 0.146; Q5_0, Q6_K
     # and Q8_0 requantized to int8, as before: 0.194).
     assert logprob_drift(lp_default, lp_fp32) < 0.2
+
+
+@pytest.mark.parametrize("factor", [None, 8.0])
+def test_gemma3_gguf_rope_scaling_reaches_the_global_layers(tmp_path, factor):
+    """A gemma3 GGUF's `rope.scaling.*` keys (written for Gemma 3 4B-27B: linear, factor 8) scale the global layers'
+    RoPE, as transformers reads them; the sliding layers keep their own base."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    for add, value in ((w.add_block_count, 6), (w.add_context_length, 1024), (w.add_embedding_length, 64),
+                       (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                       (w.add_key_length, 16), (w.add_value_length, 16), (w.add_rope_freq_base, 1e6),
+                       (w.add_sliding_window, 8), (w.add_layer_norm_rms_eps, 1e-6)):
+        add(value)
+    if factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(factor)
+    w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = ModelConfig.from_hf(load_hf_config(tmp_path / "g.gguf"))
+    assert cfg.rope_scaling == (None if factor is None else {"rope_type": "linear", "factor": factor})
+    assert cfg.rope_theta == 1e6 and cfg.rope_local_base_freq == 10000.0

@@ -102,9 +102,11 @@ def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
                       "rms_norm_eps": cfg.get("rms_norm_eps") or 1e-6,
                       "max_position_embeddings": cfg.get("max_position_embeddings") or 131072,
                       "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}, "gemma3_text")
-    if (common.pop("rope_scaling") or {}).get("rope_type", "default") != "default":
-        raise ValueError("Gemma 3 with rope scaling is not supported.")
-    return dict(**common, rope_scaling=None,
+    # the global layers' scaling (Gemma 3 4B-27B: linear, factor 8), flat or under "full_attention"
+    scaling = common.pop("rope_scaling") or _rope_scaling({"rope_parameters": rope.get("full_attention") or {}})
+    if scaling is not None and scaling["rope_type"] != "linear":
+        raise ValueError(f"Gemma 3 with {scaling['rope_type']} rope scaling is not supported.")
+    return dict(**common, rope_scaling=scaling,
                 hidden_act=cfg.get("hidden_activation") or "gelu_pytorch_tanh",
                 layer_types=list(types), sliding_window=cfg.get("sliding_window") or 4096,
                 rope_local_base_freq=float(local),

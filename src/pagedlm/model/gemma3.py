@@ -31,9 +31,9 @@ class GemmaRMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotate-half RoPE with cos/sin computed from the positions at each call (HF's float32 arithmetic)."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, None).float(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling).float(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, dim / 2] each, float32 (the first half of what `forward` multiplies by; the fused stack's)."""
@@ -120,7 +120,7 @@ class Gemma3ForCausalLM(CausalLM):
             raise ValueError("Gemma attention logit soft-capping is not supported by the paged attention backends.")
         super().__init__(cfg)
         self.rotary_local = Rotary(cfg.head_dim, cfg.rope_local_base_freq)
-        self.rotary_global = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary_global = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # linear (4B-27B) or none
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, self.rotary_global if w is None else self.rotary_local, w)
