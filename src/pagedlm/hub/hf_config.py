@@ -126,6 +126,8 @@ def _gemma3_config(a, hidden: int, n_heads: int, vocab: int, reader: GGUFFile,
     (the local RoPE base, the 5:1 layer pattern and query_pre_attn_scalar are not in the file)."""
     n_layers = a("block_count")
     theta = a("rope.freq_base", 1_000_000.0)
+    factor = a("rope.scaling.factor")  # Gemma 3 4B-27B: their global layers' linear scaling
+    scaled = {"rope_type": a("rope.scaling.type", "linear"), "factor": factor} if factor else {"rope_type": "default"}
     return {
         "model_type": "gemma3_text",
         "architectures": ["Gemma3ForCausalLM"],
@@ -138,9 +140,7 @@ def _gemma3_config(a, hidden: int, n_heads: int, vocab: int, reader: GGUFFile,
         "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": theta,
         "rope_scaling": None,
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": theta} if not a(
-                                "rope.scaling.factor") else {"rope_type": a("rope.scaling.type", "linear"),
-                                                             "factor": a("rope.scaling.factor"), "rope_theta": theta},
+        "rope_parameters": {"full_attention": {**scaled, "rope_theta": theta},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         "sliding_window": a("attention.sliding_window", 4096),
         "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)],

@@ -1,6 +1,6 @@
 // GGUF's 2- to 8-bit block formats multiplied as the file stores them (no requantization): Q8_0, Q5_0, Q5_K, Q6_K,
-// Q3_K, Q2_K, IQ4_NL and IQ4_XS, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output rows and 32-value
-// block, chunk c = 0..3 holding, for row j, bytes 4c..4c+3 of that row's 16 nibble bytes, inputs 4c + i in the low
+// Q3_K, Q2_K, IQ4_NL and IQ4_XS, in x16 layouts like int4's (quant_linear.cpp's top comment: per tile of 16 output
+// rows and 32-value block, chunk c = 0..3 holding, for row j, bytes 4c..4c+3 of that row's 16 nibble bytes, inputs 4c + i in the low
 // nibbles and 16 + 4c + i in the high ones; Q8_0: the int8 x16 layout, 8 chunks of 4 values). Per tile and block:
 //   Q8_0  codes 512 B (int8); scales fp16 d [nblk, 16]                         w = d * q
 //   Q5_0  codes 256 B, planes 64 B (the 5th bit); scales fp16 d [nblk, 16]      w = d * (q - 16)
@@ -512,7 +512,8 @@ void q6k_rows16(const GgufX16& w, const int8_t* xq, const float* d, const int32_
     }
     __m512i q[8];
     w.load16<KIND>(b, q);
-    const __m512i sc0 = sc(b, 0), sc1 = KIND == GK_IQ4_XS ? sc0 : sc(b, 1), scp = pair16(sc0, sc1);
+    const __m512i sc0 = sc(b, 0), sc1 = KIND == GK_IQ4_XS ? sc0 : sc(b, 1);
+    const __m512i scp = KIND == GK_Q3_K ? pair16(sc0, sc1) : sc0;  // Q3_K's pair of scales, for vpmaddwd
     const int64_t mb = g0 + int64_t(b) * 8;
     for (int i = 0; i < R; ++i) {
       const int8_t* xi = xq + (mb + i) * 32;
@@ -592,9 +593,10 @@ void gguf_x16_tile16(const GgufX16& w, const int8_t* xq, const float* d, const i
 #endif
 
 // Tile t of a GGUF x16 weight against every row of x (packed activations, blocks of 32; the K-quants' per 256
-// values): bsum their block sums (Q5_K: quantize_act's bpair); hoff, for Q6_K and Q3_K on AVX-512 VNNI: per block
-// [nblk, 8, 2] -kKindOffset x the sum of its first and of its last 16 activations, read by the dot products' first instruction as a
-// broadcast from memory, with no integer work per row.
+// values): bsum their block sums (Q5_K: quantize_act's bpair); hoff, per block [nblk, 8, 2]: for Q6_K, Q3_K and
+// IQ4_XS on AVX-512 VNNI -kKindOffset x the sum of its first and of its last 16 activations, read by the dot
+// products' first instruction as a broadcast from memory, with no integer work per row; for Q2_K (every build) those
+// two sums, which its minimums multiply.
 void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, const int32_t* bsum, const int32_t* hoff,
                    float* y, int M, int N, int t) {
   const GgufX16 w = weights.tile(t);
@@ -645,9 +647,8 @@ void gguf_x16_tile(const GgufX16& weights, const int8_t* xq, const float* d, con
         int dot[2] = {0, 0};
         for (int v = 0; v < 32; ++v) dot[v >= 16] += w.code(b, j, v) * xb[v];
         if (w.kind == GK_Q2_K) {
-          const int64_t at = kPack8.blk(m, b, nblk);
           is += w.q2_scale(b, 0, j) * dot[0] + w.q2_scale(b, 1, j) * dot[1];
-          ms += w.q2_min(b, 0, j) * hoff[2 * at] + w.q2_min(b, 1, j) * hoff[2 * at + 1];
+          ms += w.q2_min(b, 0, j) * hoff[2 * mb] + w.q2_min(b, 1, j) * hoff[2 * mb + 1];
           if (b % 8 == 7) {
             const uint16_t* dd = w.scales + (b / 8) * 32;
             f = q4k_finish(is, ms, half_to_float(dd[j]), half_to_float(dd[16 + j]), d[mb], f), is = ms = 0;

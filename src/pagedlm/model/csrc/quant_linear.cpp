@@ -1787,8 +1787,8 @@ int64_t pagedlm_q8_0_row_passes() { return q8_0_row_passes.load(); }
 // Products that have run on AMX tiles in this process.
 int64_t pagedlm_amx_products() { return amx_products.load(); }
 
-// Products of a GGUF Q8_0 (several rows) / Q5_0 / Q5_K / Q6_K / Q3_K / IQ4 weight that ran gguf_x16_rows16, the AVX-512 VNNI
-// kernel (0 in builds without it).
+// Products of a GGUF Q8_0 (several rows) / Q5_0 / Q5_K / Q6_K / Q3_K / Q2_K / IQ4 weight that ran the AVX-512 VNNI
+// kernels (gguf_x16_rows16 and the K-quants' rows16; 0 in builds without them).
 int64_t pagedlm_gguf_vnni_products() {
 #ifdef PAGEDLM_AVX512_VNNI
   return gguf_vnni_products.load();
