@@ -176,11 +176,12 @@ _EXPERT_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down
                    "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
-def write_gguf(model_dir: Path, out: Path, name: str, quant: str | None = None) -> Path:
+def write_gguf(model_dir: Path, out: Path, name: str, quant: str | None = None, vocab_quant: str | None = None) -> Path:
     """An F32 GGUF of the HF model in `model_dir` under llama.cpp's names and keys: Q/K rows permuted for its llama
     architecture, experts stacked per projection, Phi-3's LongRoPE factors and Llama 3.1's as tensors; the tiny
     tokenizer is put where pagedlm caches a GGUF's converted tokenizer. `quant` (a gguf-py block type, e.g. "Q8_0"):
-    the layers' matrices and stacks of experts in those blocks (not the routers)."""
+    the layers' matrices and stacks of experts in those blocks (not the routers); `vocab_quant`: the embedding table
+    and an untied LM head in those."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -229,13 +230,13 @@ def write_gguf(model_dir: Path, out: Path, name: str, quant: str | None = None) 
         w.add_rope_scaling_orig_ctx_len(hf_cfg.rope_parameters["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
-    def add(gname: str, a: np.ndarray) -> None:
-        if quant and gname.startswith("blk.") and gname.endswith(".weight") and a.ndim >= 2 and "gate_inp" not in gname:
-            qt = gguf.GGMLQuantizationType[quant]
+    def add(gname: str, a: np.ndarray, kind: str | None = quant) -> None:
+        if kind and a.ndim >= 2 and "gate_inp" not in gname:
+            qt = gguf.GGMLQuantizationType[kind]
             from test_gguf_formats import QUANTIZERS  # kinds gguf-py cannot quantize
 
-            if quant in QUANTIZERS:
-                blocks = QUANTIZERS[quant](a.reshape(-1, a.shape[-1])).reshape(*a.shape[:-1], -1)
+            if kind in QUANTIZERS:
+                blocks = QUANTIZERS[kind](a.reshape(-1, a.shape[-1])).reshape(*a.shape[:-1], -1)
             else:
                 blocks = gguf.quants.quantize(a, qt)
             w.add_tensor(gname, blocks, raw_dtype=qt)
@@ -247,8 +248,8 @@ def write_gguf(model_dir: Path, out: Path, name: str, quant: str | None = None) 
         a = t.float().numpy()
         base, suffix = hf_name.rsplit(".", 1)
         if not base.startswith("model.layers."):
-            w.add_tensor({"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-                          "lm_head": "output"}[base] + f".{suffix}", a)
+            add({"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[base]
+                + f".{suffix}", a, vocab_quant)
             continue
         _, _, i, rest = base.split(".", 3)
         if ".experts." in rest:

@@ -59,6 +59,8 @@ def test_int4_blocks_run_in_their_own_layout(monkeypatch, kind, layout, bytes_pe
     held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scale, layer.mins))
     assert held == sum(rows) * cols // 32 * bytes_per_32
     assert torch.equal(layer.dequantize(), want)
+    ids = torch.tensor([[143, 0, 17], [16, 17, 100]])
+    assert torch.equal(layer.embed(ids), want[ids])  # rows looked up, as an embedding table's
     layer.kernel_max_rows = 64
     g = torch.Generator().manual_seed(1)
     x = torch.randn(19, cols, generator=g)
@@ -377,19 +379,14 @@ def test_reference_quantizers_round_trip(kind, group, step, corr):
     assert np.corrcoef(w.ravel(), a.ravel())[0, 1] > corr
 
 
-@pytest.mark.parametrize("kind", list(QUANTIZERS))
-def test_a_model_of_2_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
-    """A LLaMA whose layers' matrices are Q3_K (Q3_K_M's main kind), Q2_K or IQ4_XS runs them as stored, in their own
-    kernel and in the fused decode stack (they were requantized to int8: about twice the file's bytes), with the
-    dequantized fp32 model's log-probabilities (to the Q8 rounding of the activations), the prompts' and each decoded
-    token's, and the memory plan counts them at their layout's bytes."""
+def _tiny_llama_gguf(tmp_path, quant_kind: str, vocab_quant: str | None = None):
+    """A 2-layer LLaMA (untied LM head) written as a GGUF of `quant_kind` layers (`vocab_quant`: its embedding
+    table and LM head too), loaded as quantized blocks and, as the reference, dequantized to fp32."""
     from conftest import build_tiny_tokenizer
     from test_families import write_gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedlm import LLM, SamplingParams
-    from pagedlm.model.llama_decode import load_decode_kernel
-    from pagedlm.model.plan import estimate_weight_bytes
+    from pagedlm import LLM
 
     _kernel_or_skip()
     tok = build_tiny_tokenizer()
@@ -400,15 +397,17 @@ def test_a_model_of_2_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
     model_dir = tmp_path / "hf"
     LlamaForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)
     tok.save_pretrained(model_dir)
-    path = write_gguf(model_dir, tmp_path / f"{kind}.gguf", "llama", quant=kind)
+    path = write_gguf(model_dir, tmp_path / f"{quant_kind}.gguf", "llama", quant=quant_kind, vocab_quant=vocab_quant)
     llm = LLM(str(path), num_kv_blocks=64, speculative_config="off")
-    runner = llm.engine.runner
-    assert f"{kind} blocks run as stored" in llm.engine.plan.describe()
-    layers = [m for m in runner.model.modules() if isinstance(m, quant.GGUFLinear)]
-    assert len(layers) == 2 * 4 and all(m.kind == kind for m in layers)  # q/k/v, o, gate/up, down
-    assert estimate_weight_bytes(path, llm.engine.plan) == pytest.approx(runner.weight_bytes(), rel=0.02)
-    assert (runner.model.decode_kernel() is not None) == (load_decode_kernel() is not None)
     ref = LLM(str(path), dtype="float32", num_kv_blocks=64, speculative_config="off")  # dequantized, fp32 products
+    return path, llm, ref
+
+
+def _assert_logprobs_close(llm, ref, bound: float = 0.03) -> None:
+    """The prompts' and each decoded token's log-probabilities under `llm` are the reference's within `bound` (the
+    Q8 rounding of the activations), each token scored by the reference after the same tokens."""
+    from pagedlm import SamplingParams
+
     prompts = [[5, 9, 30, 41, 17], list(range(100, 140))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -419,4 +418,51 @@ def test_a_model_of_2_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
         ours_lp += [step[tid].logprob for step, tid in zip(ours.outputs[0].logprobs, ours.outputs[0].token_ids)]
         theirs_lp = [theirs.prompt_logprobs[pos][seq[pos]].logprob for pos in range(1, len(seq))]
         assert len(ours_lp) == len(theirs_lp) == len(seq) - 1
-        assert max(abs(a - b) for a, b in zip(ours_lp, theirs_lp)) < 0.03
+        assert max(abs(a - b) for a, b in zip(ours_lp, theirs_lp)) < bound
+
+
+@pytest.mark.parametrize("kind", list(QUANTIZERS))
+def test_a_model_of_2_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
+    """A LLaMA whose layers' matrices are Q3_K (Q3_K_M's main kind), Q2_K or IQ4_XS runs them as stored, in their own
+    kernel and in the fused decode stack (they were requantized to int8: about twice the file's bytes), with the
+    dequantized fp32 model's log-probabilities (to the Q8 rounding of the activations), the prompts' and each decoded
+    token's, and the memory plan counts them at their layout's bytes."""
+    from pagedlm.model.llama_decode import load_decode_kernel
+    from pagedlm.model.plan import estimate_weight_bytes
+
+    path, llm, ref = _tiny_llama_gguf(tmp_path, kind)
+    runner = llm.engine.runner
+    assert f"{kind} blocks run as stored" in llm.engine.plan.describe()
+    layers = [m for m in runner.model.modules() if isinstance(m, quant.GGUFLinear)]
+    assert len(layers) == 2 * 4 and all(m.kind == kind for m in layers)  # q/k/v, o, gate/up, down
+    assert estimate_weight_bytes(path, llm.engine.plan) == pytest.approx(runner.weight_bytes(), rel=0.02)
+    assert (runner.model.decode_kernel() is not None) == (load_decode_kernel() is not None)
+    _assert_logprobs_close(llm, ref)
+
+
+@pytest.mark.parametrize("kind, bytes_per_32", [("Q4_0", 18), ("Q4_1", 20)])
+def test_an_untied_table_and_lm_head_of_int4_blocks_run_them_as_stored(tmp_path, kind, bytes_per_32):
+    """An untied LM head and embedding table stored in Q4_0 / Q4_1 (files quantized whole, e.g. by gguf-py; a
+    Llama 3.1 8B Q4_K_M's table) keep their blocks: the head runs them in the int4 kernel, the table's rows are
+    looked up from them. Both were requantized: to int8 (1.8x the bytes; for the head, what every decoded token
+    reads) where the file held other kinds, else the head to int4 from the dequantized values (a second rounding).
+    Log-probabilities are the dequantized fp32 model's, and the memory plan counts both at their blocks' bytes."""
+    from pagedlm.model.plan import estimate_weight_bytes
+
+    path, llm, ref = _tiny_llama_gguf(tmp_path, kind, vocab_quant=kind)
+    model = llm.engine.runner.model
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    head, table = model.lm_head, model.embed_tokens.table
+    for layer, name in ((head, "output.weight"), (table, "token_embd.weight")):
+        assert isinstance(layer, quant.Int4Linear) and layer.x16
+        n, k = layer.out_features, layer.in_features
+        want = reference(stored[name].data, kind, n, k)
+        assert torch.equal(layer.dequantize(), want)
+        held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scale, layer.mins))
+        assert held == n * k // 32 * bytes_per_32
+    ids = torch.tensor([[0, 17, 16, 511], [300, 17, 17, 2]])
+    assert torch.equal(model.embed_tokens(ids), want[ids])
+    with pytest.raises(RuntimeError, match="ids outside"):
+        table.embed(torch.tensor([512]))
+    assert estimate_weight_bytes(path, llm.engine.plan) == pytest.approx(llm.engine.runner.weight_bytes(), rel=0.02)
+    _assert_logprobs_close(llm, ref)

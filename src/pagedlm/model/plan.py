@@ -92,14 +92,16 @@ def _name(dtype: torch.dtype | None) -> str:
 
 
 def gguf_linear_types(path: Path) -> set[str]:
-    """The GGUF block types of a checkpoint's per-layer linear weights (empty for HF directories)."""
+    """The GGUF block types of a checkpoint's per-layer linear weights (empty for HF directories); MoE routers
+    (ffn_gate_inp*) are left out: they stay in their stored precision (model/moe.py)."""
     path = Path(path)
     if path.is_dir():
         return set()
     from pagedlm.hub.loader import open_gguf
 
     return {t.tensor_type.name for t in open_gguf(path).tensors  # matrices, and stacks of experts' matrices
-            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) in (2, 3)}
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) in (2, 3)
+            and ".ffn_gate_inp" not in t.name}
 
 
 def mixed_fused_types(path: Path) -> set[str]:
@@ -171,8 +173,9 @@ def estimate_weight_bytes(path: Path, plan: ExecutionPlan) -> int:
     """About the bytes of a checkpoint's weights as `plan` holds them once loaded (`ModelRunner.weight_bytes`),
     from the tensors' shapes and block types, without loading them (`pagedlm memory`): GGUF blocks a kernel runs
     as stored, other linear weights in the plan's format (int4: half a byte and an fp16 scale and minimum per group;
-    int8: a byte and an fp32 scale per row; bf16), the embedding table int8 per row (bf16 for bf16) and shared by a
-    tied LM head, the rest in the activations' dtype. The dense copies for big steps are not weights here either."""
+    int8: a byte and an fp32 scale per row; bf16), the embedding table int8 per row (bf16 for bf16; as stored where
+    a kernel runs it, int4 kinds only untied) and shared by a tied LM head, the rest in the activations' dtype. The
+    dense copies for big steps are not weights here either."""
     from pagedlm.model.quant.gguf import GGUF_KINDS, layout_bytes
 
     q, dense = plan.quantization, torch.empty(0, dtype=plan.dtype).element_size()
@@ -183,10 +186,10 @@ def estimate_weight_bytes(path: Path, plan: ExecutionPlan) -> int:
     total = 0
     for name, shape, kind, stored in tensors:
         n = math.prod(shape)
-        table, head = name in TABLES, name in HEADS
+        table = name in TABLES
         if q is None or len(shape) not in (2, 3):  # 3: a stack of experts' matrices
             total += n * dense * (2 if table and tied and q is None else 1)  # unquantized, a tied head is a copy
-        elif kind in native and (not (table or head) or kind in GGUF_KINDS):
+        elif kind in native and (not (table and tied) or kind in GGUF_KINDS):  # untied: int4 blocks as stored
             total += layout_bytes(kind, n // shape[-1], shape[-1]) if kind in GGUF_KINDS else stored
         elif q == "bf16":
             total += 2 * n

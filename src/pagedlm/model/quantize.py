@@ -13,13 +13,14 @@ from pagedlm.model.quant import (
     METHODS,
     Bf16Linear,
     GGUFLinear,
+    Int4Linear,
     Int8Linear,
     QuantLinear,
     TableEmbedding,
     WithBias,
     make_quant_linear,
 )
-from pagedlm.model.quant.concat import ConcatLinear, one_int4_layout
+from pagedlm.model.quant.concat import ConcatLinear, one_int4_layout, runs_natively
 
 
 class LinearQuantizer:
@@ -37,17 +38,25 @@ class LinearQuantizer:
 
     def __call__(self, name: str, child: nn.Module) -> nn.Module:
         """The quantized replacement of the loaded Linear `child` (module name `name`), or of the embedding table:
-        an int8 (bf16 for "bf16") table, which a tied LM head then shares (`finish`). GGUF blocks come as stored:
+        an int8 (bf16 for "bf16") table, which a tied LM head then shares (`finish`), or its GGUF blocks as stored
+        where a kernel runs them (int4 kinds only untied: Int4Linear's rows are looked up). GGUF blocks come as stored:
         int4 kinds to Int4Linear, Q5 / Q6_K / Q8_0 to GGUFLinear, a fused weight whose parts mix kinds to a
         ConcatLinear of those, where the kernels run them; anything else to `fallback`."""
         w = getattr(self.model, "native_weights", {}).pop(f"{name}.weight", None)
-        if isinstance(w, LazyRows) and w.tensor.tensor_type.name in set(self.native) & GGUF_KINDS.keys():
+        if isinstance(w, LazyRows) and (kind := w.tensor.tensor_type.name) in self.native:
             raw = w.blocks()  # a vocabulary table (or untied LM head) of a kind a kernel runs: as stored
-            w = raw if GGUFLinear.supports(raw) else w
+            if kind in GGUF_KINDS:
+                w = raw if GGUFLinear.supports(raw) else w
+            elif runs_natively(raw) and not (isinstance(child, nn.Embedding) and self.model.cfg.tie_word_embeddings):
+                w = raw  # int4 blocks of an untied table or LM head (a tied table, also the head, stays int8)
         if isinstance(child, nn.Embedding):
             w = child.weight.data if w is None else w
-            table = (Bf16Linear(_dense(w)) if self.method == "bf16" else GGUFLinear(w) if isinstance(w, RawBlocks)
-                     else Int8Linear(w))
+            if self.method == "bf16":
+                table = Bf16Linear(_dense(w))
+            elif isinstance(w, RawBlocks):
+                table = Int4Linear(w, 32) if one_int4_layout(w) else GGUFLinear(w)
+            else:
+                table = Int8Linear(w)
             return TableEmbedding(table, child.weight.dtype)
         method = self.method
         if isinstance(w, RawBlocks) and not one_int4_layout(w):  # a 5- to 8-bit kind, or parts of several
