@@ -14,6 +14,7 @@ from pagedlm.engine.errors import (
     _BY_CODE,
     AdmissionError,
     ChatTemplateError,
+    ConstraintError,
     ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
@@ -116,12 +117,13 @@ def test_pending_outputs_merge_in_order():
 
 def test_engine_errors_keep_code_and_param_across_the_wire():
     errors = [InvalidRequestError("bad", "logit_bias"), ContextLengthError("long", "prompt"), AdmissionError("n", "n"),
-              ChatTemplateError("tpl"), QueueFullError("full"), EngineDeadError("dead"), RequestFailedError("fail")]
+              ChatTemplateError("tpl"), QueueFullError("full"), EngineDeadError("dead"), RequestFailedError("fail"),
+              ConstraintError("limit")]
     assert {type(e) for e in errors} == set(_BY_CODE.values())
     for e in errors:
         for back in (e.to_wire().error(), pickle.loads(pickle.dumps(e))):
             assert (type(back), back.message, back.param, back.code) == (type(e), e.message, e.param, e.code)
-    assert ChatTemplateError("tpl").param == "messages"
+    assert (ChatTemplateError("tpl").param, ConstraintError("limit").param) == ("messages", "structured_outputs")
     assert isinstance(WireError("no-such-code", "?").error(), RequestFailedError)
     assert type(as_engine_error(ValueError("v"), "r")) is InvalidRequestError
     failed = as_engine_error(KeyError("secret detail"), "cmpl-1")
@@ -137,6 +139,8 @@ def test_one_table_maps_engine_errors_to_openai_errors():
     e = api_error(InvalidRequestError("bad", "structured_outputs"), param="guided_json")
     assert (e.status, e.param, e.type) == (400, "guided_json", "invalid_request_error")
     assert (api_error(RequestFailedError("x")).status, api_error(EngineDeadError("x")).status) == (500, 503)
+    e = api_error(ConstraintError("limit"))  # the client's constraint, stopped while it ran: not another model's to try
+    assert not isinstance(e, Unavailable) and (e.status, e.code) == (400, "constraint_failed")
 
 
 def test_a_request_is_checked_once(tiny_model_dir, monkeypatch):

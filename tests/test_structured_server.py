@@ -149,6 +149,22 @@ def test_constraint_errors_are_400(server):
     assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200  # still serving
 
 
+def test_a_constraint_stopped_at_a_grammar_engine_limit_is_400_every_time(server, engine):
+    """A constraint that compiles but stops at one of llguidance's limits once it runs (a regex repeated millions of
+    times: its lexer; an endless recursion: its parser) is the client's input: 400 constraint_failed, its blocks
+    freed, every time. It was a 500, and the compiled constraint it left in the cache then let the same request
+    through with only EOS allowed and accepted: an empty 200 that does not match it."""
+    for body in ({"structured_outputs": {"regex": "b{4000000}"}}, {"guided_grammar": 'root ::= "a" root'}):
+        for _ in range(2):
+            r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "constraint_failed"
+            assert re.search("lexer error|Too many items", r.json()["error"]["message"])
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+    stats = engine.engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_token_controls_over_http(server):
     client = server.client()
     r = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,

@@ -73,9 +73,19 @@ class RequestFailedError(EngineError, RuntimeError):
     code = "request_failed"
 
 
+class ConstraintError(EngineError, RuntimeError):
+    """The request's output constraint stopped while it ran (a limit of the grammar engine that compiling it did not
+    reach): the client's input, found late; the request was aborted (its blocks freed)."""
+
+    code = "constraint_failed"
+
+    def __init__(self, message: str, param: str | None = "structured_outputs") -> None:
+        super().__init__(message, param)
+
+
 _BY_CODE: dict[str, type[EngineError]] = {cls.code: cls for cls in (
     InvalidRequestError, ContextLengthError, AdmissionError, ChatTemplateError, QueueFullError, EngineDeadError,
-    RequestFailedError)}
+    RequestFailedError, ConstraintError)}
 
 
 @dataclass(frozen=True)
@@ -101,11 +111,9 @@ def as_engine_error(e: BaseException, request_id: str) -> EngineError:
     return failed(request_id, e)
 
 
-def failed(request_id: str, error: BaseException, tell: bool = False) -> RequestFailedError:
-    """The client-facing failure of a request the engine failed while running it; `tell`: the error's message is
-    the client's to read (a constraint that stopped: llguidance's limits), else only its class is named."""
-    if tell:
-        return RequestFailedError(f"The engine failed request {request_id}: {error}")
+def failed(request_id: str, error: BaseException) -> RequestFailedError:
+    """The client-facing failure of a request the engine failed while running it: only the error's class is named
+    (the details stay in the server log)."""
     return RequestFailedError(f"The engine failed ({type(error).__name__}) while running request {request_id}; "
                               "see the server log.")
 

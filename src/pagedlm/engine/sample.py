@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedlm.engine.errors import failed
+from pagedlm.engine.errors import ConstraintError, EngineError, failed
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.engine.scheduler import Scheduler
 from pagedlm.engine.sequence import Request, Sequence, SequenceStatus
@@ -126,12 +126,18 @@ class StepSampler:
         """End one request of the step with an error (its blocks freed); the other requests go on."""
         if req.request_id in ctx.failed:
             return
-        logger.error("Request %s failed (%s: %s); the rest of the batch goes on", req.request_id,
-                     type(error).__name__, error, exc_info=error)
+        if isinstance(error, StructuredOutputError):  # the client's constraint, at a limit of the grammar engine
+            logger.warning("Request %s: %s", req.request_id, error)
+            self.structured.forget(req.params.structured_outputs)  # its template may hold the failed state
+            reason: EngineError = ConstraintError(f"Request {req.request_id}: {error}")
+        else:
+            logger.error("Request %s failed (%s: %s); the rest of the batch goes on", req.request_id,
+                         type(error).__name__, error, exc_info=error)
+            reason = failed(req.request_id, error)
         self.scheduler.finish(ctx.finished)  # its samples that ended before it failed keep their finish reason
         ctx.finished.clear()
         self.scheduler.abort_request(req.request_id)
-        ctx.failed[req.request_id] = (req, failed(req.request_id, error, isinstance(error, StructuredOutputError)))
+        ctx.failed[req.request_id] = (req, reason)
 
     def _fork(self, req: Request, parent: Sequence) -> Sequence:
         """A new sample of `req` that continues `parent`: its tokens, score and grammar state, sharing all its
@@ -227,7 +233,8 @@ class StepSampler:
     def _append_token(self, ctx: StepContext, req: Request, seq: Sequence, token: int, logprob: float,
                       top: PositionLogprobs | None) -> bool:
         """Append `token` to `seq`; True if the sequence ends with it."""
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
+        # an llguidance matcher stopped by a limit allows and accepts only EOS: is_error tells it from an end
+        if seq.matcher is not None and (not seq.matcher.consume_token(token) or seq.matcher.is_error()):
             error = (seq.matcher.get_error() or "").strip().splitlines()
             raise StructuredOutputError(f"The constraint stopped at output token {len(seq.output_token_ids)}: "
                                         f"{error[0] if error else token}")

@@ -119,6 +119,12 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return m
 
+    def forget(self, p: StructuredOutputsParams) -> None:
+        """Drop `p`'s compiled template from the cache (a copy of it stopped at a limit while it ran: its shared
+        state may hold that)."""
+        with self._lock:
+            self._cache.pop(p.cache_key(), None)
+
     def new_matcher(self, p: StructuredOutputsParams) -> LLMatcher:
         return self.compile(p).deep_copy()
 

@@ -25,6 +25,7 @@ ERRORS: dict[str, HTTPError] = {
     "queue_full": HTTPError(503, "server_error", "queue_full", unavailable=True, retry_after=True),
     "engine_dead": HTTPError(503, "server_error", unavailable=True),
     "request_failed": HTTPError(500, "server_error", unavailable=True),
+    "constraint_failed": HTTPError(400, code="constraint_failed"),
 }
 _DEFAULT = HTTPError(500, "server_error", unavailable=True)
 
