@@ -199,6 +199,34 @@ def test_streamed_tool_calls(servers):
     assert "<tool_call>" not in text
 
 
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_streamed_content_is_the_whole_answers_around_the_calls(finish):
+    """Streamed, an answer's content is the whole answer's: text before, between and after its calls, and a block
+    that is no call (cut short by max_tokens, or not JSON) as text, each piece once. The text after the first call
+    was dropped; only the calls came."""
+    from types import SimpleNamespace
+
+    from pagedlm.engine.protocol import CompletionDelta
+    from pagedlm.server.endpoints.chat import ChatEndpoint
+    from pagedlm.server.streaming import ChoiceState
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    text = f"Sure. {call} then <tool_call>not json</tool_call> and {call}\n<tool_call>\n{{\"name\": \"get_wea"
+    parser = HermesToolParser()
+    endpoint, st, sent = SimpleNamespace(tool_parser=parser), ChoiceState(), []
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        delta = CompletionDelta(0, text=piece, finish_reason=finish if last else None)
+        sent += ChatEndpoint._tool_chunks(endpoint, st, delta, lambda index, delta, **kw: (delta, kw))
+    content = "".join(d.content or "" for d, _ in sent)
+    streamed_calls = [(tc.function.name, tc.function.arguments) for d, _ in sent for tc in d.tool_calls or []]
+    want_content, want_calls = parser.parse(text)
+    assert content.strip() == want_content and "not json" in content and '"get_wea' in content
+    assert streamed_calls == [(c.name, c.arguments) for c in want_calls] and len(want_calls) == 2
+    assert sent[-1][1]["finish_reason"] == ("tool_calls" if finish == "stop" else "length")
+
+
 def test_round_trip_renders_the_history(servers):
     client = servers[0].client()
     first = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=120,

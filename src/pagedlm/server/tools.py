@@ -71,23 +71,24 @@ class HermesToolParser:
     start, end = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """(content, calls); a block that is not a {"name", "arguments"} object is left in the content. A block
-        runs from `<tool_call>` to the next `</tool_call>` or the end of the text; its body is stripped of
-        blanks. Linear time (a regex with a lazy body and blanks around it retries them at every position)."""
-        calls, kept, pos, at = [], [], 0, 0
+        """(content, calls): the text outside the calls' blocks, stripped, and the calls (`find_calls`)."""
+        found = self.find_calls(text)
+        content = outside(text, [(a, b) for a, b, _ in found]).strip()
+        return (content or None), [c for _, _, c in found]
+
+    def find_calls(self, text: str) -> list[tuple[int, int, ParsedToolCall]]:
+        """Each call's block as (start, end, call); a block that is not a {"name", "arguments"} object (one cut
+        short, too) is no call: it stays in the content. A block runs from `<tool_call>` to the next `</tool_call>`
+        or the end of the text; its body is stripped of blanks. Linear time (a regex with a lazy body and blanks
+        around it retries them at every position)."""
+        found, at = [], 0
         while (first := text.find(self.start, at)) >= 0:
             body = first + len(self.start)
             close = text.find(self.end, body)
             at = len(text) if close < 0 else close + len(self.end)
-            call = _call(text[body:len(text) if close < 0 else close].strip())
-            if call is None:
-                continue
-            kept.append(text[pos:first])
-            pos = at
-            calls.append(call)
-        kept.append(text[pos:])
-        content = "".join(kept).strip()
-        return (content or None), calls
+            if (call := _call(text[body:len(text) if close < 0 else close].strip())) is not None:
+                found.append((first, at, call))
+        return found
 
     def call_grammar(self, functions: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
         """A Lark grammar (with llguidance's %json) admitting only well-formed calls of `functions`."""
@@ -100,6 +101,16 @@ class HermesToolParser:
         more = f'("\\n" tc){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
         return StructuredOutputsParams(grammar=f'start: tc {more}\ntc: "<tool_call>\\n" call "\\n</tool_call>"\n'
                                                f"call: %json {json.dumps(schema)}\n")
+
+
+def outside(text: str, spans: list[tuple[int, int]], start: int = 0) -> str:
+    """The text from `start` on outside the sorted, disjoint `spans` (start, end)."""
+    kept, pos = [], start
+    for a, b in spans:
+        kept.append(text[pos:max(pos, a)])
+        pos = max(pos, b)
+    kept.append(text[pos:])
+    return "".join(kept)
 
 
 def _call(body: str) -> ParsedToolCall | None:

@@ -23,6 +23,7 @@ from pagedlm.server.endpoints.results import Answer, Result
 from pagedlm.server.limits import check_fan_out
 from pagedlm.server.protocol import APIError
 from pagedlm.server.streaming import ChoiceState, StreamUsage, collect, final_usage, merge
+from pagedlm.server.tools import outside
 
 
 class ChatEndpoint(EndpointBase):
@@ -137,7 +138,8 @@ class ChatEndpoint(EndpointBase):
                      chunk: Callable[..., P.ChatCompletionChunk]) -> list[P.ChatCompletionChunk]:
         """The chunks of one choice when tools are offered: content up to the first tool call as it comes (a
         possible start of `<tool_call>` held back; stop strings are the engine's), then, once the output is
-        complete, its calls in one `delta.tool_calls` and finish_reason "tool_calls"."""
+        complete, the rest of the text outside its calls (as the whole answer's content has it: a block cut short
+        is no call) and its calls in one `delta.tool_calls`, finish_reason "tool_calls"."""
         parser = self.tool_parser
         st.text += o.text  # the whole answer: its calls are parsed at the end
         text = st.text
@@ -151,9 +153,10 @@ class ChatEndpoint(EndpointBase):
                 chunks.append(chunk(o.index, P.DeltaMessage(content=text[st.sent_chars:end])))
                 st.sent_chars = end
             return chunks
-        _, calls = parser.parse(text)
-        rest = text[st.sent_chars:cut] if calls else text[st.sent_chars:]
-        if rest:
+        found = parser.find_calls(text)
+        calls = [c for _, _, c in found]
+        rest = outside(text, [(a, b) for a, b, _ in found], st.sent_chars)  # as `parse` leaves it in the content
+        if rest.strip() or (rest and not calls):
             chunks.append(chunk(o.index, P.DeltaMessage(content=rest)))
         finish = o.finish_reason
         if calls:
