@@ -50,6 +50,7 @@ def test_create_and_stream_give_the_chat_completions_answer(server):
     assert r.output_text == expected and r.status == "incomplete"
     assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 12
     assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.output[0].status == "incomplete"  # the message max_output_tokens cut, as OpenAI marks it
     items = [{"role": "developer", "content": "Be brief."},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}]
     stream = client.responses.create(model="tiny", input=items, stream=True, **GREEDY)
@@ -62,6 +63,7 @@ def test_create_and_stream_give_the_chat_completions_answer(server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
     assert events[-1].response.output[0].content[0].text == expected
+    assert events[-2].item.status == events[-1].response.output[0].status == "incomplete"
     assert r.model == events[0].response.model == events[-1].response.model == "tiny"
     # no model named: the first served model answers, and the response names it
     unnamed = server.post("/v1/responses", json={"instructions": "Be brief.", "input": "Hello", **GREEDY})
@@ -164,6 +166,7 @@ def test_previous_response_id_conversation(server):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="tiny", input="x", previous_response_id=second.id, **GREEDY)
     assert e.value.body["code"] == "previous_response_not_found"
+    assert first.id in e.value.body["message"] and second.id in e.value.body["message"]  # the gone one named
 
 
 def test_store_is_bounded_per_key_and_expires(monkeypatch):
@@ -179,7 +182,7 @@ def test_store_is_bounded_per_key_and_expires(monkeypatch):
     put("b", "r1")
     assert [m["content"] for m in store.conversation("a", "r2")] == ["r1", "r2"]
     put("a", "r3", "r2")  # the oldest of key a goes; key b keeps its own
-    assert store.get("a", "r1") is None and store.conversation("a", "r3") is None
+    assert store.get("a", "r1") is None and store.conversation("a", "r3") == "r1"  # the first one gone
     assert store.get("b", "r1") is not None and store.get("a", "r3") is not None
     clock[0] += 61
     assert store.get("a", "r3") is None and store.get("b", "r1") is None

@@ -38,13 +38,14 @@ class ResponseStore:
     def delete(self, key: str, rid: str) -> bool:
         return self._live(key).pop(rid, None) is not None
 
-    def conversation(self, key: str, rid: str) -> list[dict[str, Any]] | None:
-        """The messages of `rid`'s whole chain, oldest first (None if it, or a response it continued, is gone)."""
+    def conversation(self, key: str, rid: str) -> list[dict[str, Any]] | str:
+        """The messages of `rid`'s whole chain, oldest first, or the id of the first response of it that is gone
+        (`rid` itself, or one it continued)."""
         turns, seen = [], set()
         while rid is not None:
             entry = self.get(key, rid)
             if entry is None or rid in seen:
-                return None
+                return rid
             seen.add(rid)
             turns.append(entry.messages)
             rid = entry.previous

@@ -39,9 +39,11 @@ class ResponsesAPI:
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             history = self.store.conversation(key, req.previous_response_id)
-            if history is None:
-                raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found (stored "
-                                    "responses live in this server's memory, for a limited time).",
+            if isinstance(history, str):
+                prev = f"Previous response with id '{req.previous_response_id}'"
+                what = f"{prev} not found" if history == req.previous_response_id else \
+                    f"{prev} continues response '{history}', which was not found"
+                raise APIError(404, f"{what} (stored responses live in this server's memory, for a limited time).",
                                param="previous_response_id", code="previous_response_not_found")
         new = R.input_messages(req.input)
         if not new:
@@ -103,6 +105,8 @@ class Turn:
 
     def finish(self, output: list[dict[str, Any]], finish: str | None, usage: dict[str, Any]) -> dict[str, Any]:
         """The final object; stored (with this turn's input and output as messages) when the request asks."""
+        if finish == "length" and output and output[-1]["type"] == "message":
+            output[-1]["status"] = "incomplete"  # the message max_output_tokens cut
         obj = self.object("incomplete" if finish == "length" else "completed", output, usage)
         if self.req.store:
             self.api.store.put(self.key, self.id, StoredResponse(obj, [*self.new, *R.output_messages(output)],
@@ -163,7 +167,8 @@ class Turn:
             error = {"code": "server_error", "message": e.message}
             yield seq.event("response.failed", response=self.object("failed", output, usage, error))
             return
-        for ev in _close_text(seq, text_index, text_item, text, lps.all):
+        for ev in _close_text(seq, text_index, text_item, text, lps.all, "incomplete" if finish == "length" else
+                              "completed"):
             yield ev
         final = self.finish(output, finish, usage)
         yield seq.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
@@ -188,11 +193,12 @@ class TextLogprobs:
 
 
 def _close_text(seq: EventCounter, index: int, item: dict[str, Any] | None, text: str,
-                logprobs: list[dict[str, Any]]) -> list[str]:
-    """The events that end the message item `item` (at `output[index]`) with its whole `text` (and `logprobs`)."""
-    if item is None or item["status"] == "completed":
+                logprobs: list[dict[str, Any]], status: str = "completed") -> list[str]:
+    """The events that end the message item `item` (at `output[index]`) with its whole `text` (and `logprobs`),
+    `status` "completed", or "incomplete" where max_output_tokens cut it."""
+    if item is None or item["status"] != "in_progress":
         return []
-    item.update(R.message_item(item["id"], text, logprobs=logprobs))
+    item.update(R.message_item(item["id"], text, status, logprobs))
     return [seq.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                       text=text, logprobs=logprobs),
             seq.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,

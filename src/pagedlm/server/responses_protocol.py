@@ -175,7 +175,7 @@ def item_id(prefix: str) -> str:
 def message_item(iid: str, text: str, status: str = "completed",
                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": iid, "status": status, "role": "assistant",
-            "content": [output_text(text, logprobs)] if status == "completed" else []}
+            "content": [output_text(text, logprobs)] if status != "in_progress" else []}
 
 
 def reasoning_item(iid: str, text: str, status: str = "completed") -> dict[str, Any]:
