@@ -379,9 +379,9 @@ def test_reference_quantizers_round_trip(kind, group, step, corr):
     assert np.corrcoef(w.ravel(), a.ravel())[0, 1] > corr
 
 
-def _tiny_llama_gguf(tmp_path, quant_kind: str, vocab_quant: str | None = None):
-    """A 2-layer LLaMA (untied LM head) written as a GGUF of `quant_kind` layers (`vocab_quant`: its embedding
-    table and LM head too), loaded as quantized blocks and, as the reference, dequantized to fp32."""
+def _tiny_llama_gguf(tmp_path, quant_kind: str, vocab_quant: str | None = None, tied: bool = False):
+    """A 2-layer LLaMA written as a GGUF of `quant_kind` layers (`vocab_quant`: its embedding table and an untied
+    LM head too), loaded as quantized blocks and, as the reference, dequantized to fp32."""
     from conftest import build_tiny_tokenizer
     from test_families import write_gguf
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -392,7 +392,7 @@ def _tiny_llama_gguf(tmp_path, quant_kind: str, vocab_quant: str | None = None):
     tok = build_tiny_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=None, bos_token_id=None,
                       hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model_dir = tmp_path / "hf"
     LlamaForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)
@@ -440,23 +440,25 @@ def test_a_model_of_2_3_or_iq4_blocks_runs_them_as_stored(tmp_path, kind):
     _assert_logprobs_close(llm, ref)
 
 
-@pytest.mark.parametrize("kind, bytes_per_32", [("Q4_0", 18), ("Q4_1", 20)])
-def test_an_untied_table_and_lm_head_of_int4_blocks_run_them_as_stored(tmp_path, kind, bytes_per_32):
-    """An untied LM head and embedding table stored in Q4_0 / Q4_1 (files quantized whole, e.g. by gguf-py; a
-    Llama 3.1 8B Q4_K_M's table) keep their blocks: the head runs them in the int4 kernel, the table's rows are
-    looked up from them. Both were requantized: to int8 (1.8x the bytes; for the head, what every decoded token
-    reads) where the file held other kinds, else the head to int4 from the dequantized values (a second rounding).
-    Log-probabilities are the dequantized fp32 model's, and the memory plan counts both at their blocks' bytes."""
+@pytest.mark.parametrize("kind, bytes_per_32, tied", [("Q4_0", 18, False), ("Q4_1", 20, False), ("Q4_0", 18, True)])
+def test_a_table_and_lm_head_of_int4_blocks_run_them_as_stored(tmp_path, kind, bytes_per_32, tied):
+    """An embedding table and LM head stored in Q4_0 / Q4_1 (files quantized whole, e.g. by gguf-py; a Llama 3.1 8B
+    Q4_K_M's untied table) keep their blocks: the head runs them in the int4 kernel, the table's rows are looked up
+    from them; tied, one layer is both. Both were requantized: to int8 (1.8x the bytes; for the head, what every
+    decoded token reads), or an untied head to int4 from the dequantized values (a second rounding) where the file
+    held no other kinds. Log-probabilities are the dequantized fp32 model's, and the memory plan counts both at
+    their blocks' bytes."""
     from pagedlm.model.plan import estimate_weight_bytes
 
-    path, llm, ref = _tiny_llama_gguf(tmp_path, kind, vocab_quant=kind)
+    path, llm, ref = _tiny_llama_gguf(tmp_path, kind, vocab_quant=kind, tied=tied)
     model = llm.engine.runner.model
     stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
     head, table = model.lm_head, model.embed_tokens.table
+    assert (head is table) == tied and ("output.weight" in stored) != tied
     for layer, name in ((head, "output.weight"), (table, "token_embd.weight")):
         assert isinstance(layer, quant.Int4Linear) and layer.x16
         n, k = layer.out_features, layer.in_features
-        want = reference(stored[name].data, kind, n, k)
+        want = reference(stored[name if name in stored else "token_embd.weight"].data, kind, n, k)
         assert torch.equal(layer.dequantize(), want)
         held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scale, layer.mins))
         assert held == n * k // 32 * bytes_per_32

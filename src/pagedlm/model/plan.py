@@ -174,8 +174,8 @@ def estimate_weight_bytes(path: Path, plan: ExecutionPlan) -> int:
     from the tensors' shapes and block types, without loading them (`pagedlm memory`): GGUF blocks a kernel runs
     as stored, other linear weights in the plan's format (int4: half a byte and an fp16 scale and minimum per group;
     int8: a byte and an fp32 scale per row; bf16), the embedding table int8 per row (bf16 for bf16; as stored where
-    a kernel runs it, int4 kinds only untied) and shared by a tied LM head, the rest in the activations' dtype. The
-    dense copies for big steps are not weights here either."""
+    a kernel runs it) and shared by a tied LM head, the rest in the activations' dtype. The dense copies for big
+    steps are not weights here either."""
     from pagedlm.model.quant.gguf import GGUF_KINDS, layout_bytes
 
     q, dense = plan.quantization, torch.empty(0, dtype=plan.dtype).element_size()
@@ -189,7 +189,7 @@ def estimate_weight_bytes(path: Path, plan: ExecutionPlan) -> int:
         table = name in TABLES
         if q is None or len(shape) not in (2, 3):  # 3: a stack of experts' matrices
             total += n * dense * (2 if table and tied and q is None else 1)  # unquantized, a tied head is a copy
-        elif kind in native and (not (table and tied) or kind in GGUF_KINDS):  # untied: int4 blocks as stored
+        elif kind in native:
             total += layout_bytes(kind, n // shape[-1], shape[-1]) if kind in GGUF_KINDS else stored
         elif q == "bf16":
             total += 2 * n

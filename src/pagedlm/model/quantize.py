@@ -39,7 +39,7 @@ class LinearQuantizer:
     def __call__(self, name: str, child: nn.Module) -> nn.Module:
         """The quantized replacement of the loaded Linear `child` (module name `name`), or of the embedding table:
         an int8 (bf16 for "bf16") table, which a tied LM head then shares (`finish`), or its GGUF blocks as stored
-        where a kernel runs them (int4 kinds only untied: Int4Linear's rows are looked up). GGUF blocks come as stored:
+        where a kernel runs them (`embed` looks their rows up). GGUF blocks come as stored:
         int4 kinds to Int4Linear, Q5 / Q6_K / Q8_0 to GGUFLinear, a fused weight whose parts mix kinds to a
         ConcatLinear of those, where the kernels run them; anything else to `fallback`."""
         w = getattr(self.model, "native_weights", {}).pop(f"{name}.weight", None)
@@ -47,8 +47,8 @@ class LinearQuantizer:
             raw = w.blocks()  # a vocabulary table (or untied LM head) of a kind a kernel runs: as stored
             if kind in GGUF_KINDS:
                 w = raw if GGUFLinear.supports(raw) else w
-            elif runs_natively(raw) and not (isinstance(child, nn.Embedding) and self.model.cfg.tie_word_embeddings):
-                w = raw  # int4 blocks of an untied table or LM head (a tied table, also the head, stays int8)
+            elif runs_natively(raw):
+                w = raw  # int4 blocks
         if isinstance(child, nn.Embedding):
             w = child.weight.data if w is None else w
             if self.method == "bf16":
