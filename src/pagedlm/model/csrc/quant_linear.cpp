@@ -1472,6 +1472,22 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite value
   return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+// Row j of one x16 block (16 rows x 32 codes, qb) into wj[32]: code * s + m in fp32, bf16 rounded for Out = uint16_t.
+template <class Out>
+inline void x16_block_row(const uint8_t* qb, int j, float s, float m, Out* wj) {
+  auto out = [](float v) {
+    if constexpr (std::is_same_v<Out, uint16_t>) return float_to_bf16(v);
+    else return v;
+  };
+  for (int c = 0; c < 4; ++c) {
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t v = qb[c * 64 + j * 4 + i];
+      wj[4 * c + i] = out(float(v & 0x0f) * s + m);
+      wj[16 + 4 * c + i] = out(float(v >> 4) * s + m);
+    }
+  }
+}
+
 // Tile t (rows 16t .. 16t+15) of an int4 x16 weight dequantized to rows of w [N, K], fp32 (Out = float) or bf16
 // (Out = uint16_t): code * scale + minimum in fp32 (the scales' kind S gives both), bf16 rounded to nearest even.
 template <class S, class Out>
@@ -1500,19 +1516,30 @@ void dequant_int4x16_tile(const uint8_t* q, const S& scales, int K, int t, Out* 
         continue;
       }
 #endif
-      auto out = [](float v) {
-        if constexpr (std::is_same_v<Out, uint16_t>) return float_to_bf16(v);
-        else return v;
-      };
-      for (int c = 0; c < 4; ++c) {
-        for (int i = 0; i < 4; ++i) {
-          const uint8_t v = qb[c * 64 + j * 4 + i];
-          wj[4 * c + i] = out(float(v & 0x0f) * s + m);
-          wj[16 + 4 * c + i] = out(float(v >> 4) * s + m);
-        }
-      }
+      x16_block_row(qb, j, s, m, wj);
     }
   }
+}
+
+// Rows ids[0 .. n) of an int4 x16 weight [N, K] into w [n, K] in fp32, as dequant_int4x16_tile writes them (an
+// embedding table's rows). 0, or 2 if an id is outside 0 .. N - 1.
+template <class S>
+int dequant_int4x16_rows(const uint8_t* q, const S& scales, int K, int N, const int64_t* ids, int n, float* w,
+                         int nthreads) {
+  for (int r = 0; r < n; ++r)
+    if (ids[r] < 0 || ids[r] >= N) return 2;
+  parallel_for(n, int64_t(n) * K >= (1 << 16) ? nthreads : 1, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int t = int(ids[r] / 16), j = int(ids[r] % 16);
+      const uint8_t* qt = q + int64_t(t) * 16 * (K / 2);
+      const S sc = scales.tile(t);
+      for (int b = 0; b < K / 32; ++b) {
+        const int g = b / sc.bpg;
+        x16_block_row(qt + int64_t(b) * 256, j, sc.scale(g, j), sc.min(g, j), w + r * K + b * 32);
+      }
+    }
+  });
+  return 0;
 }
 
 // y[:, n0 .. n0+nt] = x @ w^T for a dequantized tile w [nt, K] (kept in L1/L2 while all rows of x pass).
@@ -1850,6 +1877,18 @@ int pagedlm_dequant_int4_x16_bf16(const uint8_t* q, const void* scales, const vo
 int pagedlm_dequant_int4_x16(const uint8_t* q, const void* scales, const void* mins, float* w, int K, int N, int G,
                              int layout, int nthreads) {
   return dequant_int4_x16(q, scales, mins, w, K, N, G, layout, nthreads);
+}
+
+// Rows ids[0 .. n) of an int4 x16 weight (as pagedlm_dequant_int4_x16 takes it) into w [n, K] in fp32: 0, 1 for a
+// layout or shape the x16 kernels do not take, 2 for an id outside 0 .. N - 1.
+int pagedlm_int4_x16_rows(const uint8_t* q, const void* scales, const void* mins, int K, int N, int G, int layout,
+                          const int64_t* ids, int n, float* w, int nthreads) {
+  if (layout == INT4_ROW_LAYOUT || !int4_layout_ok(layout, K, N, G, mins)) return 1;
+  int rc = 0;
+  with_x16_scales(layout, scales, mins, K, G, [&](const auto& sc) {
+    rc = dequant_int4x16_rows(q, sc, K, N, ids, n, w, nthreads);
+  });
+  return rc;
 }
 
 // GGUF Q4_0 (kind 0: fp16 d, 16 code bytes) / Q4_1 (kind 1: fp16 d, fp16 m, 16 code bytes) rows written straight

@@ -78,26 +78,17 @@ class Int4Linear(QuantLinear):
         return w
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weight, dequantized to fp32 (an untied embedding table as stored, x16 layout): each
-        16-row tile that holds any of them, dequantized whole."""
+        """Rows `ids` of the weight, dequantized to fp32 (an embedding table as stored, x16 layout)."""
         lib = kernel.load_quant_kernel()
         if lib is None or not self.x16:
-            raise ValueError("an int4 table's rows are looked up from the x16 layout, with the kernels built")
-        flat = ids.reshape(-1).to(torch.int64)
-        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
-            raise RuntimeError(f"int4 table rows: ids outside 0..{self.out_features - 1}")
+            raise ValueError("an int4 table's rows are looked up in the x16 layout, with the kernels built")
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
-        tiles, where, counts = torch.unique(flat // X16, return_inverse=True, return_counts=True)
-        order, start = where.argsort(stable=True), 0
-        tile = torch.empty(X16, self.in_features, dtype=torch.float32)
-        for t, n in zip(tiles.tolist(), counts.tolist()):
-            q, scale, mins = (x[t * X16:(t + 1) * X16] for x in (self.qweight, self.scale, self.mins))
-            if lib.pagedlm_dequant_int4_x16(q.data_ptr(), scale.data_ptr(), _ptr(mins), tile.data_ptr(),
-                                            self.in_features, X16, self.group_size, self.LAYOUTS[self.layout], 1):
-                raise RuntimeError("int4 dequantization failed")
-            rows = order[start:start + n]
-            out[rows] = tile[flat[rows] % X16]
-            start += n
+        rc = lib.pagedlm_int4_x16_rows(self.qweight.data_ptr(), self.scale.data_ptr(), _ptr(self.mins),
+                                       self.in_features, self.out_features, self.group_size, self.LAYOUTS[self.layout],
+                                       flat.data_ptr(), flat.numel(), out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"int4 table rows failed (code {rc}): ids outside 0..{self.out_features - 1}?")
         return out.view(*ids.shape, self.in_features)
 
     PER_CALL_ROWS = 1024  # output rows dequantized at a time for a per-call product: they stay in L2 for the GEMM

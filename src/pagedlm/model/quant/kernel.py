@@ -25,6 +25,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.pagedlm_dequant_int4.argtypes = [p, p, p, p, i, i, i, i]
     lib.pagedlm_dequant_int4_x16_bf16.argtypes = [p, p, p, p, i, i, i, i, i]
     lib.pagedlm_dequant_int4_x16.argtypes = [p, p, p, p, i, i, i, i, i]
+    lib.pagedlm_int4_x16_rows.argtypes = [p, p, p, i, i, i, i, p, i, p, i]
     lib.pagedlm_gguf_q4_to_x16.argtypes = [p, i, i, i, p, i, p, p, p, i]
     lib.pagedlm_gguf_q4_k_to_x16.argtypes = [p, i, i, p, i, p, p, p, i]
     lib.pagedlm_gguf_to_x16.argtypes = [p, i, i, i, p, i, p, p, p, p, i]
@@ -47,6 +48,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     for fn in (lib.pagedlm_linear_int8, lib.pagedlm_linear_int4, lib.pagedlm_dequant_int8, lib.pagedlm_dequant_int4,
                lib.pagedlm_x16_native, lib.pagedlm_linear_int8_x16, lib.pagedlm_linear_bf16_x16,
                lib.pagedlm_bf16_x16_native, lib.pagedlm_dequant_int4_x16_bf16, lib.pagedlm_dequant_int4_x16,
+               lib.pagedlm_int4_x16_rows,
                lib.pagedlm_gguf_q4_to_x16, lib.pagedlm_gguf_q4_k_to_x16, lib.pagedlm_gguf_q8_0_to_int8,
                lib.pagedlm_gguf_to_x16, lib.pagedlm_linear_gguf, lib.pagedlm_dequant_gguf_x16,
                lib.pagedlm_dequant_gguf_x16_bf16, lib.pagedlm_gguf_x16_rows, lib.pagedlm_amx_native,
