@@ -3,6 +3,8 @@ with very unequal and zero tokens per expert; only the chosen experts run; quant
 counters in the engine stats and in /metrics add up to tokens x top-k x MoE layers."""
 from __future__ import annotations
 
+import ctypes
+
 import httpx
 import pytest
 import torch
@@ -98,6 +100,31 @@ def test_unequal_groups_equal_one_token_at_a_time(quantization):
     assert (len(in_kernel) == 40 * TOP_K) == (quantization is not None and load_decode_kernel() is not None)
     torch.testing.assert_close(batched, torch.cat(alone), rtol=1e-5, atol=1e-5 if quantization != "int4" else 1e-4)
     assert moe.expert_tokens.sum().item() == 2 * 40 * TOP_K
+
+
+def test_a_tokens_experts_give_the_same_bits_split_between_threads_or_by_rows():
+    """One token's k experts (the compiled experts kernel, as the fused stack's decode runs them): with k a multiple
+    of the threads each expert runs whole on one thread (one team pass for all), else each product's rows split
+    between the threads; the bits are the same either way."""
+    lib = load_decode_kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the decode kernel is not built")
+    split = lib.pagedlm_moe_split_tokens
+    split.restype = ctypes.c_int64
+    moe = skewed_moe("int4")
+    x = tokens(1)
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            before = split()
+            with torch.inference_mode():
+                outs[n] = moe(x)
+            assert split() - before == (n == 2)  # TOP_K = 2: split between 2 threads, by rows between 3
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[1], outs[2]) and torch.equal(outs[2], outs[3])
 
 
 def test_router_matches_mixtral_softmax_over_selected_logits():

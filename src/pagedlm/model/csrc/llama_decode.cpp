@@ -102,6 +102,22 @@ int expert_rows(const Linear& gate_up, const Linear& down, int act, const float*
   return linear(down, a.data(), o, n, nthreads);
 }
 
+// o[j, N] = the gated MLP of expert ids[j] over the one token x, j < k: the experts split between the threads, each
+// expert's products on one thread, so one team pass covers them all (each product a few MB read as a stream; split
+// by rows, k products of both threads would each end at a barrier). For k a multiple of nthreads.
+std::atomic<int64_t> split_tokens{0};  // tokens whose experts ran split between threads (tests see the path)
+
+int experts_one_token(const Linear* gate_up, const Linear* down, const int* ids, int k, int act, const float* x,
+                      float* o, int N, int nthreads) {
+  split_tokens.fetch_add(1, std::memory_order_relaxed);
+  std::atomic<int> rc{0};
+  parallel_for(k, nthreads, k / nthreads, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      if (int r = expert_rows(gate_up[ids[j]], down[ids[j]], act, x, o + j * N, 1, 1)) rc = r;
+  });
+  return rc;
+}
+
 // dst[i] += w * src[i], each product rounded before the sum (as torch's weighting, then its add)
 void add_weighted(float* dst, const float* src, float w, int n) {
   for (int i = 0; i < n; ++i) {
@@ -164,6 +180,19 @@ int moe_mlp(const Layer& L, int hid, int act, const float* h, float* out, int M,
       for (int j = 0; j < k; ++j) wm[j] /= chosen;
   }
   std::fill(out, out + int64_t(M) * hid, 0.f);
+  if (M == 1 && nthreads > 1 && k % nthreads == 0) {  // decode: the experts in ascending order, as below
+    rows.assign(ids.begin(), ids.begin() + k);
+    std::sort(rows.begin(), rows.end());
+    o.resize(size_t(k) * hid);
+    if (int rc = experts_one_token(L.exp_gate_up, L.exp_down, rows.data(), k, act, h, o.data(), hid, nthreads))
+      return rc;
+    for (int j = 0; j < k; ++j) {
+      const int e = rows[j];
+      ++L.expert_counts[e];
+      add_weighted(out, o.data() + size_t(j) * hid, w[std::find(ids.begin(), ids.begin() + k, e) - ids.begin()], hid);
+    }
+    return L.shared_down ? shared_expert(L, hid, act, h, out, M, nthreads) : 0;
+  }
   o.resize(size_t(M) * hid); xs.resize(size_t(M) * hid); rows.resize(M); slot.resize(M);
   for (int e = 0; e < E; ++e) {
     int n = 0;
@@ -518,16 +547,24 @@ int pagedlm_moe_experts(const Linear* gate_up, const Linear* down, const float* 
     if (gate_up[j].N != 2 * inter || down[j].K != inter || down[j].N != N || gate_up[j].K != gate_up[0].K)
       return PAGEDLM_BAD_BATCH;
   thread_local std::vector<float> o;
-  o.resize(N);
+  thread_local std::vector<int> in_order;
   std::fill(out, out + N, 0.f);
   if (nthreads < 1) nthreads = default_threads();
+  const bool split = nthreads > 1 && k % nthreads == 0;  // each expert on one thread (experts_one_token)
+  o.resize(size_t(split ? k : 1) * N);
+  in_order.resize(k);
+  for (int j = 0; j < k; ++j) in_order[j] = j;
   int rc = 0;
   with_team(nthreads, [&] {
-    for (int j = 0; j < k && rc == 0; ++j)
+    if (split && (rc = experts_one_token(gate_up, down, in_order.data(), k, act, x, o.data(), N, nthreads)) == 0)
+      for (int j = 0; j < k; ++j) add_weighted(out, o.data() + size_t(j) * N, weights[j], N);
+    for (int j = 0; j < k && rc == 0 && !split; ++j)
       if ((rc = expert_rows(gate_up[j], down[j], act, x, o.data(), 1, nthreads)) == 0)
         add_weighted(out, o.data(), weights[j], N);  // as torch's mul_ then +=
   });
   return rc;
 }
+
+int64_t pagedlm_moe_split_tokens() { return split_tokens.load(); }
 
 }  // extern "C"
