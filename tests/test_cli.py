@@ -86,6 +86,59 @@ def test_generate_quantized_and_bad_flags(tiny_model_dir, capsys):
     assert "group size" in capsys.readouterr().err
 
 
+def _adapter_gguf(path):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_type("adapter")
+    w.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((4, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_plausible_mistakes_are_one_line_errors(tiny_model_dir, tmp_path, capsys):
+    """Each mistake ends with exit code 2 and one `error:` line naming it, before any model loads; each was a
+    traceback (or, for --watermark 1, a hang: no request could ever be scheduled)."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    (tmp_path / "value.yaml").write_text("kv-cache-memory: banana\n")
+    truncated = tmp_path / "truncated"  # a whole config.json beside a cut safetensors file
+    truncated.mkdir()
+    (truncated / "config.json").write_text(json.dumps(LLAMA_70B))
+    (truncated / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{")
+    partial = tmp_path / "partial"  # a config.json without the model's shape
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"x": torch.zeros(1)}, partial / "model.safetensors")
+    gen = ["generate", "hi", "--model", str(tiny_model_dir)]
+    cases = [
+        ([*gen, "--watermark", "1"], "watermark must be in [0, 1)"),
+        ([*gen, "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
+        ([*gen, "--max-model-len", "0"], "max_model_len must be >= 1"),
+        (["serve", "--port", "99999"], "--port must be in 0-65535"),
+        (["serve", "--port", "8766", "--ollama-port", "8766"], "--ollama-port must differ from --port"),
+        (["serve", "--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
+        (["serve", "--config", str(tmp_path / "value.yaml")], "kv-cache-memory: Cannot parse a memory size"),
+        (["serve", "--config", str(tmp_path)], "Is a directory"),
+        (["memory", "--model", str(_adapter_gguf(tmp_path / "lora.gguf"))], "a GGUF adapter, not a model"),
+        (["memory", "--model", str(truncated)], "not a readable safetensors file"),
+        (["memory", "--model", str(partial)], "its config lacks 'hidden_size'"),
+        (["memory", "--model", hf_config(tmp_path, {"model_type": "llama"})], "config lacks 'num_attention_heads'"),
+        (["pull", str(tmp_path / "model.gguf")], "needs no pull"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([*gen, "--device", "cuda"], "torch sees no CUDA device"))
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("error: ") and "Traceback" not in err, (argv, err)
+
+
 GEMMA3_270M = {
     "model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except BrokenPipeError:  # `pagedlm memory --json | head -1`: the reader left; no traceback at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (ValueError, OSError, argparse.ArgumentTypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

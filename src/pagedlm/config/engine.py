@@ -87,6 +87,16 @@ class EngineConfig:
         check_choices(self)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}.")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:

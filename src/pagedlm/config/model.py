@@ -106,7 +106,10 @@ class ModelConfig:
         for an architecture pagedlm does not run."""
         from pagedlm.config.hf import model_config_kwargs
 
-        return cls(**model_config_kwargs(cfg))
+        try:
+            return cls(**model_config_kwargs(cfg))
+        except KeyError as e:
+            raise ValueError(f"The model's config lacks {e.args[0]!r}.") from None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x element size."""

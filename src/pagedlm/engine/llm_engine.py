@@ -76,6 +76,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r}: torch sees no CUDA device here (a CPU build, or no GPU).")
         self.model_path = path = resolve_model(config.model)
         self.plan = plan_execution(config, path)
         self.dtype = self.plan.dtype

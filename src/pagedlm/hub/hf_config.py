@@ -27,9 +27,11 @@ def meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
 def load_hf_config(path: Path) -> dict[str, Any]:
     """HF-style config dict; always has the keys the model code relies on (see `_normalize`)."""
     path = Path(path)
-    if path.is_dir():
-        return _normalize(json.loads((path / "config.json").read_text()))
-    return _normalize(gguf_config(path, open_gguf(path)))
+    cfg = json.loads((path / "config.json").read_text()) if path.is_dir() else gguf_config(path, open_gguf(path))
+    try:
+        return _normalize(cfg)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: its config lacks {e.args[0]!r}") from None
 
 
 def gguf_config(path: Path, reader: GGUFFile) -> dict[str, Any]:
@@ -41,9 +43,14 @@ def gguf_config(path: Path, reader: GGUFFile) -> dict[str, Any]:
     def a(key: str, default: Any = None) -> Any:
         return meta(reader, f"{arch}.{key}", default)
 
+    if meta(reader, "general.type", "model") != "model":  # e.g. "adapter": a LoRA for some model
+        raise ModelLoadError(f"{path}: a GGUF {meta(reader, 'general.type')}, not a model")
     tensors = {t.name: t for t in reader.tensors}
     hidden, n_heads = a("embedding_length"), a("attention.head_count")
     emb = tensors.get("token_embd.weight")
+    if hidden is None or n_heads is None or (emb is None and "tokenizer.ggml.tokens" not in reader.fields):
+        raise ModelLoadError(f"{path}: the GGUF lacks a model's {arch}.embedding_length, {arch}.attention.head_count "
+                             "or its vocabulary (token_embd.weight, tokenizer.ggml.tokens)")
     vocab = int(emb.shape[-1]) if emb is not None else len(reader.fields["tokenizer.ggml.tokens"])
     scaling_type = a("rope.scaling.type")
     rope_scaling = None

@@ -116,6 +116,9 @@ def pull(name: str, progress: bool = True) -> Path:
     The GGUF is assembled in a temp file in the cache dir, verified, then renamed into place,
     so the cache never holds a partial file under the final name.
     """
+    if name not in MODELS:
+        raise ModelNotFoundError(f"pull fetches a known model ({', '.join(sorted(MODELS))}), not {name!r} (a .gguf "
+                                 "file or a model directory needs no pull: give it to --model)")
     final = cached_path(name)
     if final.is_file():
         return final

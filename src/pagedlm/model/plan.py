@@ -157,15 +157,17 @@ def checkpoint_tensors(path: Path) -> list[tuple[str, tuple[int, ...], str | Non
         from pagedlm.hub.loader import open_gguf
 
         return [(t.name, tuple(reversed(t.shape)), t.tensor_type.name, t.data.nbytes) for t in open_gguf(path).tensors]
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
+
+    from pagedlm.hub.registry import ModelLoadError
 
     out = []
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            for name in st.keys():
-                sl = st.get_slice(name)
-                shape = tuple(sl.get_shape())
-                out.append((name, shape, None, 0))
+        try:
+            with safe_open(f, "pt") as st:
+                out += [(name, tuple(st.get_slice(name).get_shape()), None, 0) for name in st.keys()]
+        except SafetensorError as e:
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
     return out
 
 

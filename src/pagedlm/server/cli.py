@@ -309,7 +309,12 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
     options take a list or a mapping: `model: {small: smollm2-135m}`, `model-cost: {small: [0.1, 0.2]}`."""
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of option names to values")  # noqa: TRY004 - CLI error
     for key, value in data.items():
@@ -324,7 +329,10 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
                 value = [value]
             value = [str(v) for v in value]
         elif action is not None and action.type is not None and isinstance(value, str):
-            value = action.type(value)  # as the flag parses it: `max-body-bytes: 8MiB`
+            try:
+                value = action.type(value)  # as the flag parses it: `max-body-bytes: 8MiB`
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise ValueError(f"{path}: {key}: {e}") from None
         default = parser.get_default(dest) if parser is not None else None
         if getattr(args, dest) == default:
             setattr(args, dest, value)

@@ -165,6 +165,11 @@ class ServerConfig:
             raise ValueError("--thinking-token-budget must be >= 0 and needs --reasoning-parser.")
         if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
             raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0.")
+        for name, port in (("--port", self.port), ("--ollama-port", self.ollama_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in 0-65535, got {port}.")
+        if self.ollama_port is not None and self.ollama_port == self.port != 0:
+            raise ValueError(f"--ollama-port must differ from --port (both {self.port}).")
 
 
 @dataclass(frozen=True)
