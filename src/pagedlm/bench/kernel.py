@@ -57,6 +57,8 @@ def decode_case(batch: int, context: int, heads: int = 9, kv_heads: int = 3, dim
 
 def bench_kernel(backend: str = "cpu", batches=(1, 16, 64), contexts=(128, 1024, 4096),
                  dtype: torch.dtype = torch.float32, repeats: int = 30) -> list[KernelResult]:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(sorted(BACKENDS))}")
     fn = BACKENDS[backend].forward
     results = []
     for b in batches:

@@ -204,7 +204,7 @@ def cmd_throughput(args, engine_kwargs: dict) -> int:
     model, dtype = kw.pop("model"), kw.pop("dtype")
     backends = load_backends(args.backends.split(","), model, dtype, kw)
     vocab = _vocab_size(backends, model)
-    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else [args.num_prompts]
+    sizes = args.batch_sizes or [args.num_prompts]
     rows = run_throughput(backends, vocab, sizes, args.input_len, args.output_len, args.repeats, args.seed)
     print(format_table([asdict(r) for r in rows], THROUGHPUT_COLUMNS))
     balance = report_expert_balance(backends)
@@ -226,8 +226,7 @@ def cmd_latency(args, engine_kwargs: dict) -> int:
     print(format_table([asdict(r) for r in rows], LATENCY_COLUMNS))
     prefill = []
     if args.prefill_lens:
-        prefill = run_prefill(backends, vocab, [int(x) for x in args.prefill_lens.split(",")],
-                              args.prefill_repeats, args.seed)
+        prefill = run_prefill(backends, vocab, args.prefill_lens, args.prefill_repeats, args.seed)
         print(format_table([asdict(r) for r in prefill], PREFILL_COLUMNS))
     balance = report_expert_balance(backends)
     write_json(args.output_json, {"benchmark": "latency", "model": model, "dtype": dtype,

@@ -81,16 +81,33 @@ async def _one(client, url: str, payload: dict, prompt_len: int) -> RequestResul
     return res
 
 
+async def served_model(client, base_url: str, model: str | None) -> str:
+    """`model`, or the first of the server's GET /v1/models (`base_url` without /v1). ValueError when the server
+    cannot be reached or does not answer with an OpenAI model list."""
+    import httpx
+    try:
+        resp = await client.get(f"{base_url}/v1/models", timeout=30.0)
+    except httpx.TransportError as e:
+        raise ValueError(f"cannot reach {base_url}: {e or type(e).__name__}") from None
+    if model is not None:
+        return model
+    try:
+        return resp.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{base_url}/v1/models answered HTTP {resp.status_code} without a model list: give "
+                         f"--base-url the root of an OpenAI-compatible server, or --served-model") from None
+
+
 async def run_load(base_url: str, model: str | None, prompts: list[list[int]], output_len: int, rate: float,
                    arrival: str, max_concurrency: int | None, seed: int = 0, ignore_eos: bool = True,
                    timeout: float = 600.0) -> tuple[list[RequestResult], float]:
-    """Send every prompt; returns the per-request results and the wall time of the whole run."""
+    """Send every prompt to `base_url` (with or without a trailing /v1); returns the per-request results and the
+    wall time of the whole run."""
     import httpx
-    base = base_url.rstrip("/")
+    base = base_url.rstrip("/").removesuffix("/v1")
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        if model is None:
-            model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        model = await served_model(client, base, model)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         gaps = arrival_gaps(len(prompts), rate, arrival, random.Random(seed))
 

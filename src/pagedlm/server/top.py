@@ -42,7 +42,7 @@ def fetch_state(url: str, api_key: str | None, timeout: float = 10.0) -> dict:
         hint = {401: " (give --api-key or $PAGEDLM_API_KEY)", 404: " (is the server run with --ui?)"}
         raise RuntimeError(f"{url}/debug/state: HTTP {e.code}{hint.get(e.code, '')}") from None
     except urllib.error.URLError as e:
-        raise RuntimeError(f"{url}: {e.reason}") from None
+        raise RuntimeError(f"cannot reach {url}: {e.reason}") from None
 
 
 def tree_prefixes(seqs: list[dict]) -> list[str]:
@@ -82,11 +82,22 @@ class TopView:
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.prev_moe: dict | None = None
 
+    def select(self, state: dict) -> tuple[str, str]:
+        """The model and replica to show: the chosen ones (ValueError naming those there are when absent), else
+        the first."""
+        models = state["models"]
+        if self.model is not None and self.model not in models:
+            raise ValueError(f"the server has no model {self.model!r}; its models: {', '.join(models)}")
+        name = self.model if self.model is not None else next(iter(models))
+        replicas = models[name]["replicas"]
+        if self.replica is not None and self.replica not in replicas:
+            raise ValueError(f"model {name!r} has no replica {self.replica!r}; its replicas: {', '.join(replicas)}")
+        return name, self.replica if self.replica is not None else next(iter(replicas))
+
     def render(self, state: dict) -> Group:
         models = state["models"]
-        name = self.model if self.model in models else next(iter(models))
+        name, rep = self.select(state)
         m = models[name]
-        rep = self.replica if self.replica in m["replicas"] else next(iter(m["replicas"]))
         snap = m["replicas"][rep]
         title = Text(f"pagedlm top · {name}" + (f" · replica {rep}" if len(m["replicas"]) > 1 else "")
                      + f" · {time.strftime('%H:%M:%S', time.localtime(state['time']))}", style="bold")
@@ -234,24 +245,28 @@ def _bytes(n: int | None) -> str:
 
 def run_top(url: str, api_key: str | None, interval: float, model: str | None = None, replica: str | None = None,
             iterations: int = 0, console: Console | None = None) -> int:
-    """Redraw every `interval` seconds (at least 0.2) until interrupted, or `iterations` times (0: forever)."""
+    """Redraw every `interval` seconds (at least 0.2) until interrupted, or `iterations` times (0: forever). An
+    unreachable server is shown and retried; returns 1 if the last refresh failed, else 0. ValueError for a
+    `model` or `replica` the server does not have."""
     console = console or Console()
     view = TopView(model, replica, console.width)
-    interval, n = max(0.2, interval), 0
+    interval, n, failed = max(0.2, interval), 0, False
     with Live(console=console, auto_refresh=False, screen=False) as live:
         try:
             while True:
                 try:
                     view.width = console.width
                     live.update(view.render(fetch_state(url, api_key)), refresh=True)
+                    failed = False
                 except RuntimeError as e:
                     live.update(Text(str(e), style="red"), refresh=True)
+                    failed = True
                 n += 1
                 if iterations and n >= iterations:
-                    return 0
+                    return int(failed)
                 time.sleep(interval)
         except KeyboardInterrupt:
-            return 0
+            return int(failed)
 
 
 def add_top_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
