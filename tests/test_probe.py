@@ -6,6 +6,8 @@ import torch
 
 from pagedlm.model import probe
 
+BUSY = probe._busy  # the real one (the `cache` fixture replaces it)
+
 
 def _timings(crossover: int) -> dict[int, tuple[float, float]]:
     """Kernel faster than the dense GEMM up to `crossover` rows, slower above."""
@@ -15,6 +17,7 @@ def _timings(crossover: int) -> dict[int, tuple[float, float]]:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe, "_busy", lambda: False)  # the suite's own load must not decide these
     return tmp_path
 
 
@@ -52,6 +55,17 @@ def test_disagreeing_rounds_take_the_larger_kept_unsettled_for_a_day(cache, monk
     assert rows == 16 and "measured" in why and "unsettled" not in why
     rows, why = probe.measure_kernel_max_rows("int4", 32, torch.float32)
     assert rows == 16 and "cached" in why and "unsettled" not in why
+
+
+def test_rounds_taken_on_a_busy_machine_are_kept_unsettled(cache, monkeypatch):
+    """Other work disturbs both rounds alike, so they can agree on a wrong answer: taken while the load average is
+    high, it is kept unsettled (probed again a day later), not settled for good."""
+    monkeypatch.setattr(probe, "_time_paths", lambda *a: _timings(2))
+    monkeypatch.setattr(probe.os, "getloadavg", lambda: (4.0 * (probe.os.cpu_count() or 1), 0.0, 0.0))
+    monkeypatch.setattr(probe, "_busy", BUSY)
+    rows, why = probe.measure_kernel_max_rows("int4", 32, torch.float32)
+    assert rows == 2 and "unsettled" in why and "busy" in why
+    assert "unsettled" in probe.measure_kernel_max_rows("int4", 32, torch.float32)[1]
 
 
 @pytest.mark.parametrize("top, probes", [((1.0, 2.0), 1), ((1.0, 1.2), 1 + probe.ROUNDS)])

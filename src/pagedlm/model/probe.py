@@ -6,13 +6,14 @@ the kernel cache directory, so only the first start on a machine pays for it (ab
 without a dense copy, see QUICK_MARGIN). It runs in two rounds; where they disagree (a reading disturbed by other
 work) the larger answer is kept as unsettled and probed again at a start a day later at the earliest, so a busy
 machine does not pay a probe at every start (the answer only decides which path runs big steps faster, never what
-they compute).
+they compute). A probe taken while other work keeps the CPUs busy (`BUSY_LOAD`) is kept unsettled the same way.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import time
 
 import torch
@@ -37,6 +38,10 @@ PROBE_VERSION = 4  # 2: the dense side is the layer's own big-step path (prepack
 # QUICK_MARGIN times as fast there takes every step, settled, without the rounds (a probe of ~0.3 s, not ~10 s).
 QUICK_REPEATS = 3
 QUICK_MARGIN = 1.5
+# Other work disturbs both rounds alike (they agree, on the wrong answer: the kernels' thread team suffers more from
+# a co-runner than the GEMM's), so a probe taken while the 1-minute load average per CPU is above this is kept as
+# unsettled too.
+BUSY_LOAD = 0.5
 
 
 def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dtype,
@@ -54,7 +59,7 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
             return rows, f"kernel_max_rows {_rows(rows)} (probe cached in {path.name}{settled})"
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    t0 = time.perf_counter()
+    t0, busy = time.perf_counter(), _busy()
     top = {} if copy else _time_paths(method, group_size, dense_dtype, shape, copy, (max(ROWS),), QUICK_REPEATS)
     if top and top[max(ROWS)][0] * QUICK_MARGIN <= top[max(ROWS)][1]:
         rows, timings, stable, found = KERNEL_MAX_ROWS, top, True, [KERNEL_MAX_ROWS]
@@ -62,11 +67,12 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
         rounds = [_time_paths(method, group_size, dense_dtype, shape, copy) for _ in range(ROUNDS)]
         found = [_crossover(t) for t in rounds]
         rows, timings = max(zip(found, rounds), key=lambda x: x[0])
-        stable = len(set(found)) == 1
+        stable = len(set(found)) == 1 and not busy
     detail = ", ".join(f"{r}: {k * 1e6:.0f}/{d * 1e6:.0f} us" for r, (k, d) in timings.items())
     logger.info("probe (%.1f s): %s %dx%d kernel / dense %s GEMM by rows: %s -> kernel_max_rows %s%s",
                 time.perf_counter() - t0, method, *shape, str(dense_dtype).removeprefix("torch."), detail, _rows(rows),
-                "" if stable else f" (rounds disagree: {found}; a busy machine? kept, probed again in a day)")
+                "" if stable else f" (rounds {found}{', the machine busy' if busy else ''}: kept, probed again in a "
+                "day)")
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -75,8 +81,16 @@ def measure_kernel_max_rows(method: str, group_size: int, dense_dtype: torch.dty
         tmp.replace(path)
     except OSError:
         pass
-    how = "measured" if stable else f"measured, rounds disagreed {found}: kept unsettled"
+    how = "measured" if stable else f"measured, rounds {found}{', the machine busy' if busy else ''}: kept unsettled"
     return rows, f"kernel_max_rows {_rows(rows)} ({how}: kernel/dense {detail})"
+
+
+def _busy() -> bool:
+    """Whether other work runs: the 1-minute load average above BUSY_LOAD per CPU (False where there is none)."""
+    try:
+        return os.getloadavg()[0] > BUSY_LOAD * (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def _rows(rows: int) -> str:
