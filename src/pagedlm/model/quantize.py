@@ -9,18 +9,16 @@ from torch import nn
 from pagedlm.config import KERNEL_MAX_ROWS
 from pagedlm.hub.blocks import Int4Blocks, LazyRows, RawBlocks
 from pagedlm.model.quant import (
-    GGUF_KINDS,
     METHODS,
     Bf16Linear,
     GGUFLinear,
-    Int4Linear,
     Int8Linear,
     QuantLinear,
     TableEmbedding,
     WithBias,
     make_quant_linear,
 )
-from pagedlm.model.quant.concat import ConcatLinear, one_int4_layout, runs_natively
+from pagedlm.model.quant.concat import ConcatLinear, native_layer, one_int4_layout, runs_natively
 
 
 class LinearQuantizer:
@@ -43,20 +41,13 @@ class LinearQuantizer:
         int4 kinds to Int4Linear, Q5 / Q6_K / Q8_0 to GGUFLinear, a fused weight whose parts mix kinds to a
         ConcatLinear of those, where the kernels run them; anything else to `fallback`."""
         w = getattr(self.model, "native_weights", {}).pop(f"{name}.weight", None)
-        if isinstance(w, LazyRows) and (kind := w.tensor.tensor_type.name) in self.native:
+        if isinstance(w, LazyRows) and w.tensor.tensor_type.name in self.native:
             raw = w.blocks()  # a vocabulary table (or untied LM head) of a kind a kernel runs: as stored
-            if kind in GGUF_KINDS:
-                w = raw if GGUFLinear.supports(raw) else w
-            elif runs_natively(raw):
-                w = raw  # int4 blocks
+            w = raw if runs_natively(raw) else w
         if isinstance(child, nn.Embedding):
             w = child.weight.data if w is None else w
-            if self.method == "bf16":
-                table = Bf16Linear(_dense(w))
-            elif isinstance(w, RawBlocks):
-                table = Int4Linear(w, 32) if one_int4_layout(w) else GGUFLinear(w)
-            else:
-                table = Int8Linear(w)
+            table = (Bf16Linear(_dense(w)) if self.method == "bf16" else native_layer(w) if isinstance(w, RawBlocks)
+                     else Int8Linear(w))
             return TableEmbedding(table, child.weight.dtype)
         method = self.method
         if isinstance(w, RawBlocks) and not one_int4_layout(w):  # a 5- to 8-bit kind, or parts of several

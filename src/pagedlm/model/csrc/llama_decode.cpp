@@ -8,6 +8,7 @@
 // and GELU.
 //
 // One translation unit with the kernels it chains (their helpers live in anonymous namespaces).
+#include <numeric>
 #include "quant_linear.cpp"
 #include "../../attention/csrc/paged_attention.cpp"
 
@@ -102,11 +103,11 @@ int expert_rows(const Linear& gate_up, const Linear& down, int act, const float*
   return linear(down, a.data(), o, n, nthreads);
 }
 
+std::atomic<int64_t> split_tokens{0};  // tokens whose experts ran split between threads (tests see the path)
+
 // o[j, N] = the gated MLP of expert ids[j] over the one token x, j < k: the experts split between the threads, each
 // expert's products on one thread, so one team pass covers them all (each product a few MB read as a stream; split
 // by rows, k products of both threads would each end at a barrier). For k a multiple of nthreads.
-std::atomic<int64_t> split_tokens{0};  // tokens whose experts ran split between threads (tests see the path)
-
 int experts_one_token(const Linear* gate_up, const Linear* down, const int* ids, int k, int act, const float* x,
                       float* o, int N, int nthreads) {
   split_tokens.fetch_add(1, std::memory_order_relaxed);
@@ -552,13 +553,16 @@ int pagedlm_moe_experts(const Linear* gate_up, const Linear* down, const float* 
   if (nthreads < 1) nthreads = default_threads();
   const bool split = nthreads > 1 && k % nthreads == 0;  // each expert on one thread (experts_one_token)
   o.resize(size_t(split ? k : 1) * N);
-  in_order.resize(k);
-  for (int j = 0; j < k; ++j) in_order[j] = j;
   int rc = 0;
   with_team(nthreads, [&] {
-    if (split && (rc = experts_one_token(gate_up, down, in_order.data(), k, act, x, o.data(), N, nthreads)) == 0)
-      for (int j = 0; j < k; ++j) add_weighted(out, o.data() + size_t(j) * N, weights[j], N);
-    for (int j = 0; j < k && rc == 0 && !split; ++j)
+    if (split) {
+      in_order.resize(k);
+      std::iota(in_order.begin(), in_order.end(), 0);
+      if ((rc = experts_one_token(gate_up, down, in_order.data(), k, act, x, o.data(), N, nthreads)) == 0)
+        for (int j = 0; j < k; ++j) add_weighted(out, o.data() + size_t(j) * N, weights[j], N);
+      return;
+    }
+    for (int j = 0; j < k && rc == 0; ++j)
       if ((rc = expert_rows(gate_up[j], down[j], act, x, o.data(), 1, nthreads)) == 0)
         add_weighted(out, o.data(), weights[j], N);  // as torch's mul_ then +=
   });
